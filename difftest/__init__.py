@@ -1,0 +1,14 @@
+"""difftest: differential testing of distributed and quantized training settings.
+
+The public API for writing settings and generators lives here; everything else is internal.
+"""
+
+from difftest.errors import Unsupported, UserError
+from difftest.registry import register_generator, register_setting, register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from difftest.spec import ModelSpec
+
+__all__ = [
+    "ModelSpec", "Outputs", "RunContext", "Setting", "Unsupported", "UserError",
+    "register_generator", "register_setting", "register_settings",
+]

@@ -1,0 +1,93 @@
+"""`difftest analyze`: judge every stored case against its model's reference, write the CSVs, summarise."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from difftest.oracle import Tolerance, compare
+from difftest.runner.sweep import list_models
+from difftest.store import STATUSES, Store
+
+CSV_COLUMNS = [
+    "model", "input", "kind", "setting", "reference", "phase", "tensor",
+    "linf", "max_rel", "mismatches", "numel", "status", "message",
+]
+
+
+@dataclass
+class Analysis:
+    comparisons: pd.DataFrame  # every comparison, consistent ones included, plus one row per failed case
+    cases: pd.DataFrame  # one row per (model, setting) with its final verdict
+    by_setting: pd.DataFrame
+    by_kind: pd.DataFrame
+
+    @property
+    def inconsistencies(self) -> pd.DataFrame:
+        return self.comparisons[self.comparisons["status"] != "ok"]
+
+    def count(self, status: str) -> int:
+        return int((self.cases["verdict"] == status).sum())
+
+
+def analyze(run_dir: Path, tol: Tolerance = Tolerance(), reference: str = "reference") -> Analysis:
+    specs = {spec.model_id: spec for _, spec in list_models(run_dir)}
+    store = Store(run_dir)
+    try:
+        records = store.records()
+        by_model = {(r.model, r.setting): r for r in records}
+        reference_outputs = {}
+        for model in specs:
+            ref = by_model.get((model, reference))
+            if ref is not None and ref.status == "ok":
+                reference_outputs[model] = store.load_outputs(ref)
+
+        rows: list[dict] = []
+        verdicts: list[dict] = []
+        for record in records:
+            spec = specs.get(record.model)
+            if spec is None:
+                continue  # a model deleted from the run after its cases ran
+            base = {"model": record.model, "input": spec.input_id, "kind": spec.kind, "setting": record.setting, "reference": reference}
+            worst = math.nan
+            if record.status != "ok":
+                verdict = record.status
+                rows.append({**base, "phase": "", "tensor": "", "linf": math.nan, "max_rel": math.nan,
+                             "mismatches": 0, "numel": 0, "status": record.status, "message": record.message})
+            elif record.setting == reference:
+                verdict = "ok"
+            elif record.model not in reference_outputs:
+                ref = by_model.get((record.model, reference))
+                why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
+                verdict = "error"
+                rows.append({**base, "phase": "", "tensor": "", "linf": math.nan, "max_rel": math.nan, "mismatches": 0,
+                             "numel": 0, "status": "error", "message": f"cannot judge: the reference case {why}"})
+            else:
+                comparisons = compare(store.load_outputs(record), reference_outputs[record.model], tol)
+                for c in comparisons:
+                    rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
+                                 "status": "ok" if c.consistent else "inconsistent"})
+                worst = max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan)
+                verdict = "ok" if all(c.consistent for c in comparisons) else "inconsistent"
+            verdicts.append({"model": record.model, "kind": spec.kind, "setting": record.setting,
+                             "verdict": verdict, "worst_linf": worst, "wall_s": record.wall_s})
+    finally:
+        store.close()
+
+    comparisons_df = pd.DataFrame(rows, columns=CSV_COLUMNS)
+    cases_df = pd.DataFrame(verdicts, columns=["model", "kind", "setting", "verdict", "worst_linf", "wall_s"])
+    analysis = Analysis(comparisons_df, cases_df, _summarise(cases_df, "setting"), _summarise(cases_df, "kind"))
+    comparisons_df.to_csv(run_dir / "comparisons.csv", index=False)
+    analysis.inconsistencies.to_csv(run_dir / "inconsistencies.csv", index=False)
+    analysis.by_setting.to_csv(run_dir / "summary.csv")
+    return analysis
+
+
+def _summarise(cases: pd.DataFrame, key: str) -> pd.DataFrame:
+    table = pd.crosstab(cases[key], cases["verdict"]).reindex(columns=list(STATUSES), fill_value=0)
+    table.insert(0, "cases", table.sum(axis=1))
+    table["worst_linf"] = cases.groupby(key)["worst_linf"].max()
+    return table

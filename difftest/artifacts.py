@@ -1,0 +1,99 @@
+"""Models on disk: spec.json + init.safetensors + inputs.safetensors per model, so any case re-runs alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from difftest.errors import UserError
+from difftest.registry import get_generator
+from difftest.spec import ModelSpec
+from generators.inputs import Batch
+
+SPEC_FILE, INIT_FILE, INPUTS_FILE = "spec.json", "init.safetensors", "inputs.safetensors"
+
+
+def atomic_save_arrays(arrays: dict[str, np.ndarray], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
+    with open(tmp, "rb") as handle:
+        import os
+
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing; regenerate the model with `difftest generate`") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserError(f"{path}: not a readable safetensors file ({exc}); delete it and rerun to regenerate") from None
+
+
+def save_model(model_dir: Path, spec: ModelSpec, init_state: dict[str, np.ndarray], batches: dict[str, Batch]) -> None:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    atomic_save_arrays(init_state, model_dir / INIT_FILE)
+    arrays: dict[str, np.ndarray] = {}
+    for split, batch in batches.items():
+        arrays.update(batch.to_arrays(split))
+    atomic_save_arrays(arrays, model_dir / INPUTS_FILE)
+    atomic_write_text(spec.to_json(), model_dir / SPEC_FILE)  # written last: its presence marks a complete model
+
+
+def load_spec(model_dir: Path) -> ModelSpec:
+    path = model_dir / SPEC_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing; regenerate the model with `difftest generate`") from None
+    return ModelSpec.from_json(text, source=str(path))
+
+
+@dataclass
+class LoadedModel:
+    """A model as a setting receives it: the spec, its generator, and the initial weights."""
+
+    spec: ModelSpec
+    generator: Any
+    init_state: dict[str, np.ndarray]
+
+    def build(self, device: str) -> Any:
+        """A fresh unsharded module with the initial weights loaded and the frozen parameters frozen."""
+        import torch
+
+        module = self.generator.build(self.spec, device)
+        module.load_state_dict({k: torch.from_numpy(v) for k, v in self.init_state.items()}, strict=True)
+        for name, param in module.named_parameters():
+            if name in self.spec.frozen:
+                param.requires_grad_(False)
+        return module
+
+    def forward(self, module: Any, batch: Batch, device: str) -> Any:
+        return self.generator.forward(module, batch, device)
+
+
+@dataclass
+class Inputs:
+    train: Batch
+    eval: Batch
+
+
+def load_model(model_dir: Path) -> tuple[LoadedModel, Inputs]:
+    spec = load_spec(model_dir)
+    generator = get_generator(spec.kind)
+    arrays = load_arrays(model_dir / INPUTS_FILE)
+    inputs = Inputs(Batch.from_arrays(arrays, "train"), Batch.from_arrays(arrays, "eval"))
+    return LoadedModel(spec, generator, load_arrays(model_dir / INIT_FILE)), inputs

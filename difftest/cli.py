@@ -1,0 +1,198 @@
+"""The `difftest` command line: generate → sweep → analyze, or all three with `run`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from difftest.errors import UserError
+
+app = typer.Typer(
+    help="Differential testing of distributed/quantized training settings against a single-process reference.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+settings_app = typer.Typer(help="Inspect the registered settings.", no_args_is_help=True)
+app.add_typer(settings_app, name="settings")
+console = Console(stderr=True)
+out_console = Console()
+
+DEFAULT_OUT = Path("results/default")
+FINDINGS = ("inconsistent", "error", "crash", "timeout")
+
+# Shared options --------------------------------------------------------------------------------------
+SettingsOpt = Annotated[Optional[str], typer.Option("--settings", help="Comma-separated globs over setting names, e.g. 'reference,torchrec/*/ws2'.")]
+JobsOpt = Annotated[int, typer.Option("--jobs", min=1, help="Worker groups (one per world size) running at once.")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds a case may take before its group is killed and it is recorded as timeout.")]
+PluginOpt = Annotated[Optional[list[str]], typer.Option("--plugin", help="Extra module registering settings/generators (repeatable); workers import it too.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl, one GPU per rank).")]
+AtolOpt = Annotated[float, typer.Option("--atol", min=0, help="Absolute tolerance of the allclose verdict.")]
+RtolOpt = Annotated[float, typer.Option("--rtol", min=0, help="Relative tolerance of the allclose verdict.")]
+FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 when any case is inconsistent, errored, crashed or timed out.")]
+ModelsFilterOpt = Annotated[Optional[str], typer.Option("--models-filter", help="Comma-separated globs over model ids to sweep.")]
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[detail]}"), console=console, transient=False,
+    )
+
+
+def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: float, batch_size: int, plugins: tuple[str, ...]) -> None:
+    from difftest.generate import generate
+    from difftest.registry import generator_kinds, load_plugins
+    from difftest.spec import RunConfig
+
+    load_plugins(plugins)
+    kinds = tuple(generator_kinds()) if kind == "all" else (kind,)
+    config = RunConfig(seed=seed, models=models, kinds=kinds, steps=steps, lr=lr, batch_size=batch_size, plugins=plugins)
+    with _progress() as progress:
+        task = progress.add_task("generate", total=models * len(kinds), detail="")
+        generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m))
+
+
+def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: int, timeout: float, device: str, plugins: tuple[str, ...]) -> None:
+    from difftest.runner.sweep import SweepOptions, run_sweep
+
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r}: use cpu or cuda")
+    options = SweepOptions(settings=settings, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins)
+    started = time.perf_counter()
+    with _progress() as progress:
+        task = progress.add_task("sweep", total=None, detail="")
+        counts: dict[str, int] = {}
+
+        def on_result(case, record) -> None:
+            counts[record.status] = counts.get(record.status, 0) + 1
+            progress.update(task, advance=1, detail=" ".join(f"{k}={v}" for k, v in sorted(counts.items())) + f"  {record.setting}")
+
+        report = run_sweep(out, options, on_result=on_result, on_planned=lambda n: progress.update(task, total=n))
+    console.print(
+        f"sweep: {report.total} cases, {report.skipped_done} already done, ran {sum(report.statuses.values())} "
+        f"({dict(report.statuses)}) with {report.groups_started} worker group(s) in {time.perf_counter() - started:.1f}s"
+    )
+
+
+def _analyze(out: Path, atol: float, rtol: float, fail: bool) -> None:
+    from difftest.analysis import analyze
+    from difftest.oracle import Tolerance
+
+    analysis = analyze(out, Tolerance(atol=atol, rtol=rtol))
+    for title, frame in (("per setting", analysis.by_setting), ("per model kind", analysis.by_kind)):
+        table = Table(title=f"{title} (allclose atol={atol:g}, rtol={rtol:g})")
+        table.add_column(frame.index.name or "")
+        for column in frame.columns:
+            table.add_column(str(column), justify="right")
+        for index, row in frame.iterrows():
+            cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row]
+            style = "red" if any(row.get(s, 0) for s in FINDINGS) else None
+            table.add_row(str(index), *cells, style=style)
+        out_console.print(table)
+    findings = {s: analysis.count(s) for s in FINDINGS + ("unsupported",)}
+    out_console.print(
+        f"{len(analysis.cases)} cases: " + ", ".join(f"{k} {v}" for k, v in findings.items())
+        + f"\n{out / 'inconsistencies.csv'} ({len(analysis.inconsistencies)} rows), {out / 'comparisons.csv'} ({len(analysis.comparisons)} rows)"
+    )
+    if fail and any(findings[s] for s in FINDINGS):
+        raise typer.Exit(1)
+
+
+@app.command()
+def run(
+    out: Annotated[Path, typer.Option("--out", help="Run folder; an existing one is resumed.")] = DEFAULT_OUT,
+    models: Annotated[int, typer.Option("--models", min=1, help="Models per kind.")] = 2,
+    seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
+    kind: Annotated[str, typer.Option("--kind", help="Model kind to generate, or 'all'.")] = "all",
+    settings: SettingsOpt = None,
+    jobs: JobsOpt = 1,
+    timeout: TimeoutOpt = 120.0,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per case.")] = 1,
+    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.1,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=12, help="Global batch (a multiple of 12).")] = 24,
+    atol: AtolOpt = 5e-4,
+    rtol: RtolOpt = 1e-4,
+    device: DeviceOpt = "cpu",
+    plugin: PluginOpt = None,
+    fail_on_inconsistency: FailOpt = False,
+) -> None:
+    """Generate models, sweep every setting, and analyse: the whole job on a small default."""
+    plugins = tuple(plugin or ())
+    _generate(out, models, seed, kind, steps, lr, batch_size, plugins)
+    _sweep(out, settings, None, jobs, timeout, device, plugins)
+    _analyze(out, atol, rtol, fail_on_inconsistency)
+
+
+@app.command()
+def generate(
+    out: Annotated[Path, typer.Option("--out", help="Run folder to create.")] = DEFAULT_OUT,
+    models: Annotated[int, typer.Option("--models", min=1, help="Models per kind.")] = 2,
+    seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
+    kind: Annotated[str, typer.Option("--kind", help="Model kind to generate, or 'all'.")] = "all",
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per case.")] = 1,
+    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.1,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=12, help="Global batch (a multiple of 12).")] = 24,
+    plugin: PluginOpt = None,
+) -> None:
+    """Generate model specs, initial weights and inputs, reproducible from (seed, index)."""
+    _generate(out, models, seed, kind, steps, lr, batch_size, tuple(plugin or ()))
+
+
+@app.command()
+def sweep(
+    run_dir: Annotated[Path, typer.Argument(help="A folder made by `difftest generate`.")],
+    settings: SettingsOpt = None,
+    models_filter: ModelsFilterOpt = None,
+    jobs: JobsOpt = 1,
+    timeout: TimeoutOpt = 120.0,
+    device: DeviceOpt = "cpu",
+    plugin: PluginOpt = None,
+) -> None:
+    """Run every (model, setting) case not yet committed in RUN_DIR; a rerun resumes."""
+    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()))
+
+
+@app.command()
+def analyze(
+    run_dir: Annotated[Path, typer.Argument(help="A swept run folder.")],
+    atol: AtolOpt = 5e-4,
+    rtol: RtolOpt = 1e-4,
+    fail_on_inconsistency: FailOpt = False,
+) -> None:
+    """Judge stored outputs against the reference; write inconsistencies.csv and comparisons.csv."""
+    _analyze(run_dir, atol, rtol, fail_on_inconsistency)
+
+
+@settings_app.command("list")
+def settings_list(plugin: PluginOpt = None) -> None:
+    """Every registered setting, what it runs, and whether this machine supports it."""
+    from difftest.registry import all_settings, load_plugins
+
+    load_plugins(tuple(plugin or ()))
+    table = Table()
+    for column in ("setting", "family", "ranks", "runs", "here"):
+        table.add_column(column)
+    for setting in all_settings():
+        reason = setting.available()
+        table.add_row(setting.name, setting.family, str(setting.world_size), setting.describe(), "yes" if reason is None else f"no: {reason}")
+    out_console.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as exc:
+        console.print(f"difftest: error: {exc}", markup=False, highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

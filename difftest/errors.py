@@ -1,0 +1,9 @@
+"""Errors a user can act on. The CLI prints them as one line and exits 2."""
+
+
+class UserError(Exception):
+    """Bad input or usage: the message says which file/option, what is wrong, and what to do."""
+
+
+class Unsupported(Exception):
+    """Raised by a setting when the library refuses the combination; recorded as `unsupported`."""

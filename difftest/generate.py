@@ -1,0 +1,48 @@
+"""`difftest generate`: specs, initial weights and inputs for N models of each kind, reproducible from (seed, index)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from difftest.artifacts import atomic_write_text, save_model
+from difftest.errors import UserError
+from difftest.registry import get_generator, load_plugins
+from difftest.spec import RunConfig
+
+RUN_FILE = "run.json"
+
+
+def prepare_run(run_dir: Path, config: RunConfig) -> RunConfig:
+    """Create a run folder, or check that an existing one was made with the same configuration (resume)."""
+    path = run_dir / RUN_FILE
+    if path.exists():
+        existing = RunConfig.load(path)
+        if existing != config:
+            raise UserError(
+                f"{run_dir} holds a run made with other options ({existing.to_json().replace(chr(10), ' ')}); "
+                "rerun with the same options to resume, or pass another --out"
+            )
+        return existing
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(config.to_json(), path)
+    return config
+
+
+def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] | None = None) -> list[str]:
+    load_plugins(config.plugins)
+    if config.batch_size % 12:
+        raise UserError(f"--batch-size {config.batch_size}: must be a multiple of 12 so it splits over 1, 2, 3 and 4 ranks")
+    config = prepare_run(run_dir, config)
+    ids = []
+    for kind in config.kinds:
+        generator = get_generator(kind)
+        for index in range(config.models):
+            spec = generator.spec(config.seed, index)
+            model_dir = run_dir / "models" / spec.model_id
+            if not (model_dir / "spec.json").exists():
+                save_model(model_dir, spec, generator.init_state(spec), generator.inputs(spec, config.batch_size))
+            ids.append(spec.model_id)
+            if on_model is not None:
+                on_model(spec.model_id)
+    return ids

@@ -1,0 +1,97 @@
+"""Name → object registries for settings and generators, filled by plugin modules on import.
+
+A plugin is any importable module that calls `register_setting(...)` / `register_generator(...)` at import
+time. The built-in ones come from the `difftest.plugins` entry point (the `settings` package); tests and
+users add theirs with `--plugin module.name`. Worker processes import the same plugin list, so a setting
+registered by a test exists in the workers too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from importlib.metadata import entry_points
+from typing import Any, Iterable
+
+from difftest.errors import UserError
+from difftest.setting import Setting
+
+_SETTINGS: dict[str, Setting] = {}
+_GENERATORS: dict[str, Any] = {}
+_LOADED_PLUGINS: set[str] = set()
+
+BUILTIN_PLUGINS = ("generators", "settings")
+
+
+def register_setting(setting: Setting) -> Setting:
+    existing = _SETTINGS.get(setting.name)
+    if existing is not None and existing != setting:
+        raise ValueError(f"setting name {setting.name!r} registered twice with different parameters")
+    _SETTINGS[setting.name] = setting
+    return setting
+
+
+def register_settings(settings: Iterable[Setting]) -> None:
+    for setting in settings:
+        register_setting(setting)
+
+
+def register_generator(kind: str, generator: Any) -> Any:
+    _GENERATORS[kind] = generator
+    return generator
+
+
+def builtin_plugins() -> tuple[str, ...]:
+    names = {ep.value for ep in entry_points(group="difftest.plugins")}
+    return tuple(sorted(names | set(BUILTIN_PLUGINS)))
+
+
+def load_plugins(extra: Iterable[str] = ()) -> tuple[str, ...]:
+    """Import built-in and extra plugin modules once; returns the full list (for workers to repeat)."""
+    modules = builtin_plugins() + tuple(m for m in extra if m not in BUILTIN_PLUGINS)
+    for module in modules:
+        if module in _LOADED_PLUGINS:
+            continue
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and module.startswith(exc.name):
+                raise UserError(f"plugin {module!r} is not importable; check --plugin and PYTHONPATH") from None
+            raise
+        _LOADED_PLUGINS.add(module)
+    return modules
+
+
+def get_setting(name: str) -> Setting:
+    try:
+        return _SETTINGS[name]
+    except KeyError:
+        raise UserError(f"unknown setting {name!r}; `difftest settings list` shows the registered ones") from None
+
+
+def all_settings() -> list[Setting]:
+    return sorted(_SETTINGS.values(), key=lambda s: (s.name != "reference", s.name))
+
+
+def select_settings(patterns: str | None) -> list[Setting]:
+    """Settings whose names match any of the comma-separated glob patterns (all when None)."""
+    settings = all_settings()
+    if not patterns:
+        return settings
+    globs = [p.strip() for p in patterns.split(",") if p.strip()]
+    chosen = [s for s in settings if any(fnmatch.fnmatchcase(s.name, g) for g in globs)]
+    if not chosen:
+        raise UserError(f"--settings {patterns!r} matches no registered setting; `difftest settings list` shows them")
+    return chosen
+
+
+def get_generator(kind: str) -> Any:
+    try:
+        return _GENERATORS[kind]
+    except KeyError:
+        known = ", ".join(sorted(_GENERATORS)) or "none"
+        raise UserError(f"unknown model kind {kind!r}; known kinds: {known}") from None
+
+
+def generator_kinds() -> list[str]:
+    return sorted(_GENERATORS)

@@ -1,0 +1,210 @@
+"""A warm group of `world_size` rank processes joined in one process group, and its per-case watchdog."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+from difftest.runner import worker
+
+_SPAWN = mp.get_context("spawn")
+
+
+@dataclass(frozen=True)
+class CaseRequest:
+    model_dir: str
+    setting: str
+    steps: int
+    lr: float
+    seed: int
+
+
+@dataclass
+class CaseResult:
+    status: str  # ok | error | crash | timeout | unsupported
+    outputs: dict | None = None
+    message: str = ""
+    rank: int | None = None
+    wall_s: float = 0.0
+    reusable: bool = True  # False: the group must be replaced before the next case
+
+
+def simulated_local_size(world_size: int) -> int:
+    """Ranks per simulated host. Four ranks are two hosts of two, so host-aware sharding really spans hosts."""
+    return 2 if world_size % 2 == 0 and world_size > 2 else world_size
+
+
+class GroupStartError(RuntimeError):
+    pass
+
+
+def _tail(path: Path, lines: int = 6) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    noise = ("Warning", "warnings.warn", "W1", "is_fx_tracing")
+    kept = [line for line in text if not any(n in line for n in noise)]
+    return " | ".join(kept[-lines:])
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "vanished"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit {code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerGroup:
+    """World-size ranks that import everything and join the process group once, then run cases."""
+
+    def __init__(
+        self,
+        world_size: int,
+        log_dir: Path,
+        plugins: tuple[str, ...],
+        device: str = "cpu",
+        backend: str = "gloo",
+        collective_timeout_s: float = 60.0,
+        start_timeout_s: float = 180.0,
+        local_world_size: int | None = None,
+    ) -> None:
+        self.world_size = world_size
+        log_dir.mkdir(parents=True, exist_ok=True)
+        stamp = f"{time.strftime('%H%M%S')}-{id(self) % 10000}"
+        self.log_paths = [log_dir / f"ws{world_size}-{stamp}-rank{r}.log" for r in range(world_size)]
+        if local_world_size is None:
+            local_world_size = simulated_local_size(world_size)
+        self.processes: list[Any] = []
+        self.conns: list[Any] = []
+        for rank in range(world_size):
+            parent_end, child_end = _SPAWN.Pipe()
+            config = worker.WorkerConfig(
+                rank=rank,
+                world_size=world_size,
+                log_path=str(self.log_paths[rank]),
+                plugins=plugins,
+                device=device,
+                backend=backend,
+                collective_timeout_s=collective_timeout_s,
+                local_world_size=local_world_size,
+            )
+            process = _SPAWN.Process(target=worker.main, args=(config, child_end), daemon=True)
+            process.start()
+            child_end.close()
+            self.processes.append(process)
+            self.conns.append(parent_end)
+        try:
+            port = self._expect(0, "port", start_timeout_s)[1]
+            for conn in self.conns[1:]:
+                conn.send(port)
+            for rank in range(world_size):
+                self._expect(rank, "ready", start_timeout_s)
+        except GroupStartError:
+            self.kill()
+            raise
+
+    def _expect(self, rank: int, kind: str, timeout_s: float) -> tuple:
+        conn, process = self.conns[rank], self.processes[rank]
+        ready = wait([conn, process.sentinel], timeout=timeout_s)
+        if conn in ready:
+            try:
+                message = conn.recv()
+                if message[0] == kind:
+                    return message
+            except EOFError:
+                pass
+        if not ready:
+            raise GroupStartError(f"rank {rank} did not start within {timeout_s:.0f}s; log: {_tail(self.log_paths[rank])}")
+        process.join(1)
+        raise GroupStartError(
+            f"rank {rank} {_describe_exit(process.exitcode)} while starting; log: {_tail(self.log_paths[rank])}"
+        )
+
+    def run_case(self, request: CaseRequest, timeout_s: float) -> CaseResult:
+        started = time.perf_counter()
+        for conn in self.conns:
+            conn.send(("case", request))
+        replies: dict[int, tuple] = {}
+        deadline = started + timeout_s
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        while len(replies) < self.world_size:
+            pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
+            ready = wait(list(pending) + list(sentinels), timeout=max(0.0, deadline - time.perf_counter()))
+            if not ready:
+                self.kill()
+                silent = sorted(set(range(self.world_size)) - set(replies))
+                return CaseResult(
+                    "timeout",
+                    message=f"no answer from rank(s) {silent} after {timeout_s:.0f}s; rank {silent[0]} log: "
+                    f"{_tail(self.log_paths[silent[0]])}",
+                    rank=silent[0],
+                    wall_s=time.perf_counter() - started,
+                    reusable=False,
+                )
+            for handle in ready:
+                if handle in pending:
+                    try:
+                        replies[pending[handle]] = handle.recv()
+                        continue
+                    except EOFError:
+                        rank = pending[handle]
+                else:
+                    rank = sentinels[handle]
+                return self._crash(rank, started)
+        return self._combine(replies, started)
+
+    def _crash(self, rank: int, started: float) -> CaseResult:
+        process = self.processes[rank]
+        process.join(2)
+        message = f"rank {rank} {_describe_exit(process.exitcode)}; log: {_tail(self.log_paths[rank])}"
+        self.kill()
+        return CaseResult("crash", message=message, rank=rank, wall_s=time.perf_counter() - started, reusable=False)
+
+    def _combine(self, replies: dict[int, tuple], started: float) -> CaseResult:
+        wall = time.perf_counter() - started
+        statuses = {rank: reply[1] for rank, reply in replies.items()}
+        for status in ("error", "unsupported"):
+            ranks = [r for r, s in sorted(statuses.items()) if s == status]
+            if ranks:
+                # an error may leave collectives half-done on the other ranks: never reuse that group
+                reusable = status == "unsupported" and all(s == "unsupported" for s in statuses.values())
+                return CaseResult(status, message=replies[ranks[0]][3], rank=ranks[0], wall_s=wall, reusable=reusable)
+        outputs = replies[0][2]
+        if outputs is None:
+            return CaseResult("error", message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=False)
+        return CaseResult("ok", outputs=outputs, wall_s=wall)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        """Stop politely (final barrier inside the ranks), kill whatever does not leave in time."""
+        try:
+            for conn in self.conns:
+                conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        deadline = time.perf_counter() + timeout_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.perf_counter()))
+        self.kill()
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join(5)
+        for conn in self.conns:
+            conn.close()

@@ -1,0 +1,198 @@
+"""Plan the (model, setting) cases of a run and stream the uncommitted ones through warm worker groups."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from difftest.artifacts import load_spec
+from difftest.errors import UserError
+from difftest.registry import load_plugins, select_settings
+from difftest.runner.pool import CaseRequest, CaseResult, GroupStartError, WorkerGroup
+from difftest.setting import Setting
+from difftest.spec import ModelSpec, RunConfig
+from difftest.store import CaseRecord, Store
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    settings: str | None = None  # comma-separated globs over setting names
+    models: str | None = None  # comma-separated globs over model ids
+    jobs: int = 1  # worker groups (of different world sizes) running at once
+    timeout_s: float = 120.0
+    device: str = "cpu"
+    backend: str | None = None  # default: gloo on cpu, nccl on cuda
+    plugins: tuple[str, ...] = ()
+
+    @property
+    def resolved_backend(self) -> str:
+        return self.backend or ("nccl" if self.device == "cuda" else "gloo")
+
+
+@dataclass(frozen=True)
+class Case:
+    model_id: str
+    model_dir: Path
+    spec: ModelSpec
+    setting: Setting
+
+
+@dataclass
+class SweepReport:
+    total: int = 0
+    skipped_done: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    groups_started: int = 0
+
+
+def list_models(run_dir: Path) -> list[tuple[Path, ModelSpec]]:
+    models_dir = run_dir / "models"
+    if not models_dir.is_dir():
+        raise UserError(f"{run_dir}: no models/ folder; run `difftest generate --out {run_dir}` first")
+    found = [(d, load_spec(d)) for d in sorted(models_dir.iterdir()) if (d / "spec.json").exists()]
+    if not found:
+        raise UserError(f"{models_dir}: no generated models; run `difftest generate --out {run_dir}` first")
+    return found
+
+
+def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
+    import fnmatch
+
+    settings = select_settings(options.settings)
+    globs = [g.strip() for g in (options.models or "*").split(",") if g.strip()]
+    models = [(d, s) for d, s in list_models(run_dir) if any(fnmatch.fnmatchcase(s.model_id, g) for g in globs)]
+    if not models:
+        raise UserError(f"--models-filter {options.models!r} matches no model in {run_dir / 'models'}")
+    return [Case(spec.model_id, d, spec, setting) for d, spec in models for setting in settings]
+
+
+def _device_refusal(options: SweepOptions, world_size: int) -> str | None:
+    if options.device != "cuda":
+        return None
+    import torch
+
+    available = torch.cuda.device_count()
+    if available < world_size:
+        return f"needs {world_size} CUDA devices, this machine has {available}"
+    return None
+
+
+def run_sweep(
+    run_dir: Path,
+    options: SweepOptions,
+    on_result: Callable[[Case, CaseRecord], None] | None = None,
+    on_planned: Callable[[int], None] | None = None,
+) -> SweepReport:
+    config = RunConfig.load(run_dir / "run.json")
+    plugins = load_plugins(config.plugins + options.plugins)
+    cases = plan_cases(run_dir, options)
+    store = Store(run_dir)
+    report = SweepReport(total=len(cases))
+    lock = threading.Lock()
+
+    def record(case: Case, record: CaseRecord, outputs: dict | None) -> None:
+        store.commit(record, outputs)
+        with lock:
+            report.statuses[record.status] += 1
+        if on_result is not None:
+            on_result(case, record)
+
+    try:
+        done = store.done()
+        pending: dict[int, list[Case]] = defaultdict(list)
+        refused: list[tuple[Case, str]] = []
+        for case in cases:
+            if (case.model_id, case.setting.name) in done:
+                report.skipped_done += 1
+                continue
+            reason = (
+                case.setting.supports(case.spec)
+                or case.setting.available()
+                or _device_refusal(options, case.setting.world_size)
+            )
+            if reason:
+                refused.append((case, reason))
+            else:
+                pending[case.setting.world_size].append(case)
+        if on_planned is not None:
+            on_planned(report.total - report.skipped_done)
+        for case, reason in refused:
+            record(case, CaseRecord(case.model_id, case.setting.name, "unsupported", reason), None)
+
+        buckets = sorted(pending.items(), key=lambda item: -len(item[1]) * item[0])
+        queue_lock = threading.Lock()
+
+        def next_bucket() -> tuple[int, list[Case]] | None:
+            with queue_lock:
+                return buckets.pop(0) if buckets else None
+
+        def drain() -> None:
+            while (bucket := next_bucket()) is not None:
+                _run_bucket(run_dir, config, options, plugins, bucket[0], bucket[1], record, report, lock)
+
+        threads = [threading.Thread(target=drain, daemon=True) for _ in range(max(1, options.jobs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)  # short joins keep Ctrl-C responsive
+    finally:
+        store.close()
+    return report
+
+
+def _run_bucket(
+    run_dir: Path,
+    config: RunConfig,
+    options: SweepOptions,
+    plugins: tuple[str, ...],
+    world_size: int,
+    cases: list[Case],
+    record: Callable[[Case, CaseRecord, dict | None], None],
+    report: SweepReport,
+    lock: threading.Lock,
+) -> None:
+    group: WorkerGroup | None = None
+    start_failure: str | None = None
+    failed_starts = 0
+    try:
+        for case in cases:
+            if group is None and failed_starts >= 2:
+                # the group cannot start at all: say so for every remaining case rather than retrying each
+                record(case, CaseRecord(case.model_id, case.setting.name, "crash", f"worker group: {start_failure}"), None)
+                continue
+            if group is None:
+                try:
+                    group = WorkerGroup(
+                        world_size,
+                        run_dir / "logs",
+                        plugins,
+                        device=options.device,
+                        backend=options.resolved_backend,
+                        collective_timeout_s=options.timeout_s,
+                    )
+                    failed_starts = 0
+                    with lock:
+                        report.groups_started += 1
+                except GroupStartError as exc:
+                    start_failure, failed_starts = str(exc), failed_starts + 1
+                    record(case, CaseRecord(case.model_id, case.setting.name, "crash", f"worker group: {exc}"), None)
+                    continue
+            request = CaseRequest(str(case.model_dir), case.setting.name, config.steps, config.lr, config.seed)
+            result: CaseResult = group.run_case(request, options.timeout_s)
+            record(
+                case,
+                CaseRecord(
+                    case.model_id, case.setting.name, result.status, result.message, result.rank, round(result.wall_s, 4)
+                ),
+                result.outputs,
+            )
+            if not result.reusable:
+                group.kill()
+                group = None
+    finally:
+        if group is not None:
+            group.close()

@@ -1,0 +1,154 @@
+"""The body of one rank of a warm worker group.
+
+A rank joins the process group once, imports torch/torchrec and the plugins once, then runs the cases the
+parent sends until told to stop (or until its pipe closes, e.g. when the parent was killed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_CACHED_MODELS: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    rank: int
+    world_size: int
+    log_path: str
+    plugins: tuple[str, ...]
+    device: str  # "cpu" or "cuda"
+    backend: str  # "gloo" or "nccl"
+    collective_timeout_s: float
+    local_world_size: int
+
+
+def _redirect_output(log_path: str) -> None:
+    # fd-level, so C++ aborts and gloo messages land in the log the parent quotes on a crash
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def _device_for(config: WorkerConfig) -> str:
+    return f"cuda:{config.rank}" if config.device == "cuda" else "cpu"
+
+
+def _reset_global_state(seed: int) -> None:
+    """Undo what a previous case may have changed, so a case's bytes do not depend on what ran before it."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.use_deterministic_algorithms(False)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+    if torch.backends.quantized.engine != _INITIAL_QENGINE:
+        torch.backends.quantized.engine = _INITIAL_QENGINE
+
+
+_INITIAL_QENGINE = ""
+
+
+def main(config: WorkerConfig, conn: Any) -> None:
+    global _INITIAL_QENGINE
+    _redirect_output(config.log_path)
+    os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)
+    os.environ["LOCAL_RANK"] = str(config.rank % config.local_world_size)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"[rank {config.rank}] starting, pid {os.getpid()}", flush=True)
+    try:
+        _serve(config, conn)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # parent went away: nothing left to report to
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # leaving through os._exit avoids gloo's occasional abort in interpreter teardown
+    os._exit(0)
+
+
+def _serve(config: WorkerConfig, conn: Any) -> None:
+    global _INITIAL_QENGINE
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from difftest.artifacts import load_model
+    from difftest.errors import Unsupported
+    from difftest.registry import get_setting, load_plugins
+    from difftest.setting import RunContext
+
+    torch.set_num_threads(1)
+    _INITIAL_QENGINE = torch.backends.quantized.engine
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    if config.rank == 0:
+        # port 0: the OS picks a free loopback port, which rank 0 reports to the parent for the others
+        store = dist.TCPStore(
+            "127.0.0.1", 0, config.world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        conn.send(("port", store.port))
+    else:
+        port = conn.recv()
+        store = dist.TCPStore("127.0.0.1", port, config.world_size, is_master=False, timeout=timeout)
+    if config.device == "cuda":
+        torch.cuda.set_device(config.rank)
+    dist.init_process_group(config.backend, store=store, rank=config.rank, world_size=config.world_size, timeout=timeout)
+    load_plugins(config.plugins)
+    dist.barrier()
+    conn.send(("ready", os.getpid()))
+
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            dist.barrier()
+            return
+        request = message[1]
+        started = time.perf_counter()
+        status, payload, text = "ok", None, ""
+        try:
+            _reset_global_state(request.seed)
+            setting = get_setting(request.setting)
+            if setting.deterministic:
+                torch.use_deterministic_algorithms(True)
+            model, inputs = _cached_model(request.model_dir, load_model)
+            ctx = RunContext(
+                rank=config.rank,
+                world_size=config.world_size,
+                local_world_size=config.local_world_size,
+                device=_device_for(config),
+                backend=config.backend,
+                group=dist.group.WORLD,
+                steps=request.steps,
+                lr=request.lr,
+                seed=request.seed,
+            )
+            payload = setting.run(ctx, model, inputs)
+        except Unsupported as exc:
+            status, text = "unsupported", str(exc)
+        except Exception as exc:  # a setting that raises is a finding, recorded with its traceback tail
+            status = "error"
+            tail = "".join(traceback.format_exception(exc)[-3:]).strip().replace("\n", " | ")
+            text = f"{type(exc).__name__}: {exc} || {tail}"[:4000]
+        conn.send(("done", status, payload if config.rank == 0 else None, text, time.perf_counter() - started))
+
+
+def _cached_model(model_dir: str, loader: Any) -> Any:
+    # cases are streamed model by model, so one cached model saves re-reading it for every setting
+    if model_dir not in _CACHED_MODELS:
+        _CACHED_MODELS.clear()
+        _CACHED_MODELS[model_dir] = loader(Path(model_dir))
+    return _CACHED_MODELS[model_dir]

@@ -1,0 +1,69 @@
+"""The contract between the engine and a setting.
+
+A setting is a small frozen dataclass: its fields are its parameters, `name` reads as a path of them
+(`torchrec/ebc/row_wise/ws4`), `supports(spec)` says why a model cannot run, and `run(ctx, model, inputs)`
+executes on every rank and returns the full, unsharded outputs on rank 0.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+import numpy as np
+
+if TYPE_CHECKING:  # torch is imported by workers only
+    import torch.distributed as dist
+
+    from difftest.spec import ModelSpec
+
+# Tensor names are "<phase>/<tensor>", e.g. "eval_before/prediction", "param_after_step1/over.0.weight".
+Outputs = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a rank knows when it runs a case."""
+
+    rank: int
+    world_size: int
+    local_world_size: int  # ranks per (simulated) host
+    device: str
+    backend: str
+    group: "dist.ProcessGroup | None"
+    steps: int
+    lr: float
+    seed: int
+
+
+class Setting(abc.ABC):
+    """Base class of every setting. Subclasses are frozen dataclasses whose fields are the parameters."""
+
+    family: ClassVar[str]
+    world_size: int
+    deterministic: ClassVar[bool] = False
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str: ...
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
+
+    def describe(self) -> str:
+        return (self.__doc__ or self.family).strip().splitlines()[0]
+
+    def supports(self, spec: "ModelSpec") -> str | None:
+        """None if the model can run under this setting, else the reason it cannot."""
+        return None
+
+    def available(self) -> str | None:
+        """None if this machine can run the setting (libraries, devices), else the reason it cannot."""
+        return None
+
+    @abc.abstractmethod
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        """Train/evaluate on every rank; rank 0 returns the full logical tensors, other ranks None."""

@@ -1,0 +1,72 @@
+"""Pure-data descriptions of models and run configuration, stored as JSON next to the tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftest.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a generator needs to rebuild a model bit for bit: kind, seed, index and the drawn parameters."""
+
+    kind: str
+    seed: int
+    index: int
+    params: dict[str, Any]
+    frozen: tuple[str, ...] = ()
+    input_seed: int = 0
+
+    @property
+    def model_id(self) -> str:
+        suffix = "-frozen" if self.frozen else ""
+        return f"{self.kind}-s{self.seed}-i{self.index}{suffix}"
+
+    @property
+    def input_id(self) -> str:
+        return f"{self.model_id}/in{self.input_seed}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<spec>") -> "ModelSpec":
+        try:
+            raw = json.loads(text)
+            raw["frozen"] = tuple(raw.get("frozen", ()))
+            return cls(**raw)
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"{source}: not a difftest model spec ({exc}); regenerate it with `difftest generate`") from None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a run was generated and is to be trained; saved as run.json so reruns resume the same work."""
+
+    seed: int = 0
+    models: int = 2
+    kinds: tuple[str, ...] = ("dlrm",)
+    steps: int = 1
+    lr: float = 0.1
+    batch_size: int = 24
+    plugins: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def load(cls, path: Path) -> "RunConfig":
+        try:
+            raw = json.loads(path.read_text())
+            for key in ("kinds", "plugins"):
+                raw[key] = tuple(raw.get(key, ()))
+            return cls(**raw)
+        except FileNotFoundError:
+            raise UserError(f"{path.parent}: not a difftest run (no run.json); create one with `difftest generate --out {path.parent}`") from None
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"{path}: unreadable run config ({exc}); regenerate the run with `difftest generate`") from None

@@ -1,0 +1,90 @@
+"""The result store of one run: an SQLite index of cases plus one safetensors file of outputs per case.
+
+A case is committed by writing its outputs file atomically and then one SQLite transaction, so a kill at
+any moment leaves either a committed case or none; a rerun executes exactly the uncommitted ones.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from difftest.artifacts import atomic_save_arrays, load_arrays
+
+STATUSES = ("ok", "inconsistent", "error", "crash", "timeout", "unsupported")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS cases (
+    model TEXT NOT NULL,
+    setting TEXT NOT NULL,
+    status TEXT NOT NULL,
+    message TEXT NOT NULL DEFAULT '',
+    rank INTEGER,
+    wall_s REAL,
+    outputs TEXT,
+    finished_at REAL NOT NULL,
+    PRIMARY KEY (model, setting)
+);
+"""
+
+
+@dataclass(frozen=True)
+class CaseRecord:
+    model: str
+    setting: str
+    status: str  # a run status: ok | error | crash | timeout | unsupported (judging adds inconsistent)
+    message: str = ""
+    rank: int | None = None
+    wall_s: float | None = None
+    outputs: str | None = None
+
+
+def outputs_filename(model: str, setting: str) -> str:
+    return f"{model}/{setting.replace('/', '__')}.safetensors"
+
+
+class Store:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.outputs_dir = run_dir / "outputs"
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(run_dir / "store.sqlite", check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def commit(self, record: CaseRecord, outputs: dict[str, np.ndarray] | None) -> None:
+        rel = None
+        if outputs is not None:
+            rel = outputs_filename(record.model, record.setting)
+            path = self.outputs_dir / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_save_arrays(outputs, path)
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO cases VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (record.model, record.setting, record.status, record.message, record.rank, record.wall_s, rel, time.time()),
+            )
+
+    def done(self) -> set[tuple[str, str]]:
+        with self._lock:
+            return {(m, s) for m, s in self._db.execute("SELECT model, setting FROM cases")}
+
+    def records(self) -> list[CaseRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT model, setting, status, message, rank, wall_s, outputs FROM cases ORDER BY model, setting"
+            ).fetchall()
+        return [CaseRecord(*row) for row in rows]
+
+    def load_outputs(self, record: CaseRecord) -> dict[str, np.ndarray]:
+        assert record.outputs is not None
+        return load_arrays(self.outputs_dir / record.outputs)

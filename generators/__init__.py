@@ -1,0 +1,3 @@
+"""Model and input generators, registered by model kind. One line per generator module."""
+
+from generators import dlrm  # noqa: F401  (registers kind "dlrm")

@@ -1,0 +1,198 @@
+"""DLRM-like models: TorchRec EmbeddingBagCollections (unweighted + weighted) and a dense MLP feeding an over-arch.
+
+prediction = sigmoid(mean(over(cat[dense_mlp(dense), pooled embeddings by feature name]))), loss = BCE.
+Everything is drawn from numpy generators seeded by (seed, index), so specs, weights and inputs do not
+depend on torch's RNG or version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from difftest.registry import register_generator
+from difftest.spec import ModelSpec
+from generators.inputs import Batch, jagged_feature
+
+KIND = "dlrm"
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([0xD1F, *key]))
+
+
+def _draw_tables(rng: np.random.Generator, weighted: bool, first_feature: int) -> list[dict[str, Any]]:
+    tables = []
+    feature_id = first_feature
+    prefix = "w" if weighted else "t"
+    for t in range(int(rng.integers(1, 6))):
+        # some tables serve two features (shared table), as real models do
+        n_features = 2 if rng.random() < 0.3 else 1
+        features = [f"{prefix}f{feature_id + j}" for j in range(n_features)]
+        feature_id += n_features
+        tables.append(
+            {
+                "name": f"{prefix}{t}",
+                "num_embeddings": int(rng.integers(1, 1001)),
+                "embedding_dim": int(4 * rng.integers(1, 9)),
+                # per-sample weights are only defined for SUM pooling in torch's embedding_bag
+                "pooling": "SUM" if weighted else str(rng.choice(["SUM", "MEAN"])),
+                "features": features,
+                "weighted": weighted,
+            }
+        )
+    return tables
+
+
+def _mlp_sizes(rng: np.random.Generator, max_layers: int) -> list[int]:
+    return [int(4 * rng.integers(1, 9)) for _ in range(int(rng.integers(1, max_layers + 1)))]
+
+
+class DlrmGenerator:
+    kind = KIND
+
+    def spec(self, seed: int, index: int) -> ModelSpec:
+        rng = _rng(seed, index)
+        unweighted = _draw_tables(rng, weighted=False, first_feature=0)
+        weighted = _draw_tables(rng, weighted=True, first_feature=0)
+        params = {
+            "dense_in": int(rng.integers(1, 17)),
+            "dense_arch": _mlp_sizes(rng, 3),
+            "over_arch": _mlp_sizes(rng, 2) + [int(rng.integers(1, 5))],
+            "tables": unweighted + weighted,
+            "max_bag": int(rng.integers(1, 6)),
+        }
+        frozen: tuple[str, ...] = ()
+        if index % 2 == 1:  # every other model is the frozen-parameter variant
+            names = sorted(self.parameter_shapes(params))
+            frozen = (names[int(rng.integers(len(names)))],)
+        return ModelSpec(kind=KIND, seed=seed, index=index, params=params, frozen=frozen, input_seed=0)
+
+    @staticmethod
+    def parameter_shapes(params: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """Canonical parameter names (those of the unsharded torch module) and shapes."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for table in params["tables"]:
+            collection = "weighted_sparse" if table["weighted"] else "sparse"
+            shapes[f"{collection}.embedding_bags.{table['name']}.weight"] = (table["num_embeddings"], table["embedding_dim"])
+        width = params["dense_in"]
+        for i, out in enumerate(params["dense_arch"]):
+            shapes[f"dense.{2 * i}.weight"] = (out, width)
+            shapes[f"dense.{2 * i}.bias"] = (out,)
+            width = out
+        width = params["dense_arch"][-1] + sum(len(t["features"]) * t["embedding_dim"] for t in params["tables"])
+        for i, out in enumerate(params["over_arch"]):
+            shapes[f"over.{2 * i}.weight"] = (out, width)
+            shapes[f"over.{2 * i}.bias"] = (out,)
+            width = out
+        return shapes
+
+    def init_state(self, spec: ModelSpec) -> dict[str, np.ndarray]:
+        rng = _rng(spec.seed, spec.index, 1)
+        state = {}
+        for name, shape in self.parameter_shapes(spec.params).items():
+            if ".embedding_bags." in name:
+                bound = 0.1
+            else:
+                fan_in = shape[1] if len(shape) == 2 else self.parameter_shapes(spec.params)[name.replace("bias", "weight")][1]
+                bound = 1.0 / np.sqrt(fan_in)
+            state[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
+        return state
+
+    def inputs(self, spec: ModelSpec, batch_size: int) -> dict[str, Batch]:
+        rng = _rng(spec.seed, spec.index, 2, spec.input_seed)
+        batches = {}
+        for split in ("train", "eval"):
+            sparse = {}
+            for table in spec.params["tables"]:
+                for feature in table["features"]:
+                    sparse[feature] = jagged_feature(
+                        rng, batch_size, table["num_embeddings"], spec.params["max_bag"], table["weighted"]
+                    )
+            dense = rng.normal(size=(batch_size, spec.params["dense_in"])).astype(np.float32)
+            labels = rng.integers(0, 2, size=batch_size).astype(np.float32)
+            batches[split] = Batch(labels=labels, dense=dense, sparse=sparse)
+        return batches
+
+    # --- torch side (workers only) -------------------------------------------------------------
+    def build(self, spec: ModelSpec, device: str) -> Any:
+        return _build_module(spec.params, device)
+
+    def forward(self, module: Any, batch: Batch, device: str) -> Any:
+        """Predictions of `module` (unsharded or a TorchRec DMP around it) for `batch`."""
+        import torch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        def kjt(weighted: bool) -> KeyedJaggedTensor:
+            names = [f for t in self._tables(module, weighted) for f in t["features"]]
+            feats = [batch.sparse[n] for n in names]
+            return KeyedJaggedTensor.from_lengths_sync(
+                keys=names,
+                values=torch.from_numpy(np.concatenate([f.values for f in feats])).to(device),
+                lengths=torch.from_numpy(np.concatenate([f.lengths for f in feats])).to(device),
+                weights=torch.from_numpy(np.concatenate([f.weights for f in feats])).to(device) if weighted else None,
+            )
+
+        dense = torch.from_numpy(batch.dense).to(device)
+        return module(dense, kjt(False), kjt(True))
+
+    @staticmethod
+    def _tables(module: Any, weighted: bool) -> list[dict[str, Any]]:
+        inner = getattr(module, "module", module)
+        inner = getattr(inner, "_dmp_wrapped_module", inner)
+        inner = getattr(inner, "module", inner)
+        return [t for t in inner.table_specs if t["weighted"] == weighted]
+
+
+def _build_module(params: dict[str, Any], device: str) -> Any:
+    import torch
+    from torch import nn
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    def mlp(width: int, sizes: list[int], last_relu: bool) -> nn.Sequential:
+        layers: list[nn.Module] = []
+        for i, out in enumerate(sizes):
+            layers += [nn.Linear(width, out, device=device)]
+            if last_relu or i < len(sizes) - 1:
+                layers += [nn.ReLU()]
+            width = out
+        return nn.Sequential(*layers)
+
+    def collection(weighted: bool) -> EmbeddingBagCollection:
+        configs = [
+            EmbeddingBagConfig(
+                name=t["name"],
+                num_embeddings=t["num_embeddings"],
+                embedding_dim=t["embedding_dim"],
+                feature_names=list(t["features"]),
+                pooling=PoolingType[t["pooling"]],
+            )
+            for t in params["tables"]
+            if t["weighted"] == weighted
+        ]
+        return EmbeddingBagCollection(tables=configs, is_weighted=weighted, device=torch.device(device))
+
+    class DLRM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table_specs = params["tables"]
+            self.sparse = collection(False)
+            self.weighted_sparse = collection(True)
+            self.dense = mlp(params["dense_in"], params["dense_arch"], last_relu=True)
+            embedded = sum(len(t["features"]) * t["embedding_dim"] for t in params["tables"])
+            self.over = mlp(params["dense_arch"][-1] + embedded, params["over_arch"], last_relu=False)
+            # Pooled embeddings are concatenated by feature *name*: a sharded collection returns its keys
+            # in plan order, so position-based concatenation would differ from the unsharded model.
+            self.feature_order = [f for t in params["tables"] for f in t["features"]]
+
+        def forward(self, dense: torch.Tensor, sparse: Any, weighted: Any) -> torch.Tensor:
+            pooled = {**self.sparse(sparse).to_dict(), **self.weighted_sparse(weighted).to_dict()}
+            x = torch.cat([self.dense(dense)] + [pooled[f] for f in self.feature_order], dim=1)
+            return torch.sigmoid(self.over(x).mean(dim=1))
+
+    return DLRM()
+
+
+register_generator(KIND, DlrmGenerator())

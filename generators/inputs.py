@@ -1,0 +1,85 @@
+"""Seeded jagged (KeyedJaggedTensor-shaped) batches kept as numpy, so the parent process never needs torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class JaggedFeature:
+    """One sparse feature, sample-major: sample i owns values[offsets[i]:offsets[i+1]]."""
+
+    lengths: np.ndarray  # int64 [B]
+    values: np.ndarray  # int64 [sum(lengths)]
+    weights: np.ndarray | None = None  # float32 [sum(lengths)] for weighted features
+
+    def slice(self, start: int, stop: int) -> "JaggedFeature":
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        lo, hi = offsets[start], offsets[stop]
+        weights = None if self.weights is None else self.weights[lo:hi]
+        return JaggedFeature(self.lengths[start:stop], self.values[lo:hi], weights)
+
+
+@dataclass
+class Batch:
+    """A batch of samples: dense features, sparse features and labels."""
+
+    labels: np.ndarray
+    dense: np.ndarray | None = None
+    sparse: dict[str, JaggedFeature] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.shape[0])
+
+    def slice(self, start: int, stop: int) -> "Batch":
+        dense = None if self.dense is None else self.dense[start:stop]
+        sparse = {name: feature.slice(start, stop) for name, feature in self.sparse.items()}
+        return Batch(self.labels[start:stop], dense, sparse)
+
+    def shard(self, rank: int, world_size: int) -> "Batch":
+        """The contiguous share of rank `rank`; the global batch must divide evenly."""
+        if self.size % world_size:
+            raise ValueError(f"batch of {self.size} samples does not split over {world_size} ranks")
+        per_rank = self.size // world_size
+        return self.slice(rank * per_rank, (rank + 1) * per_rank)
+
+    def to_arrays(self, prefix: str) -> dict[str, np.ndarray]:
+        arrays = {f"{prefix}.labels": self.labels}
+        if self.dense is not None:
+            arrays[f"{prefix}.dense"] = self.dense
+        for name, feature in self.sparse.items():
+            arrays[f"{prefix}.sparse.{name}.lengths"] = feature.lengths
+            arrays[f"{prefix}.sparse.{name}.values"] = feature.values
+            if feature.weights is not None:
+                arrays[f"{prefix}.sparse.{name}.weights"] = feature.weights
+        return arrays
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], prefix: str) -> "Batch":
+        names = sorted({k.split(".")[2] for k in arrays if k.startswith(f"{prefix}.sparse.")})
+        sparse = {
+            name: JaggedFeature(
+                arrays[f"{prefix}.sparse.{name}.lengths"],
+                arrays[f"{prefix}.sparse.{name}.values"],
+                arrays.get(f"{prefix}.sparse.{name}.weights"),
+            )
+            for name in names
+        }
+        return cls(arrays[f"{prefix}.labels"], arrays.get(f"{prefix}.dense"), sparse)
+
+
+def jagged_feature(
+    rng: np.random.Generator, batch_size: int, num_embeddings: int, max_bag: int, weighted: bool
+) -> JaggedFeature:
+    """Variable bag lengths with empty bags, and ids drawn from a small hot set so duplicates occur."""
+    lengths = rng.integers(0, max_bag + 1, size=batch_size)
+    lengths[rng.random(batch_size) < 0.15] = 0
+    total = int(lengths.sum())
+    hot = rng.integers(0, num_embeddings, size=max(1, min(num_embeddings, 4)))
+    uniform_ids = rng.integers(0, num_embeddings, size=total)
+    values = np.where(rng.random(total) < 0.3, rng.choice(hot, size=total), uniform_ids)
+    weights = rng.uniform(0.5, 1.5, size=total).astype(np.float32) if weighted else None
+    return JaggedFeature(lengths.astype(np.int64), values.astype(np.int64), weights)

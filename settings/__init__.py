@@ -1,0 +1,7 @@
+"""Built-in settings, one module per family; importing a module registers its settings.
+
+Adding a family = one file here + one line below. The engine never names a concrete setting.
+"""
+
+from settings import reference  # noqa: F401
+from settings import torchrec_sharding  # noqa: F401

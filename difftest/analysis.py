@@ -69,7 +69,8 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), reference: str = "refer
                 comparisons = compare(store.load_outputs(record), reference_outputs[record.model], tol)
                 for c in comparisons:
                     rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
-                                 "status": "ok" if c.consistent else "inconsistent"})
+                                 "status": "ok" if c.consistent else "inconsistent",
+                                 "message": c.message or record.message})
                 worst = max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan)
                 verdict = "ok" if all(c.consistent for c in comparisons) else "inconsistent"
             verdicts.append({"model": record.model, "kind": spec.kind, "setting": record.setting,

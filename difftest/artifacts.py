@@ -84,6 +84,10 @@ class LoadedModel:
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         return self.generator.forward(module, batch, device)
 
+    def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
+        """Named evaluation tensors (predictions and whatever intermediates the generator exposes)."""
+        return self.generator.evaluate(module, batch, device)
+
 
 @dataclass
 class Inputs:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import numpy as np
@@ -36,6 +36,8 @@ class RunContext:
     steps: int
     lr: float
     seed: int
+    # what a setting wants kept with its case (e.g. the sharding plan it ran); rank 0's are stored
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 class Setting(abc.ABC):

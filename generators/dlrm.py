@@ -119,6 +119,16 @@ class DlrmGenerator:
     def build(self, spec: ModelSpec, device: str) -> Any:
         return _build_module(spec.params, device)
 
+    def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
+        """Predictions plus each feature's pooled embedding, so a finding points at the layer it starts in."""
+        inner = _unwrap(module)
+        inner.captured = {}
+        try:
+            prediction = self.forward(module, batch, device)
+            return {"prediction": prediction, **{f"pooled.{k}": v for k, v in inner.captured.items()}}
+        finally:
+            inner.captured = None
+
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         """Predictions of `module` (unsharded or a TorchRec DMP around it) for `batch`."""
         import torch
@@ -139,10 +149,14 @@ class DlrmGenerator:
 
     @staticmethod
     def _tables(module: Any, weighted: bool) -> list[dict[str, Any]]:
-        inner = getattr(module, "module", module)
-        inner = getattr(inner, "_dmp_wrapped_module", inner)
-        inner = getattr(inner, "module", inner)
-        return [t for t in inner.table_specs if t["weighted"] == weighted]
+        return [t for t in _unwrap(module).table_specs if t["weighted"] == weighted]
+
+
+def _unwrap(module: Any) -> Any:
+    """The DLRM inside DMP/DDP wrappers."""
+    while not hasattr(module, "table_specs"):
+        module = getattr(module, "_dmp_wrapped_module", None) or module.module
+    return module
 
 
 def _build_module(params: dict[str, Any], device: str) -> Any:
@@ -186,9 +200,12 @@ def _build_module(params: dict[str, Any], device: str) -> Any:
             # Pooled embeddings are concatenated by feature *name*: a sharded collection returns its keys
             # in plan order, so position-based concatenation would differ from the unsharded model.
             self.feature_order = [f for t in params["tables"] for f in t["features"]]
+            self.captured: dict[str, torch.Tensor] | None = None
 
         def forward(self, dense: torch.Tensor, sparse: Any, weighted: Any) -> torch.Tensor:
             pooled = {**self.sparse(sparse).to_dict(), **self.weighted_sparse(weighted).to_dict()}
+            if self.captured is not None:
+                self.captured.update(pooled)
             x = torch.cat([self.dense(dense)] + [pooled[f] for f in self.feature_order], dim=1)
             return torch.sigmoid(self.over(x).mean(dim=1))
 

@@ -1,7 +1,7 @@
 """What every training setting records, and how per-rank pieces become full tensors on rank 0.
 
 Recorded names (phase/tensor):
-  eval_before/prediction, train_step{i}/loss, param_after_step{i}/<canonical name>, eval_after_step{k}/prediction
+  eval_before/{prediction,pooled.<feature>}, train_step{i}/loss, param_after_step{i}/<canonical name>, eval_after_step{k}/prediction
 Each rank trains on its contiguous share of the same global batch; losses are per-rank means, so the global
 loss is the mean over ranks (equal shares) and gradients follow the global-mean convention of the reference.
 """
@@ -51,7 +51,7 @@ def assemble(shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], np.ndar
 def record_training(
     ctx: RunContext,
     inputs: Inputs,
-    predict: Callable[[Batch], Any],
+    evaluate: Callable[[Batch], dict[str, Any]],
     train_step: Callable[[Batch], Any],
     full_parameters: Callable[[], dict[str, np.ndarray] | None],
 ) -> Outputs | None:
@@ -63,15 +63,16 @@ def record_training(
     import torch
 
     train = inputs.train.shard(ctx.rank, ctx.world_size)
-    evaluate = inputs.eval.shard(ctx.rank, ctx.world_size)
+    eval_batch = inputs.eval.shard(ctx.rank, ctx.world_size)
     outputs: Outputs = {}
 
     def gathered_predictions(phase: str) -> None:
         with torch.no_grad():
-            local = to_numpy(predict(evaluate))
+            local = {name: to_numpy(t) for name, t in evaluate(eval_batch).items()}
         pieces = gather_to_rank0(ctx, local)
         if pieces is not None:
-            outputs[f"{phase}/prediction"] = np.concatenate(pieces)
+            for name in pieces[0]:
+                outputs[f"{phase}/{name}"] = np.concatenate([p[name] for p in pieces])
 
     gathered_predictions("eval_before")
     for step in range(1, ctx.steps + 1):

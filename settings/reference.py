@@ -38,7 +38,7 @@ class Reference(Setting):
         def full_parameters() -> dict:
             return {name: to_numpy(p) for name, p in module.named_parameters()}
 
-        return record_training(ctx, inputs, lambda b: model.forward(module, b, ctx.device), train_step, full_parameters)
+        return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step, full_parameters)
 
 
 register_setting(Reference())

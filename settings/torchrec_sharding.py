@@ -85,6 +85,7 @@ class TorchRecSharding(Setting):
         except (ValueError, NotImplementedError, AssertionError) as exc:
             raise Unsupported(f"TorchRec refused the plan: {type(exc).__name__}: {exc}") from exc
         _load_full_state(dmp, model.init_state)
+        ctx.notes["plan"] = _plan_summary(dmp.plan)
 
         dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad]
         optimizer = torch.optim.SGD(dense, lr=ctx.lr) if dense else None
@@ -99,7 +100,7 @@ class TorchRecSharding(Setting):
             return loss.item()
 
         return record_training(
-            ctx, inputs, lambda b: model.forward(dmp, b, ctx.device), train_step, lambda: _full_state(ctx, dmp)
+            ctx, inputs, lambda b: model.evaluate(dmp, b, ctx.device), train_step, lambda: _full_state(ctx, dmp)
         )
 
     # --- plans ----------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def _generator(kind: str, position: int, table: dict, world_size: int, local_siz
     if kind == "data_parallel":
         return sp.data_parallel()
     if kind == "grid_shard":
-        return sp.grid_shard(host_indexes=list(range(hosts)))
+        return _grid_shard(table, world_size, local_size)
     raise ValueError(f"unknown sharding type {kind!r}")
 
 
@@ -187,6 +188,39 @@ def _table_column_wise(position: int, table: dict, world_size: int, local_size: 
         )
 
     return generator
+
+
+def _grid_shard(table: dict, world_size: int, local_size: int) -> Callable:
+    """One column block per host, rows split over the host's ranks.
+
+    TorchRec's `grid_shard` helper takes no column block size and makes a single block for tables narrower
+    than its minimum, so with two hosts it fails with IndexError; we pass the block size it computes with.
+    """
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.types import ShardingType
+
+    hosts = _column_shards(table["embedding_dim"], world_size // local_size)
+
+    def generator(param: Any, local: int, world: int, device_type: str, sharder: Any) -> Any:
+        blocks = sp._get_parameter_size_offsets(  # noqa: SLF001
+            param, ShardingType.GRID_SHARD, local, world, col_wise_shard_dim=param.shape[1] // hosts
+        )
+        placements = [(size, offset, i) for i, (size, offset) in enumerate(blocks)]  # block-major: host h = ranks h*local..
+        return sp._get_parameter_sharding(  # noqa: SLF001
+            param, ShardingType.GRID_SHARD.value, placements, local, device_type, sharder
+        )
+
+    return generator
+
+
+def _plan_summary(plan: Any) -> str:
+    """Which sharding type and ranks each table got, e.g. 't0=grid_shard@[0,1] w0=table_wise@[1]'."""
+    parts = []
+    for module_plan in plan.plan.values():
+        for table, sharding in module_plan.items():
+            ranks = sharding.ranks or []
+            parts.append(f"{table}={sharding.sharding_type}@{ranks}")
+    return " ".join(sorted(parts))
 
 
 # --- state in and out of a sharded model ------------------------------------------------------------

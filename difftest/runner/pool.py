@@ -182,7 +182,7 @@ class WorkerGroup:
         outputs = replies[0][2]
         if outputs is None:
             return CaseResult("error", message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=False)
-        return CaseResult("ok", outputs=outputs, wall_s=wall)
+        return CaseResult("ok", outputs=outputs, message=replies[0][3], wall_s=wall)
 
     @property
     def alive(self) -> bool:

@@ -118,7 +118,7 @@ def _serve(config: WorkerConfig, conn: Any) -> None:
             return
         request = message[1]
         started = time.perf_counter()
-        status, payload, text = "ok", None, ""
+        status, payload, text, ctx = "ok", None, "", None
         try:
             _reset_global_state(request.seed)
             setting = get_setting(request.setting)
@@ -137,6 +137,7 @@ def _serve(config: WorkerConfig, conn: Any) -> None:
                 seed=request.seed,
             )
             payload = setting.run(ctx, model, inputs)
+            text = "; ".join(f"{k}: {v}" for k, v in ctx.notes.items())
         except Unsupported as exc:
             status, text = "unsupported", str(exc)
         except Exception as exc:  # a setting that raises is a finding, recorded with its traceback tail

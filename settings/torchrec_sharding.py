@@ -84,7 +84,7 @@ class TorchRecSharding(Setting):
             dmp = DistributedModelParallel(module, env=env, plan=plan, sharders=[sharder], device=device)
         except (ValueError, NotImplementedError, AssertionError) as exc:
             raise Unsupported(f"TorchRec refused the plan: {type(exc).__name__}: {exc}") from exc
-        _load_full_state(dmp, model.init_state)
+        self.load_initial_state(ctx, dmp, model.init_state)
         ctx.notes["plan"] = _plan_summary(dmp.plan)
 
         dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad]
@@ -96,12 +96,19 @@ class TorchRecSharding(Setting):
             loss = bce_loss(model.forward(dmp, batch, ctx.device), batch)
             loss.backward()  # embedding tables are updated inside backward (fused SGD)
             if optimizer is not None:
-                optimizer.step()
+                self.dense_step(ctx, optimizer)
             return loss.item()
 
         return record_training(
             ctx, inputs, lambda b: model.evaluate(dmp, b, ctx.device), train_step, lambda: _full_state(ctx, dmp)
         )
+
+    # hooks, so a planted fault (tests/faults) changes one step and nothing else
+    def load_initial_state(self, ctx: RunContext, dmp: Any, state: dict) -> None:
+        _load_full_state(dmp, state)
+
+    def dense_step(self, ctx: RunContext, optimizer: Any) -> None:
+        optimizer.step()
 
     # --- plans ----------------------------------------------------------------------------------
     def _plan(self, ctx: RunContext, module: Any, sharder: Any, tables: list[dict]) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 from difftest.runner import worker
 
 _SPAWN = mp.get_context("spawn")
+ERROR_GRACE_S = 3.0  # how long the other ranks may take to report after one rank raised
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,10 @@ class WorkerGroup:
         while len(replies) < self.world_size:
             pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
             ready = wait(list(pending) + list(sentinels), timeout=max(0.0, deadline - time.perf_counter()))
+            if not ready and any(reply[1] == "error" for reply in replies.values()):
+                # the others are stuck in a collective the failed rank will never join: the error is the finding
+                self.kill()
+                return self._combine(replies, started, reusable=False)
             if not ready:
                 self.kill()
                 silent = sorted(set(range(self.world_size)) - set(replies))
@@ -155,6 +160,8 @@ class WorkerGroup:
                 if handle in pending:
                     try:
                         replies[pending[handle]] = handle.recv()
+                        if replies[pending[handle]][1] == "error":
+                            deadline = min(deadline, time.perf_counter() + ERROR_GRACE_S)
                         continue
                     except EOFError:
                         rank = pending[handle]
@@ -170,14 +177,16 @@ class WorkerGroup:
         self.kill()
         return CaseResult("crash", message=message, rank=rank, wall_s=time.perf_counter() - started, reusable=False)
 
-    def _combine(self, replies: dict[int, tuple], started: float) -> CaseResult:
+    def _combine(self, replies: dict[int, tuple], started: float, reusable: bool = True) -> CaseResult:
         wall = time.perf_counter() - started
         statuses = {rank: reply[1] for rank, reply in replies.items()}
         for status in ("error", "unsupported"):
             ranks = [r for r, s in sorted(statuses.items()) if s == status]
             if ranks:
                 # an error may leave collectives half-done on the other ranks: never reuse that group
-                reusable = status == "unsupported" and all(s == "unsupported" for s in statuses.values())
+                reusable = reusable and status == "unsupported" and len(statuses) == self.world_size and all(
+                    s == "unsupported" for s in statuses.values()
+                )
                 return CaseResult(status, message=replies[ranks[0]][3], rank=ranks[0], wall_s=wall, reusable=reusable)
         outputs = replies[0][2]
         if outputs is None:

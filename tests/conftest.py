@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from difftest.generate import generate
+from difftest.spec import RunConfig
+
+PLANTED = "tests.faults.planted"
+
+
+@pytest.fixture(scope="session")
+def generated_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two generated DLRM models (one plain, one with a frozen parameter), never swept."""
+    run_dir = tmp_path_factory.mktemp("generated") / "run"
+    generate(run_dir, RunConfig(seed=0, models=2, plugins=(PLANTED,)))
+    return run_dir
+
+
+@pytest.fixture
+def fresh_run(generated_run: Path, tmp_path: Path) -> Path:
+    """A private copy of the generated run, so each test sweeps into an empty store."""
+    target = tmp_path / "run"
+    shutil.copytree(generated_run, target)
+    return target

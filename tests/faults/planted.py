@@ -1,0 +1,111 @@
+"""Planted faults, registered only when a test passes `--plugin tests.faults.planted`.
+
+They must be reported (inconsistent / error / crash / timeout / unsupported) while clean settings on the
+same models are not: the negative controls of the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from difftest.registry import register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from settings.torchrec_sharding import TorchRecSharding, _local_pieces
+
+
+@dataclass(frozen=True)
+class ShardOffByOneRow(TorchRecSharding):
+    """Row-wise DMP whose rank 1 loads its shard of every table one row too far down."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/shard_off_by_one_row/ws{self.world_size}"
+
+    def load_initial_state(self, ctx: RunContext, dmp: Any, state: dict) -> None:
+        import torch
+
+        super().load_initial_state(ctx, dmp, state)
+        if ctx.rank != 1:
+            return
+        with torch.no_grad():
+            for name, value in dmp.state_dict().items():
+                for offsets, local in _local_pieces(value) or []:
+                    full = torch.from_numpy(state[name])
+                    rows = min(local.shape[0], full.shape[0] - offsets[0] - 1)
+                    local[:rows].copy_(full[offsets[0] + 1 : offsets[0] + 1 + rows, offsets[1] : offsets[1] + local.shape[1]])
+
+
+@dataclass(frozen=True)
+class RankSkipsOptimizerStep(TorchRecSharding):
+    """Table-wise DMP whose rank 1 skips its dense optimizer step."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/rank1_skips_step/ws{self.world_size}"
+
+    def dense_step(self, ctx: RunContext, optimizer: Any) -> None:
+        if ctx.rank != 1:
+            optimizer.step()
+
+
+@dataclass(frozen=True)
+class Misbehaves(Setting):
+    """Rank 1 raises, aborts or hangs; rank 0 waits in a collective, as a real failing setting would leave it."""
+
+    family: ClassVar[str] = "faults"
+    how: str
+    world_size: int = 2
+
+    @property
+    def name(self) -> str:
+        return f"faults/{self.how}/ws{self.world_size}"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch.distributed as dist
+
+        if ctx.rank == 1:
+            if self.how == "raises":
+                raise ValueError("planted failure on rank 1")
+            if self.how == "aborts":
+                os.abort()
+            if self.how == "hangs":
+                time.sleep(3600)
+        dist.barrier(group=ctx.group)
+        return {}
+
+
+@dataclass(frozen=True)
+class RefusesEverything(Setting):
+    """Never supports a model: must be counted as unsupported with its reason."""
+
+    family: ClassVar[str] = "faults"
+    world_size: int = 2
+
+    @property
+    def name(self) -> str:
+        return "faults/refuses/ws2"
+
+    def supports(self, spec: Any) -> str | None:
+        return "planted refusal: this setting supports no model"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        raise AssertionError("the engine ran a setting that refused the model")
+
+
+register_settings(
+    [
+        ShardOffByOneRow(sharding="row_wise", world_size=2),
+        RankSkipsOptimizerStep(sharding="table_wise", world_size=2),
+        Misbehaves("raises"),
+        Misbehaves("aborts"),
+        Misbehaves("hangs"),
+        RefusesEverything(),
+    ]
+)

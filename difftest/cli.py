@@ -61,11 +61,16 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
 
 
 def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: int, timeout: float, device: str, plugins: tuple[str, ...]) -> None:
-    from difftest.runner.sweep import SweepOptions, run_sweep
+    from difftest.registry import load_plugins
+    from difftest.runner.sweep import SweepOptions, plan_cases, run_sweep
+    from difftest.spec import RunConfig
+
+    load_plugins(RunConfig.load(out / "run.json").plugins + plugins)
 
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r}: use cpu or cuda")
     options = SweepOptions(settings=settings, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins)
+    plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
     started = time.perf_counter()
     with _progress() as progress:
         task = progress.add_task("sweep", total=None, detail="")
@@ -190,7 +195,7 @@ def main() -> None:
     try:
         app()
     except UserError as exc:
-        console.print(f"difftest: error: {exc}", markup=False, highlight=False)
+        console.print(f"difftest: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

@@ -1,0 +1,133 @@
+"""Fast unit tests: generators, oracle, store, registry, CLI errors. No worker processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from difftest.artifacts import load_arrays
+from difftest.errors import UserError
+from difftest.oracle import Tolerance, compare, compare_tensor
+from difftest.registry import all_settings, load_plugins, select_settings
+from difftest.store import CaseRecord, Store
+from generators.dlrm import DlrmGenerator
+
+
+def test_models_are_reproducible_from_seed_and_index(tmp_path: Path) -> None:
+    g = DlrmGenerator()
+    a, b = g.spec(7, 3), g.spec(7, 3)
+    assert a.to_json() == b.to_json()
+    assert g.spec(7, 4).to_json() != a.to_json()
+    state_a, state_b = g.init_state(a), g.init_state(b)
+    assert all(np.array_equal(state_a[k], state_b[k]) for k in state_a)
+    inputs_a, inputs_b = g.inputs(a, 24), g.inputs(b, 24)
+    for split in ("train", "eval"):
+        arrays_a, arrays_b = inputs_a[split].to_arrays(split), inputs_b[split].to_arrays(split)
+        assert arrays_a.keys() == arrays_b.keys()
+        assert all(np.array_equal(arrays_a[k], arrays_b[k]) for k in arrays_a)
+
+
+def test_generated_models_cover_the_spec() -> None:
+    g = DlrmGenerator()
+    specs = [g.spec(0, i) for i in range(20)]
+    for spec in specs:
+        tables = spec.params["tables"]
+        unweighted = [t for t in tables if not t["weighted"]]
+        weighted = [t for t in tables if t["weighted"]]
+        assert 1 <= len(unweighted) <= 5 and 1 <= len(weighted) <= 5
+        for t in tables:
+            assert 1 <= t["num_embeddings"] <= 1000 and t["embedding_dim"] % 4 == 0
+        assert set(spec.frozen) <= set(g.parameter_shapes(spec.params))
+    assert {t["pooling"] for s in specs for t in s.params["tables"]} == {"SUM", "MEAN"}
+    assert any(len(t["features"]) == 2 for s in specs for t in s.params["tables"])  # shared tables
+    assert sum(bool(s.frozen) for s in specs) == 10  # every other model is the frozen variant
+
+
+def test_inputs_have_empty_bags_duplicate_ids_and_split_evenly() -> None:
+    g = DlrmGenerator()
+    spec = g.spec(0, 0)
+    batch = g.inputs(spec, 24)["train"]
+    lengths = np.concatenate([f.lengths for f in batch.sparse.values()])
+    assert (lengths == 0).any()
+    assert any(len(f.values) > len(np.unique(f.values)) for f in batch.sparse.values())
+    for world_size in (1, 2, 3, 4):
+        shares = [batch.shard(r, world_size) for r in range(world_size)]
+        for name, feature in batch.sparse.items():
+            assert np.array_equal(np.concatenate([s.sparse[name].values for s in shares]), feature.values)
+            assert np.array_equal(np.concatenate([s.sparse[name].lengths for s in shares]), feature.lengths)
+        assert np.array_equal(np.concatenate([s.labels for s in shares]), batch.labels)
+    with pytest.raises(ValueError):
+        batch.shard(0, 5)
+
+
+def test_oracle_metrics() -> None:
+    ref = np.array([1.0, -2.0, 0.0, 4.0], dtype=np.float32)
+    same = compare_tensor("eval_before/prediction", ref.copy(), ref, Tolerance())
+    assert same.consistent and same.linf == 0 and same.mismatches == 0
+    off = ref.copy()
+    off[1] += 1e-3
+    c = compare_tensor("param_after_step1/x", off, ref, Tolerance())
+    assert not c.consistent and c.mismatches == 1 and c.phase == "param_after_step1" and c.tensor == "x"
+    assert c.linf == pytest.approx(1e-3, rel=1e-3) and c.max_rel == pytest.approx(5e-4, rel=1e-3)
+    assert compare_tensor("a/b", off, ref, Tolerance(atol=2e-3)).consistent  # re-judging needs no re-run
+    nan = ref.copy()
+    nan[0] = np.nan
+    assert not compare_tensor("a/b", nan, ref, Tolerance()).consistent
+    assert compare_tensor("a/b", nan, nan, Tolerance()).consistent  # NaN in both at the same place
+    assert "shape" in compare_tensor("a/b", ref[:2], ref, Tolerance()).message
+    missing = compare({}, {"a/b": ref}, Tolerance())
+    assert len(missing) == 1 and not missing[0].consistent and "missing" in missing[0].message
+
+
+def test_store_commits_atomically_and_knows_what_is_done(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.commit(CaseRecord("m", "s/ws2", "ok"), {"eval_before/prediction": np.arange(3, dtype=np.float32)})
+    store.commit(CaseRecord("m", "t/ws2", "crash", "rank 1 killed by SIGABRT"), None)
+    store.commit(CaseRecord("m", "t/ws2", "crash", "again"), None)  # a rerun replaces, never duplicates
+    assert store.done() == {("m", "s/ws2"), ("m", "t/ws2")}
+    records = {r.setting: r for r in store.records()}
+    assert records["t/ws2"].message == "again"
+    assert np.array_equal(store.load_outputs(records["s/ws2"])["eval_before/prediction"], np.arange(3))
+    assert not list(tmp_path.rglob(".*.tmp"))
+    store.close()
+
+
+def test_registry_names_are_paths_and_globs_select_families() -> None:
+    load_plugins()
+    names = [s.name for s in all_settings()]
+    assert len(names) == len(set(names)) and names[0] == "reference"
+    torchrec = select_settings("torchrec/*")
+    assert len(torchrec) == 7 * 3 + 3 + 6
+    assert {s.world_size for s in select_settings("*/ws3")} == {3}
+    with pytest.raises(UserError):
+        select_settings("nothing/*")
+
+
+def test_unreadable_tensor_file_is_a_user_error(tmp_path: Path) -> None:
+    bad = tmp_path / "init.safetensors"
+    bad.write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="init.safetensors"):
+        load_arrays(bad)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["sweep", "/nonexistent/run"], "no run.json"),
+        (["analyze", "/nonexistent/run"], "no models/ folder"),
+        (["run", "--out", "{tmp}", "--settings", "nothing/*"], "matches no registered setting"),
+        (["generate", "--out", "{tmp}", "--batch-size", "13"], "multiple of 12"),
+        (["generate", "--out", "{tmp}", "--kind", "bogus"], "unknown model kind"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], needle: str) -> None:
+    args = [a.replace("{tmp}", str(tmp_path / "run")) for a in args]
+    result = subprocess.run([sys.executable, "-m", "difftest.cli", *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "━" not in line]
+    assert lines[-1].startswith("difftest: error:") and needle in lines[-1], result.stderr
+    assert "Traceback" not in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,6 @@ def atomic_save_arrays(arrays: dict[str, np.ndarray], path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
     with open(tmp, "rb") as handle:
-        import os
-
         os.fsync(handle.fileno())
     tmp.replace(path)
 

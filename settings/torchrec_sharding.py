@@ -68,7 +68,7 @@ class TorchRecSharding(Setting):
         import torch
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.types import ShardingEnv, ShardingPlan
+        from torchrec.distributed.types import ShardingEnv
         from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 

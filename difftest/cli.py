@@ -130,7 +130,11 @@ def run(
     fail_on_inconsistency: FailOpt = False,
 ) -> None:
     """Generate models, sweep every setting, and analyse: the whole job on a small default."""
+    from difftest.registry import load_plugins, select_settings
+
     plugins = tuple(plugin or ())
+    load_plugins(plugins)
+    select_settings(settings)  # a glob that selects nothing fails before any model is written
     _generate(out, models, seed, kind, steps, lr, batch_size, plugins)
     _sweep(out, settings, None, jobs, timeout, device, plugins)
     _analyze(out, atol, rtol, fail_on_inconsistency)

@@ -131,3 +131,5 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], ne
     lines = [line for line in result.stderr.splitlines() if line.strip() and "━" not in line]
     assert lines[-1].startswith("difftest: error:") and needle in lines[-1], result.stderr
     assert "Traceback" not in result.stderr
+    if args[0] == "run":
+        assert not (tmp_path / "run").exists()  # rejected before anything was generated

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from difftest.errors import UserError
 from difftest.oracle import Tolerance, compare
+from difftest.registry import get_setting, load_plugins
 from difftest.runner.sweep import list_models
 from difftest.store import STATUSES, Store
 
@@ -33,17 +35,22 @@ class Analysis:
         return int((self.cases["verdict"] == status).sum())
 
 
-def analyze(run_dir: Path, tol: Tolerance = Tolerance(), reference: str = "reference") -> Analysis:
+def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...] = ()) -> Analysis:
+    """Judge each case against its setting's reference (`Setting.reference`) on the tensors it `judges`."""
+    load_plugins(plugins)
     specs = {spec.model_id: spec for _, spec in list_models(run_dir)}
     store = Store(run_dir)
     try:
         records = store.records()
         by_model = {(r.model, r.setting): r for r in records}
-        reference_outputs = {}
-        for model in specs:
-            ref = by_model.get((model, reference))
-            if ref is not None and ref.status == "ok":
-                reference_outputs[model] = store.load_outputs(ref)
+        reference_outputs: dict[tuple[str, str], dict] = {}
+
+        def outputs_of_reference(model: str, reference: str) -> dict | None:
+            key = (model, reference)
+            if key not in reference_outputs:
+                ref = by_model.get(key)
+                reference_outputs[key] = store.load_outputs(ref) if ref is not None and ref.status == "ok" else None
+            return reference_outputs[key]
 
         rows: list[dict] = []
         verdicts: list[dict] = []
@@ -51,6 +58,8 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), reference: str = "refer
             spec = specs.get(record.model)
             if spec is None:
                 continue  # a model deleted from the run after its cases ran
+            setting = _registered(record.setting)
+            reference = setting.reference if setting is not None else "reference"
             base = {"model": record.model, "input": spec.input_id, "kind": spec.kind, "setting": record.setting, "reference": reference}
             worst = math.nan
             if record.status != "ok":
@@ -59,14 +68,17 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), reference: str = "refer
                              "mismatches": 0, "numel": 0, "status": record.status, "message": record.message})
             elif record.setting == reference:
                 verdict = "ok"
-            elif record.model not in reference_outputs:
+            elif outputs_of_reference(record.model, reference) is None:
                 ref = by_model.get((record.model, reference))
                 why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
                 verdict = "error"
                 rows.append({**base, "phase": "", "tensor": "", "linf": math.nan, "max_rel": math.nan, "mismatches": 0,
                              "numel": 0, "status": "error", "message": f"cannot judge: the reference case {why}"})
             else:
-                comparisons = compare(store.load_outputs(record), reference_outputs[record.model], tol)
+                expected = outputs_of_reference(record.model, reference) or {}
+                if setting is not None:
+                    expected = {k: v for k, v in expected.items() if setting.judges(k)}
+                comparisons = compare(store.load_outputs(record), expected, tol)
                 for c in comparisons:
                     rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
                                  "status": "ok" if c.consistent else "inconsistent",
@@ -85,6 +97,13 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), reference: str = "refer
     analysis.inconsistencies.to_csv(run_dir / "inconsistencies.csv", index=False)
     analysis.by_setting.to_csv(run_dir / "summary.csv")
     return analysis
+
+
+def _registered(name: str):
+    try:
+        return get_setting(name)
+    except UserError:
+        return None  # a setting from a plugin not loaded now: judged against the default reference
 
 
 def _summarise(cases: pd.DataFrame, key: str) -> pd.DataFrame:

@@ -42,8 +42,13 @@ def load_arrays(path: Path) -> dict[str, np.ndarray]:
         raise UserError(f"{path}: not a readable safetensors file ({exc}); delete it and rerun to regenerate") from None
 
 
-def save_model(model_dir: Path, spec: ModelSpec, init_state: dict[str, np.ndarray], batches: dict[str, Batch]) -> None:
+def save_model(model_dir: Path, spec: ModelSpec, init_state: dict[str, np.ndarray], batches: dict[str, Batch],
+               extra_files: dict[str, bytes] | None = None) -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in (extra_files or {}).items():
+        tmp = model_dir / f".{name}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(model_dir / name)
     atomic_save_arrays(init_state, model_dir / INIT_FILE)
     arrays: dict[str, np.ndarray] = {}
     for split, batch in batches.items():
@@ -63,22 +68,16 @@ def load_spec(model_dir: Path) -> ModelSpec:
 
 @dataclass
 class LoadedModel:
-    """A model as a setting receives it: the spec, its generator, and the initial weights."""
+    """A model as a setting receives it: the spec, its generator, the initial weights and its folder."""
 
     spec: ModelSpec
     generator: Any
     init_state: dict[str, np.ndarray]
+    model_dir: Path | None = None
 
-    def build(self, device: str) -> Any:
-        """A fresh unsharded module with the initial weights loaded and the frozen parameters frozen."""
-        import torch
-
-        module = self.generator.build(self.spec, device)
-        module.load_state_dict({k: torch.from_numpy(v) for k, v in self.init_state.items()}, strict=True)
-        for name, param in module.named_parameters():
-            if name in self.spec.frozen:
-                param.requires_grad_(False)
-        return module
+    def build(self, device: str, **options: Any) -> Any:
+        """A fresh unsharded PyTorch module with the initial weights and the frozen parameters frozen."""
+        return self.generator.build(self.spec, self.init_state, device, self.model_dir, **options)
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         return self.generator.forward(module, batch, device)
@@ -86,6 +85,14 @@ class LoadedModel:
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         """Named evaluation tensors (predictions and whatever intermediates the generator exposes)."""
         return self.generator.evaluate(module, batch, device)
+
+    def loss(self, prediction: Any, batch: Batch) -> Any:
+        """The mean training loss over `batch` (so shares of equal size average to the global loss)."""
+        return self.generator.loss(prediction, batch)
+
+    def parameters(self, module: Any) -> dict[str, Any]:
+        """Canonical parameter name → tensor of an unsharded module (possibly wrapped by DDP)."""
+        return self.generator.parameters(module)
 
 
 @dataclass
@@ -99,4 +106,4 @@ def load_model(model_dir: Path) -> tuple[LoadedModel, Inputs]:
     generator = get_generator(spec.kind)
     arrays = load_arrays(model_dir / INPUTS_FILE)
     inputs = Inputs(Batch.from_arrays(arrays, "train"), Batch.from_arrays(arrays, "eval"))
-    return LoadedModel(spec, generator, load_arrays(model_dir / INIT_FILE)), inputs
+    return LoadedModel(spec, generator, load_arrays(model_dir / INIT_FILE), model_dir), inputs

@@ -49,15 +49,33 @@ def _progress() -> Progress:
 
 def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: float, batch_size: int, plugins: tuple[str, ...]) -> None:
     from difftest.generate import generate
-    from difftest.registry import generator_kinds, load_plugins
+    from difftest.registry import generator_kinds, get_generator, load_plugins
     from difftest.spec import RunConfig
 
     load_plugins(plugins)
-    kinds = tuple(generator_kinds()) if kind == "all" else (kind,)
+    if kind == "all":
+        kinds = []
+        for name in generator_kinds():
+            why = _unavailable(get_generator(name))
+            if why:
+                console.print(f"[yellow]kind {name!r} left out: it {why}")
+            else:
+                kinds.append(name)
+        kinds = tuple(kinds)
+    else:
+        why = _unavailable(get_generator(kind))
+        if why:
+            raise UserError(f"--kind {kind}: this kind {why}")
+        kinds = (kind,)
     config = RunConfig(seed=seed, models=models, kinds=kinds, steps=steps, lr=lr, batch_size=batch_size, plugins=plugins)
     with _progress() as progress:
         task = progress.add_task("generate", total=models * len(kinds), detail="")
         generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m))
+
+
+def _unavailable(generator: object) -> str | None:
+    check = getattr(generator, "available", None)
+    return check() if check is not None else None
 
 
 def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: int, timeout: float, device: str, plugins: tuple[str, ...]) -> None:
@@ -91,7 +109,9 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool) -> None:
     from difftest.analysis import analyze
     from difftest.oracle import Tolerance
 
-    analysis = analyze(out, Tolerance(atol=atol, rtol=rtol))
+    from difftest.spec import RunConfig
+
+    analysis = analyze(out, Tolerance(atol=atol, rtol=rtol), RunConfig.load(out / "run.json").plugins)
     for title, frame in (("per setting", analysis.by_setting), ("per model kind", analysis.by_kind)):
         table = Table(title=f"{title} (allclose atol={atol:g}, rtol={rtol:g})")
         table.add_column(frame.index.name or "")

@@ -41,7 +41,9 @@ def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] |
             spec = generator.spec(config.seed, index)
             model_dir = run_dir / "models" / spec.model_id
             if not (model_dir / "spec.json").exists():
-                save_model(model_dir, spec, generator.init_state(spec), generator.inputs(spec, config.batch_size))
+                state = generator.init_state(spec)
+                extra = generator.artifacts(spec, state) if hasattr(generator, "artifacts") else None
+                save_model(model_dir, spec, state, generator.inputs(spec, config.batch_size), extra)
             ids.append(spec.model_id)
             if on_model is not None:
                 on_model(spec.model_id)

@@ -46,6 +46,8 @@ class Setting(abc.ABC):
     family: ClassVar[str]
     world_size: int
     deterministic: ClassVar[bool] = False
+    # the setting whose outputs this one is judged against (itself for a reference)
+    reference: ClassVar[str] = "reference"
 
     @property
     @abc.abstractmethod
@@ -61,6 +63,19 @@ class Setting(abc.ABC):
     def supports(self, spec: "ModelSpec") -> str | None:
         """None if the model can run under this setting, else the reason it cannot."""
         return None
+
+    @property
+    def process_affinity(self) -> str:
+        """Cases share warm worker processes only with settings of the same affinity (and world size).
+
+        Empty for most settings; a setting that leaves per-process state a different setting would trip
+        over (a runtime configurable once per process) names its own.
+        """
+        return ""
+
+    def judges(self, tensor_name: str) -> bool:
+        """Whether a recorded tensor of the reference is expected from this setting too (default: all)."""
+        return True
 
     def available(self) -> str | None:
         """None if this machine can run the setting (libraries, devices), else the reason it cannot."""

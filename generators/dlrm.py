@@ -116,8 +116,24 @@ class DlrmGenerator:
         return batches
 
     # --- torch side (workers only) -------------------------------------------------------------
-    def build(self, spec: ModelSpec, device: str) -> Any:
-        return _build_module(spec.params, device)
+    def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
+        import torch
+
+        module = _build_module(spec.params, device)
+        module.load_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()}, strict=True)
+        for name, param in module.named_parameters():
+            if name in spec.frozen:
+                param.requires_grad_(False)
+        return module
+
+    def loss(self, prediction: Any, batch: Batch) -> Any:
+        import torch
+
+        labels = torch.from_numpy(batch.labels).to(prediction.device)
+        return torch.nn.functional.binary_cross_entropy(prediction, labels)
+
+    def parameters(self, module: Any) -> dict[str, Any]:
+        return dict(_unwrap(module).named_parameters())
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         """Predictions plus each feature's pooled embedding, so a finding points at the layer it starts in."""

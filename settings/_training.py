@@ -86,8 +86,38 @@ def record_training(
     return outputs if ctx.rank == 0 else None
 
 
-def bce_loss(prediction: Any, batch: Batch) -> Any:
+def build_for_training(model: Any, device: str, **options: Any) -> Any:
+    """The model's PyTorch module; a model without one (its conversion failed) cannot run this setting."""
+    from difftest.errors import Unsupported
+
+    try:
+        return model.build(device, **options)
+    except Exception as exc:
+        if type(exc).__name__ == "ConversionFailed":  # its own settings report it as an error
+            raise Unsupported(f"no PyTorch form: {exc}") from None
+        raise
+
+
+def sgd_step(model: Any, module: Any, optimizer: Any, batch: Batch, device: str) -> float:
+    """One plain SGD step on `batch`: forward, mean loss, backward, update; returns the loss."""
+    optimizer.zero_grad()
+    loss = model.loss(model.forward(module, batch, device), batch)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def canonical_parameters(model: Any, module: Any) -> dict[str, np.ndarray]:
+    return {name: to_numpy(tensor) for name, tensor in model.parameters(module).items()}
+
+
+def train_single_process(ctx: RunContext, model: Any, inputs: Inputs, module: Any) -> Outputs | None:
+    """Plain SGD on the global batch in this one process: what the references do."""
     import torch
 
-    labels = torch.from_numpy(batch.labels).to(prediction.device)
-    return torch.nn.functional.binary_cross_entropy(prediction, labels)
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
+    return record_training(
+        ctx, inputs, lambda b: model.evaluate(module, b, ctx.device),
+        lambda b: sgd_step(model, module, optimizer, b, ctx.device),
+        lambda: canonical_parameters(model, module),
+    )

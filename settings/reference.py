@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from difftest.registry import register_setting
 from difftest.setting import Outputs, RunContext, Setting
-from settings._training import bce_loss, record_training, to_numpy
+from settings._training import build_for_training, train_single_process
 
 
 @dataclass(frozen=True)
@@ -23,22 +23,7 @@ class Reference(Setting):
         return "reference"
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        import torch
-
-        module = model.build(ctx.device)
-        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
-
-        def train_step(batch: Any) -> float:
-            optimizer.zero_grad()
-            loss = bce_loss(model.forward(module, batch, ctx.device), batch)
-            loss.backward()
-            optimizer.step()
-            return loss.item()
-
-        def full_parameters() -> dict:
-            return {name: to_numpy(p) for name, p in module.named_parameters()}
-
-        return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step, full_parameters)
+        return train_single_process(ctx, model, inputs, build_for_training(model, ctx.device))
 
 
 register_setting(Reference())

@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar
 from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
-from settings._training import assemble, bce_loss, gather_to_rank0, record_training, to_numpy
+from settings._training import assemble, gather_to_rank0, record_training, to_numpy
 
 SHARDING_TYPES = (
     "table_wise",
@@ -93,7 +93,7 @@ class TorchRecSharding(Setting):
         def train_step(batch: Any) -> float:
             if optimizer is not None:
                 optimizer.zero_grad()
-            loss = bce_loss(model.forward(dmp, batch, ctx.device), batch)
+            loss = model.loss(model.forward(dmp, batch, ctx.device), batch)
             loss.backward()  # embedding tables are updated inside backward (fused SGD)
             if optimizer is not None:
                 self.dense_step(ctx, optimizer)

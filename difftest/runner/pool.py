@@ -183,9 +183,11 @@ class WorkerGroup:
         for status in ("error", "unsupported"):
             ranks = [r for r, s in sorted(statuses.items()) if s == status]
             if ranks:
-                # an error may leave collectives half-done on the other ranks: never reuse that group
-                reusable = reusable and status == "unsupported" and len(statuses) == self.world_size and all(
-                    s == "unsupported" for s in statuses.values()
+                # an error may leave collectives half-done on the other ranks: never reuse that group,
+                # unless it has no other ranks (one process: nothing can be half-done)
+                everyone_answered = len(statuses) == self.world_size
+                reusable = reusable and everyone_answered and (
+                    self.world_size == 1 or all(s == "unsupported" for s in statuses.values())
                 )
                 return CaseResult(status, message=replies[ranks[0]][3], rank=ranks[0], wall_s=wall, reusable=reusable)
         outputs = replies[0][2]

@@ -102,7 +102,7 @@ def run_sweep(
 
     try:
         done = store.done()
-        pending: dict[int, list[Case]] = defaultdict(list)
+        pending: dict[tuple[int, str], list[Case]] = defaultdict(list)
         refused: list[tuple[Case, str]] = []
         for case in cases:
             if (case.model_id, case.setting.name) in done:
@@ -116,22 +116,22 @@ def run_sweep(
             if reason:
                 refused.append((case, reason))
             else:
-                pending[case.setting.world_size].append(case)
+                pending[(case.setting.world_size, case.setting.process_affinity)].append(case)
         if on_planned is not None:
             on_planned(report.total - report.skipped_done)
         for case, reason in refused:
             record(case, CaseRecord(case.model_id, case.setting.name, "unsupported", reason), None)
 
-        buckets = sorted(pending.items(), key=lambda item: -len(item[1]) * item[0])
+        buckets = sorted(pending.items(), key=lambda item: -len(item[1]) * item[0][0])
         queue_lock = threading.Lock()
 
-        def next_bucket() -> tuple[int, list[Case]] | None:
+        def next_bucket() -> tuple[tuple[int, str], list[Case]] | None:
             with queue_lock:
                 return buckets.pop(0) if buckets else None
 
         def drain() -> None:
             while (bucket := next_bucket()) is not None:
-                _run_bucket(run_dir, config, options, plugins, bucket[0], bucket[1], record, report, lock)
+                _run_bucket(run_dir, config, options, plugins, bucket[0][0], bucket[1], record, report, lock)
 
         threads = [threading.Thread(target=drain, daemon=True) for _ in range(max(1, options.jobs))]
         for thread in threads:

@@ -1,0 +1,54 @@
+"""TensorFlow behind the `[tf]` extra: one place that imports it, in the one order that does not crash."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from difftest.errors import UserError
+
+EXTRA_HINT = "install the TensorFlow extra: pip install -e '.[tf]' (./install.sh does)"
+LOGICAL_CPUS = 4  # MirroredStrategy runs over 1..4 of these in one process
+
+_REQUIRED = ("tensorflow", "tf2onnx", "onnx", "onnxruntime")
+_MODULES: tuple[Any, Any] | None = None
+
+
+def missing() -> str | None:
+    """None when the TF stack is importable, else which package is missing and how to get it."""
+    absent = [name for name in _REQUIRED if importlib.util.find_spec(name) is None]
+    return f"needs {', '.join(absent)}: {EXTRA_HINT}" if absent else None
+
+
+def import_tensorflow() -> tuple[Any, Any]:
+    """(tensorflow, keras), with the CPU split into LOGICAL_CPUS logical devices.
+
+    torch and triton are imported first: with the CUDA build of torch, loading triton *after* TensorFlow
+    segfaults the process (measured here; see STACK.md), and torchvision/torchrec/the ONNX converters load
+    triton lazily.
+    """
+    global _MODULES
+    if _MODULES is not None:
+        return _MODULES
+    why = missing()
+    if why:
+        raise UserError(f"TensorFlow settings and sequential models {why}")
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import torch  # noqa: F401
+
+    if importlib.util.find_spec("triton") is not None:
+        import triton  # noqa: F401
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS)
+    except RuntimeError:
+        pass  # the runtime is already initialised (someone imported TF before us): keep its devices
+    tf.config.experimental.enable_op_determinism()
+    import keras
+
+    _MODULES = (tf, keras)
+    return _MODULES

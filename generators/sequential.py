@@ -1,0 +1,350 @@
+"""Muffin-style random Keras Sequential models, materialised in TensorFlow and (via ONNX) in PyTorch.
+
+A spec is a list of layers drawn from a catalogue by a numpy generator seeded by (seed, index); a small
+shape inference keeps every draw valid. Odd indices are the variant with one layer frozen.
+
+Training semantics: both frameworks train the *inference form* of the graph (`training=False`): Dropout is
+the identity and BatchNormalization uses its moving statistics with trainable gamma/beta. The ONNX graph
+can only carry that form (tf2onnx removes Dropout and folds BatchNorm), so it is the one all sides share.
+
+Weights are named by their Keras path without the model prefix (`l2_conv2d/kernel`) and kept in Keras
+layout; the PyTorch side maps its parameters back to those names and layouts (see `generators.conversion`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from difftest.registry import register_generator
+from difftest.spec import ModelSpec
+from generators import _tf
+from generators.inputs import Batch
+
+KIND = "sequential"
+DEFAULT_CONVERTER = "onnx2pytorch"
+ONNX_FILE = "model.onnx"
+EXPORT_ERROR_FILE = "onnx_export_error.txt"
+OPSET = 18  # tf2onnx 1.17's maximum
+
+ACTIVATIONS = ("relu", "tanh", "sigmoid", "softmax", "gelu", "elu", "selu", "swish", "leaky_relu")
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([0x5E0, *key]))
+
+
+def _pick(rng: np.random.Generator, options: list[Any] | tuple[Any, ...]) -> Any:
+    return options[int(rng.integers(len(options)))]
+
+
+# --- the layer catalogue: per input form, the layers that accept it and the shape they produce ---------------
+# A shape is the per-sample shape: (F,) flat, (T, F) sequence, (H, W, C) image.
+
+def _dense(rng, shape):
+    return {"class": "Dense", "units": int(rng.integers(2, 17)), "activation": _pick(rng, (None,) + ACTIVATIONS)}, shape[:-1] + (None,)
+
+
+def _norm(rng, shape):
+    if rng.random() < 0.5:
+        return {"class": "BatchNormalization"}, shape
+    return {"class": "LayerNormalization"}, shape
+
+
+def _dropout(rng, shape):
+    return {"class": "Dropout", "rate": round(float(rng.uniform(0.1, 0.5)), 2)}, shape
+
+
+def _activation(rng, shape):
+    return {"class": "Activation", "activation": _pick(rng, ACTIVATIONS)}, shape
+
+
+def _flatten(rng, shape):
+    return {"class": "Flatten"}, (math.prod(shape),)
+
+
+def _conv1d(rng, shape):
+    t, _ = shape
+    k = int(rng.integers(1, min(3, t) + 1))
+    padding = _pick(rng, ("valid", "same"))
+    strides = int(rng.integers(1, 3)) if padding == "valid" else 1
+    filters = int(rng.integers(2, 9))
+    out_t = (t - k) // strides + 1 if padding == "valid" else t
+    return {"class": "Conv1D", "filters": filters, "kernel_size": k, "strides": strides, "padding": padding,
+            "activation": _pick(rng, (None,) + ACTIVATIONS)}, (out_t, filters)
+
+
+def _pool1d(rng, shape):
+    t, f = shape
+    pool = int(rng.integers(2, min(3, t) + 1))
+    return {"class": _pick(rng, ("MaxPooling1D", "AveragePooling1D")), "pool_size": pool}, (t // pool, f)
+
+
+def _gap1d(rng, shape):
+    return {"class": "GlobalAveragePooling1D"}, (shape[-1],)
+
+
+def _rnn(rng, shape):
+    units = int(rng.integers(2, 9))
+    sequences = bool(rng.random() < 0.5)
+    layer = {"class": _pick(rng, ("LSTM", "GRU", "SimpleRNN")), "units": units, "return_sequences": sequences}
+    return layer, (shape[0], units) if sequences else (units,)
+
+
+def _pad1d(rng, shape):
+    p = int(rng.integers(1, 3))
+    return {"class": "ZeroPadding1D", "padding": p}, (shape[0] + 2 * p, shape[1])
+
+
+def _crop1d(rng, shape):
+    return {"class": "Cropping1D", "cropping": 1}, (shape[0] - 2, shape[1])
+
+
+def _conv2d(rng, shape):
+    h, w, _ = shape
+    k = int(rng.integers(1, min(3, h, w) + 1))
+    padding = _pick(rng, ("valid", "same"))
+    strides = int(rng.integers(1, 3)) if padding == "valid" else 1
+    kind = _pick(rng, ("Conv2D", "DepthwiseConv2D", "SeparableConv2D"))
+    out = lambda n: (n - k) // strides + 1 if padding == "valid" else n  # noqa: E731
+    layer = {"class": kind, "kernel_size": k, "strides": strides, "padding": padding,
+             "activation": _pick(rng, (None,) + ACTIVATIONS)}
+    channels = shape[2]
+    if kind == "DepthwiseConv2D":
+        layer["depth_multiplier"] = int(rng.integers(1, 3))
+        channels *= layer["depth_multiplier"]
+    else:
+        layer["filters"] = channels = int(rng.integers(2, 9))
+    return layer, (out(h), out(w), channels)
+
+
+def _pool2d(rng, shape):
+    h, w, c = shape
+    return {"class": _pick(rng, ("MaxPooling2D", "AveragePooling2D")), "pool_size": 2}, (h // 2, w // 2, c)
+
+
+def _gap2d(rng, shape):
+    return {"class": "GlobalAveragePooling2D"}, (shape[-1],)
+
+
+def _pad2d(rng, shape):
+    return {"class": "ZeroPadding2D", "padding": 1}, (shape[0] + 2, shape[1] + 2, shape[2])
+
+
+def _crop2d(rng, shape):
+    return {"class": "Cropping2D", "cropping": 1}, (shape[0] - 2, shape[1] - 2, shape[2])
+
+
+def _image_to_sequence(rng, shape):
+    h, w, c = shape
+    return {"class": "Reshape", "target_shape": [h * w, c]}, (h * w, c)
+
+
+def _flat_to_sequence(rng, shape):
+    (f,) = shape
+    return {"class": "Reshape", "target_shape": [2, f // 2]}, (2, f // 2)
+
+
+def _candidates(shape: tuple) -> list:
+    common = [_dense, _norm, _dropout, _activation]
+    if len(shape) == 1:
+        return common + ([_flat_to_sequence] if shape[0] % 2 == 0 and shape[0] >= 4 else [])
+    if len(shape) == 2:
+        t = shape[0]
+        return common + [_flatten, _gap1d, _rnn, _pad1d, _conv1d] + ([_pool1d] if t >= 2 else []) + ([_crop1d] if t > 3 else [])
+    h, w, _ = shape
+    return (common + [_flatten, _gap2d, _pad2d, _conv2d, _image_to_sequence]
+            + ([_pool2d] if min(h, w) >= 2 else []) + ([_crop2d] if min(h, w) > 3 else []))
+
+
+def _draw_layers(rng: np.random.Generator) -> tuple[dict, list[dict], int]:
+    form = _pick(rng, ("image", "sequence", "tokens"))
+    if form == "image":
+        side = int(rng.integers(6, 11))
+        shape: tuple = (side, side, int(rng.integers(1, 4)))
+        source = {"form": form, "shape": list(shape)}
+        layers: list[dict] = []
+    elif form == "sequence":
+        shape = (int(rng.integers(4, 9)), int(rng.integers(2, 7)))
+        source = {"form": form, "shape": list(shape)}
+        layers = []
+    else:
+        length, vocab = int(rng.integers(4, 9)), int(rng.integers(8, 33))
+        source = {"form": form, "shape": [length], "vocab": vocab}
+        dim = int(rng.integers(2, 7))
+        layers = [{"class": "Embedding", "input_dim": vocab, "output_dim": dim}]
+        shape = (length, dim)
+    for _ in range(int(rng.integers(2, 7))):
+        layer, shape = _pick(rng, _candidates(shape))(rng, shape)
+        if layer["class"] == "Dense":
+            shape = shape[:-1] + (layer["units"],)
+        if math.prod(shape) > 4096 or min(shape) < 1:
+            break  # keep cases small; the previous shape stays valid because `layers` is unchanged
+        layers.append(layer)
+    if len(shape) > 1:
+        layers.append({"class": "Flatten"})
+    classes = int(rng.integers(2, 6))
+    layers.append({"class": "Dense", "units": classes, "activation": None})  # logits; the loss applies softmax
+    for i, layer in enumerate(layers):
+        layer["name"] = f"l{i}_{layer['class'].lower()}"
+    return source, layers, classes
+
+
+class SequentialGenerator:
+    kind = KIND
+
+    def available(self) -> str | None:
+        return _tf.missing()
+
+    def spec(self, seed: int, index: int) -> ModelSpec:
+        rng = _rng(seed, index)
+        source, layers, classes = _draw_layers(rng)
+        for layer in layers:  # exact gelu exports as Erfc, the tanh form does not: draw both
+            if layer.get("activation") == "gelu" or (layer["class"] == "Activation" and layer["activation"] == "gelu"):
+                layer["gelu_approximate"] = bool(rng.random() < 0.5)
+        frozen: tuple[str, ...] = ()
+        if index % 2 == 1:  # freeze one layer, never the last: a model with nothing to train tests nothing
+            weighted = [l["name"] for l in layers[:-1] if l["class"] not in _WEIGHTLESS]
+            if not weighted:
+                layers.insert(-1, {"class": "Dense", "units": int(rng.integers(2, 17)), "activation": None,
+                                   "name": f"l{len(layers) - 1}_dense_frozen"})
+                weighted = [layers[-2]["name"]]
+            frozen = (_pick(rng, weighted),)
+        params = {"input": source, "layers": layers, "classes": classes, "converter": DEFAULT_CONVERTER}
+        return ModelSpec(kind=KIND, seed=seed, index=index, params=params, frozen=frozen, input_seed=0)
+
+    # --- TensorFlow side ----------------------------------------------------------------------------------
+    def keras_model(self, spec: ModelSpec, state: dict[str, np.ndarray] | None = None) -> Any:
+        tf, keras = _tf.import_tensorflow()
+        source = spec.params["input"]
+        dtype = "int32" if source["form"] == "tokens" else "float32"
+        model = keras.Sequential([keras.Input(tuple(source["shape"]), dtype=dtype)], name="seq")
+        for layer in spec.params["layers"]:
+            model.add(_keras_layer(keras, layer))
+        for layer in model.layers:
+            if layer.name in spec.frozen:
+                layer.trainable = False
+        if state is not None:
+            for weight in model.weights:
+                weight.assign(state[weight_name(weight)])
+        return model
+
+    def init_state(self, spec: ModelSpec) -> dict[str, np.ndarray]:
+        rng = _rng(spec.seed, spec.index, 1)
+        state = {}
+        for weight in self.keras_model(spec).weights:
+            name, shape = weight_name(weight), tuple(weight.shape)
+            leaf = name.rsplit("/", 1)[-1]
+            if leaf in ("gamma", "moving_variance"):
+                value = rng.uniform(0.5, 1.5, size=shape)
+            elif leaf in ("beta", "moving_mean", "bias", "embeddings"):
+                value = rng.uniform(-0.2, 0.2, size=shape)  # never all zero: tf2onnx would drop the bias
+            else:
+                fan_in = math.prod(shape[:-1]) or 1
+                value = rng.uniform(-1.0, 1.0, size=shape) * math.sqrt(3.0 / fan_in)
+            state[name] = value.astype(np.float32)
+        return state
+
+    def inputs(self, spec: ModelSpec, batch_size: int) -> dict[str, Batch]:
+        rng = _rng(spec.seed, spec.index, 2, spec.input_seed)
+        source = spec.params["input"]
+        classes = spec.params["classes"]
+        batches = {}
+        for split in ("train", "eval"):
+            if source["form"] == "tokens":
+                x = rng.integers(0, source["vocab"], size=(batch_size, *source["shape"])).astype(np.int32)
+            else:
+                x = rng.normal(size=(batch_size, *source["shape"])).astype(np.float32)
+            labels = np.eye(classes, dtype=np.float32)[rng.integers(0, classes, size=batch_size)]
+            batches[split] = Batch(labels=labels, dense=x)
+        return batches
+
+    def artifacts(self, spec: ModelSpec, state: dict[str, np.ndarray]) -> dict[str, bytes]:
+        """The ONNX export (or tf2onnx's error), written next to the spec at generation time."""
+        try:
+            return {ONNX_FILE: export_onnx(self.keras_model(spec, state), spec)}
+        except Exception as exc:  # a failed export is a finding, reported by the conversion settings
+            return {EXPORT_ERROR_FILE: f"tf2onnx {type(exc).__name__}: {exc}".encode()}
+
+    def trainable_weight_names(self, spec: ModelSpec, state: dict[str, np.ndarray]) -> list[str]:
+        """Names of the weights training updates: not frozen, not BatchNorm moving statistics."""
+        frozen = tuple(f"{layer}/" for layer in spec.frozen)
+        return [n for n in state if not n.startswith(frozen) and not n.endswith(("moving_mean", "moving_variance"))]
+
+    # --- PyTorch side (workers only) ----------------------------------------------------------------------
+    def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None,
+              converter: str | None = None) -> Any:
+        from generators.conversion import convert_onnx
+
+        return convert_onnx(self, spec, init_state, model_dir, converter or spec.params["converter"], device)
+
+    def forward(self, module: Any, batch: Batch, device: str) -> Any:
+        import torch
+
+        return module(torch.from_numpy(batch.dense).to(device))
+
+    def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
+        return {"logits": self.forward(module, batch, device)}
+
+    def loss(self, prediction: Any, batch: Batch) -> Any:
+        import torch
+
+        labels = torch.from_numpy(batch.labels).to(prediction.device)
+        return torch.nn.functional.cross_entropy(prediction, labels)
+
+    def parameters(self, module: Any) -> dict[str, Any]:
+        """Keras name → tensor in Keras layout (views of the trainable PyTorch parameters)."""
+        return _unwrap(module).keras_parameters()
+
+
+_WEIGHTLESS = {"Dropout", "Activation", "Flatten", "Reshape", "MaxPooling1D", "AveragePooling1D", "MaxPooling2D",
+               "AveragePooling2D", "GlobalAveragePooling1D", "GlobalAveragePooling2D", "ZeroPadding1D",
+               "ZeroPadding2D", "Cropping1D", "Cropping2D"}
+
+
+def weight_name(weight: Any) -> str:
+    return weight.path.split("/", 1)[1]  # drop the model's own name
+
+
+def layer_kinds(spec: ModelSpec) -> list[str]:
+    """The distinct layer kinds of a model, activations included (`Dense`, `act:gelu`)."""
+    kinds = []
+    for layer in spec.params["layers"]:
+        kinds.append(layer["class"])
+        if layer.get("activation"):
+            kinds.append(f"act:{layer['activation']}" + ("~tanh" if layer.get("gelu_approximate") else ""))
+    return sorted(set(kinds))
+
+
+def _keras_layer(keras: Any, layer: dict) -> Any:
+    config = {k: v for k, v in layer.items() if k not in ("class", "gelu_approximate")}
+    activation = config.get("activation")
+    if activation == "gelu":
+        approximate = layer.get("gelu_approximate", False)
+        config["activation"] = lambda x: keras.activations.gelu(x, approximate=approximate)
+    elif activation == "leaky_relu":
+        config["activation"] = keras.activations.leaky_relu
+    return getattr(keras.layers, layer["class"])(**config)
+
+
+def export_onnx(model: Any, spec: ModelSpec) -> bytes:
+    tf, _ = _tf.import_tensorflow()
+    import tf2onnx
+
+    source = spec.params["input"]
+    dtype = tf.int32 if source["form"] == "tokens" else tf.float32
+    signature = (tf.TensorSpec((None, *source["shape"]), dtype, name="x"),)
+    function = tf.function(lambda x: model(x, training=False))
+    proto, _ = tf2onnx.convert.from_function(function, input_signature=signature, opset=OPSET)
+    return proto.SerializeToString()
+
+
+def _unwrap(module: Any) -> Any:
+    while not hasattr(module, "keras_parameters"):
+        module = module.module
+    return module
+
+
+register_generator(KIND, SequentialGenerator())

@@ -1,0 +1,82 @@
+"""DistributedDataParallel, with the constructor options that change its numerics or control flow.
+
+Every rank trains on its contiguous share of the global batch; DDP averages gradients, which equals the
+reference's global-mean gradient because the shares are equal. `no-sync` accumulates two micro-batches
+locally (`no_sync()` on the first) before the synchronising backward, each loss scaled by 1/2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from difftest.errors import Unsupported
+from difftest.registry import register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from settings._training import build_for_training, canonical_parameters, record_training
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    # one bucket per parameter: reductions run in a different grouping and order
+    "bucket-tiny": {"bucket_cap_mb": 1e-6},
+    "grad-as-bucket-view": {"gradient_as_bucket_view": True},
+    "static-graph": {"static_graph": True},
+    "find-unused": {"find_unused_parameters": True},
+    "no-sync": {},
+}
+
+
+@dataclass(frozen=True)
+class DataParallel(Setting):
+    """torch DistributedDataParallel over gloo/nccl, plain SGD."""
+
+    world_size: int
+    variant: str = "default"
+    family: ClassVar[str] = "ddp"
+
+    @property
+    def name(self) -> str:
+        return f"ddp/{self.variant}/ws{self.world_size}"
+
+    def describe(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in VARIANTS[self.variant].items()) or "defaults"
+        if self.variant == "no-sync":
+            options = "2 micro-batches, no_sync() on the first"
+        return f"DDP over {self.world_size} ranks ({options})"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = build_for_training(model, ctx.device)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if not trainable:
+            raise Unsupported("every parameter is frozen; DDP refuses a module with nothing to train")
+        device_ids = [torch.device(ctx.device)] if ctx.device.startswith("cuda") else None
+        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=ctx.group, **VARIANTS[self.variant])
+        optimizer = torch.optim.SGD(trainable, lr=ctx.lr)
+
+        def train_step(batch: Any) -> float:
+            optimizer.zero_grad()
+            if self.variant != "no-sync":
+                loss = model.loss(model.forward(ddp, batch, ctx.device), batch)
+                loss.backward()
+                optimizer.step()
+                return loss.item()
+            half = batch.size // 2
+            first, second = batch.slice(0, half), batch.slice(half, batch.size)
+            with ddp.no_sync():
+                loss_a = model.loss(model.forward(ddp, first, ctx.device), first) * (first.size / batch.size)
+                loss_a.backward()
+            loss_b = model.loss(model.forward(ddp, second, ctx.device), second) * (second.size / batch.size)
+            loss_b.backward()
+            optimizer.step()
+            return loss_a.item() + loss_b.item()
+
+        def full_parameters() -> dict | None:
+            return canonical_parameters(model, ddp) if ctx.rank == 0 else None
+
+        return record_training(ctx, inputs, lambda b: model.evaluate(ddp, b, ctx.device), train_step, full_parameters)
+
+
+register_settings(DataParallel(ws, variant) for variant in VARIANTS for ws in (2, 3, 4))

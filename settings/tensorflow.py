@@ -1,0 +1,157 @@
+"""TensorFlow's own distribution strategies against single-device TensorFlow (the D3 TF side).
+
+One custom training loop serves every strategy (Keras 3 `fit` cannot take per-replica values under
+MultiWorkerMirrored here): each replica takes its contiguous share of the same global batch, the loss is
+the per-example sum over the *global* batch size, and Keras' SGD applies the all-reduced gradient. Models
+train in their inference form (see `generators.sequential`), with op determinism on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from difftest.errors import Unsupported
+from difftest.registry import register_setting, register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from generators import _tf
+from settings._training import gather_to_rank0
+
+TF_REFERENCE = "tf/reference"
+STRATEGIES = ("default", "mirrored", "central-storage", "multi-worker")
+
+
+@dataclass(frozen=True)
+class TensorFlowStrategy(Setting):
+    """A tf.distribute strategy, custom training loop, plain SGD."""
+
+    strategy: str
+    replicas: int = 1
+    world_size: int = 1  # processes: only multi-worker uses more than one
+    family: ClassVar[str] = "tensorflow"
+    reference: ClassVar[str] = TF_REFERENCE
+
+    @property
+    def name(self) -> str:
+        if self.strategy == "default":
+            return TF_REFERENCE
+        if self.strategy == "multi-worker":
+            return f"tf/multi-worker/ws{self.world_size}"
+        return f"tf/{self.strategy}/r{self.replicas}"
+
+    def describe(self) -> str:
+        if self.strategy == "default":
+            return "TensorFlow single device, op determinism, custom loop, plain SGD (the TF reference)"
+        if self.strategy == "multi-worker":
+            return f"MultiWorkerMirroredStrategy, {self.world_size} worker processes on 127.0.0.1"
+        return f"{self.strategy} strategy over {self.replicas} logical CPU devices"
+
+    @property
+    def process_affinity(self) -> str:
+        # TF numbers collective groups per process: a second MirroredStrategy of another size in the same
+        # process fails ("joining a group with size 3, but that group has size 2"), so each strategy
+        # configuration gets processes of its own (see repros/tf_two_mirrored_strategies.py)
+        return "" if self.strategy == "default" else self.name
+
+    def supports(self, spec: Any) -> str | None:
+        return None if spec.kind == "sequential" else f"TensorFlow settings run Keras models; kind {spec.kind!r} is PyTorch-only"
+
+    def available(self) -> str | None:
+        return _tf.missing()
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        tf, keras = _tf.import_tensorflow()
+        strategy = self._strategy(ctx, tf)
+        replicas = strategy.num_replicas_in_sync
+        global_batch = inputs.train.size
+        with strategy.scope():
+            keras_model = model.generator.keras_model(model.spec, model.init_state)
+            optimizer = keras.optimizers.SGD(learning_rate=ctx.lr)
+        recorded = [w for w in keras_model.weights if not w.path.endswith(("moving_mean", "moving_variance"))]
+
+        def distribute(array: np.ndarray) -> Any:
+            shards = np.split(array, replicas)
+            return strategy.experimental_distribute_values_from_function(
+                lambda value_context: tf.constant(shards[value_context.replica_id_in_sync_group])
+            )
+
+        def replica_step(x: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                logits = keras_model(x, training=False)
+                loss = tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(y, logits)) / global_batch
+            variables = keras_model.trainable_variables
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+
+        @tf.function
+        def train(x: Any, y: Any) -> Any:
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(x, y)), axis=None)
+
+        @tf.function
+        def predict(x: Any) -> Any:
+            return strategy.run(lambda v: keras_model(v, training=False), args=(x,))
+
+        outputs: Outputs = {}
+
+        def record_predictions(phase: str) -> None:
+            local = strategy.experimental_local_results(predict(distribute(inputs.eval.dense)))
+            pieces = gather_to_rank0(ctx, np.concatenate([t.numpy() for t in local]))
+            if pieces is not None:
+                outputs[f"{phase}/logits"] = np.concatenate(pieces)
+
+        record_predictions("eval_before")
+        x, y = distribute(inputs.train.dense), distribute(inputs.train.labels)
+        for step in range(1, ctx.steps + 1):
+            loss = float(train(x, y).numpy())
+            outputs[f"train_step{step}/loss"] = np.array([loss], dtype=np.float32)
+            for weight in recorded:
+                outputs[f"param_after_step{step}/{weight.path.split('/', 1)[1]}"] = np.array(weight.numpy())
+        record_predictions(f"eval_after_step{ctx.steps}")
+        ctx.notes["replicas"] = str(replicas)
+        return outputs if ctx.rank == 0 else None
+
+    def _strategy(self, ctx: RunContext, tf: Any) -> Any:
+        devices = [f"/cpu:{i}" for i in range(self.replicas)]
+        if self.strategy == "default":
+            return tf.distribute.get_strategy()
+        if self.strategy == "mirrored":
+            return tf.distribute.MirroredStrategy(devices=devices)
+        if self.strategy == "central-storage":
+            return tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices, parameter_device="/cpu:0")
+        return _multi_worker_strategy(ctx, tf)
+
+
+_MULTI_WORKER: Any = None
+
+
+def _multi_worker_strategy(ctx: RunContext, tf: Any) -> Any:
+    """One MultiWorkerMirroredStrategy per process: TF's collective runtime can be configured only once."""
+    global _MULTI_WORKER
+    if _MULTI_WORKER is not None:
+        return _MULTI_WORKER
+    if ctx.backend != "gloo" or ctx.world_size < 2:
+        raise Unsupported("multi-worker runs beside the gloo process group, with 2+ workers")
+    with socket.socket() as probe:  # a free loopback port for this worker's TF server
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    import torch.distributed as dist
+
+    ports: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(ports, port, group=ctx.group)
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": ctx.rank},
+    })
+    _MULTI_WORKER = tf.distribute.MultiWorkerMirroredStrategy()
+    return _MULTI_WORKER
+
+
+register_setting(TensorFlowStrategy("default"))
+register_settings(TensorFlowStrategy("mirrored", r) for r in (1, 2, 3, 4))
+register_setting(TensorFlowStrategy("central-storage", 2))
+register_setting(TensorFlowStrategy("multi-worker", 1, 2))

@@ -53,9 +53,9 @@ class TensorFlowStrategy(Setting):
 
     @property
     def process_affinity(self) -> str:
-        # TF numbers collective groups per process: a second MirroredStrategy of another size in the same
-        # process fails ("joining a group with size 3, but that group has size 2"), so each strategy
-        # configuration gets processes of its own (see repros/tf_two_mirrored_strategies.py)
+        # TF numbers collective groups per process: a second MirroredStrategy in the same process fails
+        # ("joining a group with size 3, but that group has size 2"), so each strategy configuration gets
+        # processes of its own and reuses one strategy object there (repros/tf_two_mirrored_strategies.py)
         return "" if self.strategy == "default" else self.name
 
     def supports(self, spec: Any) -> str | None:
@@ -116,24 +116,26 @@ class TensorFlowStrategy(Setting):
         return outputs if ctx.rank == 0 else None
 
     def _strategy(self, ctx: RunContext, tf: Any) -> Any:
-        devices = [f"/cpu:{i}" for i in range(self.replicas)]
-        if self.strategy == "default":
-            return tf.distribute.get_strategy()
-        if self.strategy == "mirrored":
-            return tf.distribute.MirroredStrategy(devices=devices)
-        if self.strategy == "central-storage":
-            return tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices, parameter_device="/cpu:0")
-        return _multi_worker_strategy(ctx, tf)
+        # one strategy object per process, reused by every case: a second instance in the same process
+        # reuses TF's collective group keys and fails, even at the same size (repros/tf_two_mirrored_strategies.py)
+        if self.name not in _STRATEGIES:
+            devices = [f"/cpu:{i}" for i in range(self.replicas)]
+            if self.strategy == "default":
+                strategy = tf.distribute.get_strategy()
+            elif self.strategy == "mirrored":
+                strategy = tf.distribute.MirroredStrategy(devices=devices)
+            elif self.strategy == "central-storage":
+                strategy = tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices, parameter_device="/cpu:0")
+            else:
+                strategy = _multi_worker_strategy(ctx, tf)
+            _STRATEGIES[self.name] = strategy
+        return _STRATEGIES[self.name]
 
 
-_MULTI_WORKER: Any = None
+_STRATEGIES: dict[str, Any] = {}
 
 
 def _multi_worker_strategy(ctx: RunContext, tf: Any) -> Any:
-    """One MultiWorkerMirroredStrategy per process: TF's collective runtime can be configured only once."""
-    global _MULTI_WORKER
-    if _MULTI_WORKER is not None:
-        return _MULTI_WORKER
     if ctx.backend != "gloo" or ctx.world_size < 2:
         raise Unsupported("multi-worker runs beside the gloo process group, with 2+ workers")
     with socket.socket() as probe:  # a free loopback port for this worker's TF server
@@ -147,8 +149,7 @@ def _multi_worker_strategy(ctx: RunContext, tf: Any) -> Any:
         "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
         "task": {"type": "worker", "index": ctx.rank},
     })
-    _MULTI_WORKER = tf.distribute.MultiWorkerMirroredStrategy()
-    return _MULTI_WORKER
+    return tf.distribute.MultiWorkerMirroredStrategy()
 
 
 register_setting(TensorFlowStrategy("default"))

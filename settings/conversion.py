@@ -53,7 +53,7 @@ class Conversion(Setting):
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         if self.backend == "onnxruntime":
             return {"eval_before/logits": _onnxruntime_predict(model, inputs.eval.dense)}
-        module = model.build(ctx.device, converter=self.backend)  # ConversionFailed → an error row
+        module = self.converted(model.build(ctx.device, converter=self.backend))  # ConversionFailed → an error row
         if self.phase == "eval":
             import torch
 
@@ -64,6 +64,11 @@ class Conversion(Setting):
             raise Unsupported(f"{len(module.unmapped)} Keras weights have no trainable PyTorch counterpart ({reasons})")
         ctx.notes["trainable"] = str(sum(p.requires_grad for p in module.parameters()))
         return train_single_process(ctx, model, inputs, module)
+
+
+    def converted(self, module: Any) -> Any:
+        """The converted module as this setting runs it (a hook for planted faults)."""
+        return module
 
 
 def _onnxruntime_predict(model: Any, x: Any) -> Any:

@@ -83,7 +83,7 @@ class TensorFlowStrategy(Setting):
         def replica_step(x: Any, y: Any) -> Any:
             with tf.GradientTape() as tape:
                 logits = keras_model(x, training=False)
-                loss = tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(y, logits)) / global_batch
+                loss = tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(y, logits)) / self.loss_denominator(global_batch, replicas)
             variables = keras_model.trainable_variables
             optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
             return loss
@@ -114,6 +114,10 @@ class TensorFlowStrategy(Setting):
         record_predictions(f"eval_after_step{ctx.steps}")
         ctx.notes["replicas"] = str(replicas)
         return outputs if ctx.rank == 0 else None
+
+    def loss_denominator(self, global_batch: int, replicas: int) -> int:
+        """Per-replica losses are sums over the *global* batch size, so the all-reduced gradient is its mean."""
+        return global_batch
 
     def _strategy(self, ctx: RunContext, tf: Any) -> Any:
         # one strategy object per process, reused by every case: a second instance in the same process

@@ -25,3 +25,11 @@ def fresh_run(generated_run: Path, tmp_path: Path) -> Path:
     target = tmp_path / "run"
     shutil.copytree(generated_run, target)
     return target
+
+
+@pytest.fixture(scope="session")
+def sequential_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Six generated Keras sequential models (odd indices frozen), exported to ONNX, never swept."""
+    run_dir = tmp_path_factory.mktemp("sequential") / "run"
+    generate(run_dir, RunConfig(seed=0, models=6, kinds=("sequential",), plugins=(PLANTED,)))
+    return run_dir

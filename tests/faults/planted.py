@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
+from settings.conversion import Conversion
+from settings.tensorflow import TensorFlowStrategy
 from settings.torchrec_sharding import TorchRecSharding, _local_pieces
 
 
@@ -109,3 +111,42 @@ register_settings(
         RefusesEverything(),
     ]
 )
+
+
+@dataclass(frozen=True)
+class ConvertedKernelFlipped(Conversion):
+    """onnx2pytorch conversion whose first mapped multi-row kernel has its rows reversed (a mis-laid-out weight)."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/convert_flipped_kernel/{self.phase}"
+
+    def converted(self, module: Any) -> Any:
+        import torch
+
+        for name, view in module.keras_parameters().items():
+            if view.dim() >= 2 and view.shape[0] > 1:
+                with torch.no_grad():
+                    view.copy_(view.flip(0))
+                return module
+        raise RuntimeError("no multi-row kernel to flip")
+
+
+@dataclass(frozen=True)
+class MirroredLocalMeanLoss(TensorFlowStrategy):
+    """MirroredStrategy whose replicas average their loss over their *local* batch: gradients × replicas."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/tf_local_mean_loss/r{self.replicas}"
+
+    def loss_denominator(self, global_batch: int, replicas: int) -> int:
+        return global_batch // replicas
+
+
+register_settings([ConvertedKernelFlipped("onnx2pytorch", "eval"), ConvertedKernelFlipped("onnx2pytorch", "train"),
+                   MirroredLocalMeanLoss("mirrored", 2)])

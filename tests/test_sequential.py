@@ -1,0 +1,81 @@
+"""Keras sequential models: generation, trainable conversion, and the TF / conversion / DDP settings."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from difftest.analysis import analyze
+from difftest.artifacts import load_model
+from difftest.runner.sweep import SweepOptions, list_models, run_sweep
+from generators import _tf
+from generators.sequential import EXPORT_ERROR_FILE, SequentialGenerator
+from tests.conftest import PLANTED
+
+pytestmark = pytest.mark.skipif(_tf.missing() is not None, reason=f"TF extra missing: {_tf.missing()}")
+
+
+def test_specs_are_reproducible_and_every_draw_builds() -> None:
+    generator = SequentialGenerator()
+    assert generator.spec(3, 5) == generator.spec(3, 5)
+    assert generator.spec(3, 5) != generator.spec(3, 6)
+    for index in range(30):
+        spec = generator.spec(7, index)
+        assert bool(spec.frozen) == (index % 2 == 1)
+        model = generator.keras_model(spec)  # shape inference kept every layer valid
+        assert model.output_shape == (None, spec.params["classes"])
+        if spec.frozen:
+            assert spec.frozen[0] != spec.params["layers"][-1]["name"]
+
+
+def test_every_keras_weight_maps_to_exactly_one_trainable_parameter(sequential_run: Path) -> None:
+    import torch
+
+    checked = 0
+    for model_dir, spec in list_models(sequential_run):
+        if (model_dir / EXPORT_ERROR_FILE).exists():
+            continue
+        model, inputs = load_model(model_dir)
+        module = model.build("cpu", converter="onnx2pytorch")
+        wanted = {n for n in model.init_state if not n.endswith(("moving_mean", "moving_variance"))}
+        assert set(module.mapped) | set(module.unmapped) == wanted
+        assert not set(module.mapped) & set(module.unmapped)
+        # only BatchNorm's gamma/beta are folded by tf2onnx; everything else must be trainable
+        assert all("batchnormalization" in name for name in module.unmapped), module.unmapped
+        views = module.keras_parameters()
+        for name, view in views.items():
+            np.testing.assert_array_equal(view.detach().numpy(), model.init_state[name])
+        frozen = tuple(f"{layer}/" for layer in spec.frozen)
+        expected_trainable = {id(module.mapped[n].tensor) for n in module.mapped if not n.startswith(frozen)}
+        trainable = {id(p) for p in module.parameters() if p.requires_grad}
+        assert trainable == expected_trainable
+        assert len(expected_trainable) == len([n for n in module.mapped if not n.startswith(frozen)])
+        # one SGD step moves exactly the trainable weights
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.5)
+        model.loss(model.forward(module, inputs.train, "cpu"), inputs.train).backward()
+        optimizer.step()
+        for name, view in module.keras_parameters().items():
+            moved = not np.array_equal(view.detach().numpy(), model.init_state[name])
+            assert moved == (not name.startswith(frozen)), name
+        checked += 1
+    assert checked >= 4
+
+
+def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(sequential_run: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(sequential_run, run_dir)
+    clean = ["reference", "tf/reference", "tf/mirrored/r2", "convert/onnxruntime/eval",
+             "convert/onnx2pytorch/eval", "convert/onnx2pytorch/train", "ddp/default/ws2"]
+    planted = ["faults/convert_flipped_kernel/eval", "faults/convert_flipped_kernel/train", "faults/tf_local_mean_loss/r2"]
+    models = "*-i0,*-i1-frozen,*-i2"
+    run_sweep(run_dir, SweepOptions(settings=",".join(clean + planted), models=models, plugins=(PLANTED,), timeout_s=180))
+    cases = analyze(run_dir).cases
+    judged = {(r.model, r.setting): r.verdict for r in cases.itertuples()}
+    for model in ("sequential-s0-i0", "sequential-s0-i1-frozen", "sequential-s0-i2"):
+        for setting in clean:
+            assert judged[(model, setting)] == "ok", (model, setting)
+        for setting in planted:
+            assert judged[(model, setting)] == "inconsistent", (model, setting)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs difftest and its pinned ML stack into ./.venv (or the active virtualenv).
+# Installs difftest and its pinned ML stack (with the [tf] extra) into ./.venv (or the active virtualenv).
 # torchrec is installed with --no-deps: its metadata requires the CUDA build of fbgemm-gpu,
 # which does not load on a machine without a GPU driver. We pick the fbgemm build that fits.
 set -euo pipefail
@@ -26,5 +26,6 @@ fi
 pip_install "torch==$TORCH"
 pip_install "$FBGEMM_PKG"
 pip_install --no-deps "torchrec==$TORCHREC"
-pip_install -e ".[test]"
+# DIFFTEST_EXTRAS=test installs without TensorFlow (DLRM models and PyTorch settings only)
+pip_install -e ".[${DIFFTEST_EXTRAS:-test,tf}]"
 "$PY" -c "import torch, torchrec, fbgemm_gpu; print('difftest stack: torch', torch.__version__, '| torchrec', torchrec.__version__ if hasattr(torchrec, '__version__') else '$TORCHREC', '| $FBGEMM_PKG')"

@@ -10,7 +10,7 @@ import pandas as pd
 
 from difftest.errors import UserError
 from difftest.oracle import Tolerance, compare
-from difftest.registry import get_setting, load_plugins
+from difftest.registry import get_generator, get_setting, load_plugins
 from difftest.runner.sweep import list_models
 from difftest.store import STATUSES, Store
 
@@ -26,6 +26,7 @@ class Analysis:
     cases: pd.DataFrame  # one row per (model, setting) with its final verdict
     by_setting: pd.DataFrame
     by_kind: pd.DataFrame
+    by_feature: pd.DataFrame  # per (model feature, setting), e.g. (Conv1D, convert/onnx2torch/eval)
 
     @property
     def inconsistencies(self) -> pd.DataFrame:
@@ -92,10 +93,12 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
 
     comparisons_df = pd.DataFrame(rows, columns=CSV_COLUMNS)
     cases_df = pd.DataFrame(verdicts, columns=["model", "kind", "setting", "verdict", "worst_linf", "wall_s"])
-    analysis = Analysis(comparisons_df, cases_df, _summarise(cases_df, "setting"), _summarise(cases_df, "kind"))
+    analysis = Analysis(comparisons_df, cases_df, _summarise(cases_df, "setting"), _summarise(cases_df, "kind"),
+                        _by_feature(cases_df, specs))
     comparisons_df.to_csv(run_dir / "comparisons.csv", index=False)
     analysis.inconsistencies.to_csv(run_dir / "inconsistencies.csv", index=False)
     analysis.by_setting.to_csv(run_dir / "summary.csv")
+    analysis.by_feature.to_csv(run_dir / "by_feature.csv", index=False)
     return analysis
 
 
@@ -104,6 +107,32 @@ def _registered(name: str):
         return get_setting(name)
     except UserError:
         return None  # a setting from a plugin not loaded now: judged against the default reference
+
+
+def _by_feature(cases: pd.DataFrame, specs: dict) -> pd.DataFrame:
+    """Verdict counts per (feature, setting): which layer kinds fail or diverge under which setting."""
+    columns = ["feature", "setting", "cases", *STATUSES, "worst_linf"]
+    rows = []
+    for case in cases.itertuples():
+        generator = _generator(specs[case.model].kind)
+        features = generator.features(specs[case.model]) if hasattr(generator, "features") else []
+        rows.extend({"feature": f, "setting": case.setting, "verdict": case.verdict, "worst_linf": case.worst_linf}
+                    for f in features)
+    if not rows:
+        return pd.DataFrame(columns=columns)
+    exploded = pd.DataFrame(rows)
+    table = pd.crosstab([exploded["feature"], exploded["setting"]], exploded["verdict"]).reindex(
+        columns=list(STATUSES), fill_value=0)
+    table.insert(0, "cases", table.sum(axis=1))
+    table["worst_linf"] = exploded.groupby(["feature", "setting"])["worst_linf"].max()
+    return table.reset_index()[columns]
+
+
+def _generator(kind: str):
+    try:
+        return get_generator(kind)
+    except UserError:
+        return None
 
 
 def _summarise(cases: pd.DataFrame, key: str) -> pd.DataFrame:

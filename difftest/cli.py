@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
 from difftest.errors import UserError
@@ -58,7 +59,7 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
         for name in generator_kinds():
             why = _unavailable(get_generator(name))
             if why:
-                console.print(f"[yellow]kind {name!r} left out: it {why}")
+                console.print(f"[yellow]kind {name!r} left out: it {escape(why)}")
             else:
                 kinds.append(name)
         kinds = tuple(kinds)
@@ -125,7 +126,8 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool) -> None:
     findings = {s: analysis.count(s) for s in FINDINGS + ("unsupported",)}
     out_console.print(
         f"{len(analysis.cases)} cases: " + ", ".join(f"{k} {v}" for k, v in findings.items())
-        + f"\n{out / 'inconsistencies.csv'} ({len(analysis.inconsistencies)} rows), {out / 'comparisons.csv'} ({len(analysis.comparisons)} rows)"
+        + f"\n{out / 'inconsistencies.csv'} ({len(analysis.inconsistencies)} rows), {out / 'comparisons.csv'} ({len(analysis.comparisons)} rows), "
+        f"{out / 'by_feature.csv'} (verdicts per layer kind × setting)"
     )
     if fail and any(findings[s] for s in FINDINGS):
         raise typer.Exit(1)
@@ -211,7 +213,8 @@ def settings_list(plugin: PluginOpt = None) -> None:
         table.add_column(column)
     for setting in all_settings():
         reason = setting.available()
-        table.add_row(setting.name, setting.family, str(setting.world_size), setting.describe(), "yes" if reason is None else f"no: {reason}")
+        here = "yes" if reason is None else f"no: {reason}"
+        table.add_row(setting.name, setting.family, str(setting.world_size), escape(setting.describe()), escape(here))
     out_console.print(table)
 
 

@@ -294,6 +294,10 @@ class SequentialGenerator:
         labels = torch.from_numpy(batch.labels).to(prediction.device)
         return torch.nn.functional.cross_entropy(prediction, labels)
 
+    def features(self, spec: ModelSpec) -> list[str]:
+        """What `analyze` tabulates findings by: the model's layer kinds and activations."""
+        return _features(spec)
+
     def parameters(self, module: Any) -> dict[str, Any]:
         """Keras name → tensor in Keras layout (views of the trainable PyTorch parameters)."""
         return _unwrap(module).keras_parameters()
@@ -308,7 +312,7 @@ def weight_name(weight: Any) -> str:
     return weight.path.split("/", 1)[1]  # drop the model's own name
 
 
-def layer_kinds(spec: ModelSpec) -> list[str]:
+def _features(spec: ModelSpec) -> list[str]:
     """The distinct layer kinds of a model, activations included (`Dense`, `act:gelu`)."""
     kinds = []
     for layer in spec.params["layers"]:

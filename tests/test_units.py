@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,22 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], ne
     assert "Traceback" not in result.stderr
     if args[0] == "run":
         assert not (tmp_path / "run").exists()  # rejected before anything was generated
+
+
+def test_without_the_tf_extra_the_keras_kind_is_refused_with_the_install_hint(tmp_path: Path) -> None:
+    # a site hook that hides tensorflow from importlib, as on a machine installed without `[tf]`
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import importlib.util as u\n_find = u.find_spec\n"
+        "u.find_spec = lambda name, *a, **k: None if name.split('.')[0] == 'tensorflow' else _find(name, *a, **k)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{hide}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "difftest.cli", "generate", "--kind", "sequential", "--out", str(tmp_path / "r")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install -e '.[tf]'" in lines[0], result.stderr
+    listing = subprocess.run([sys.executable, "-m", "difftest.cli", "settings", "list"], capture_output=True,
+                             text=True, timeout=120, env={**env, "COLUMNS": "400"})
+    assert listing.returncode == 0 and "[tf]" in listing.stdout

@@ -119,7 +119,7 @@ def test_unreadable_tensor_file_is_a_user_error(tmp_path: Path) -> None:
     "args, needle",
     [
         (["sweep", "/nonexistent/run"], "no run.json"),
-        (["analyze", "/nonexistent/run"], "no models/ folder"),
+        (["analyze", "/nonexistent/run"], "no run.json"),
         (["run", "--out", "{tmp}", "--settings", "nothing/*"], "matches no registered setting"),
         (["generate", "--out", "{tmp}", "--batch-size", "13"], "multiple of 12"),
         (["generate", "--out", "{tmp}", "--kind", "bogus"], "unknown model kind"),

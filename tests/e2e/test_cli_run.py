@@ -39,7 +39,7 @@ def test_difftest_run_on_the_default_models(tmp_path: Path) -> None:
     assert "torchrec/ebc/grid_shard/ws2" in set(rows.setting)
     clean = {f"torchrec/ebc/{t}/ws{w}" for t in ("table_wise", "row_wise", "column_wise", "table_row_wise",
                                                  "table_column_wise", "data_parallel") for w in (2, 3, 4)}
-    assert not clean & set(rows.setting)
+    assert not clean & set(rows[rows.status == "inconsistent"].setting)
     comparisons = pd.read_csv(out / "comparisons.csv")
     assert (comparisons.status == "ok").sum() > 1000
 

@@ -7,3 +7,11 @@ class UserError(Exception):
 
 class Unsupported(Exception):
     """Raised by a setting when the library refuses the combination; recorded as `unsupported`."""
+
+
+class ConversionFailed(RuntimeError):
+    """A model has no form in the framework a setting needs (its export or conversion failed); says why.
+
+    Settings that test the conversion record it as an `error`; settings that only need the model record it
+    as `unsupported`.
+    """

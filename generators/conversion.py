@@ -18,25 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from difftest.errors import ConversionFailed
+
 CONVERTERS = ("onnx2pytorch", "onnx2torch")
-
-
-class ConversionFailed(RuntimeError):
-    """The model has no PyTorch form under this converter (export or conversion failed); the message says why."""
 
 
 def convert_onnx(generator: Any, spec: Any, init_state: dict[str, np.ndarray], model_dir: Path | None,
                  converter: str, device: str) -> Any:
     import onnx
 
-    from generators.sequential import EXPORT_ERROR_FILE, ONNX_FILE
+    from generators.sequential import onnx_export
 
-    if model_dir is None:
-        raise ConversionFailed("no model folder to read the ONNX export from")
-    model_dir = Path(model_dir)
-    if (model_dir / EXPORT_ERROR_FILE).exists():
-        raise ConversionFailed((model_dir / EXPORT_ERROR_FILE).read_text())
-    proto = onnx.load_model(str(model_dir / ONNX_FILE))
+    proto = onnx.load_model(str(onnx_export(model_dir)))
     try:
         graph = _CONVERT[converter](proto)
     except Exception as exc:

@@ -14,10 +14,12 @@ layout; the PyTorch side maps its parameters back to those names and layouts (se
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from difftest.errors import ConversionFailed
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators import _tf
@@ -331,6 +333,16 @@ def _keras_layer(keras: Any, layer: dict) -> Any:
     elif activation == "leaky_relu":
         config["activation"] = keras.activations.leaky_relu
     return getattr(keras.layers, layer["class"])(**config)
+
+
+def onnx_export(model_dir: Path | None) -> Path:
+    """The model's ONNX file; ConversionFailed with tf2onnx's message when the export failed."""
+    if model_dir is None:
+        raise ConversionFailed("no model folder to read the ONNX export from")
+    error = Path(model_dir) / EXPORT_ERROR_FILE
+    if error.exists():
+        raise ConversionFailed(error.read_text())
+    return Path(model_dir) / ONNX_FILE
 
 
 def export_onnx(model: Any, spec: ModelSpec) -> bytes:

@@ -88,14 +88,12 @@ def record_training(
 
 def build_for_training(model: Any, device: str, **options: Any) -> Any:
     """The model's PyTorch module; a model without one (its conversion failed) cannot run this setting."""
-    from difftest.errors import Unsupported
+    from difftest.errors import ConversionFailed, Unsupported
 
     try:
         return model.build(device, **options)
-    except Exception as exc:
-        if type(exc).__name__ == "ConversionFailed":  # its own settings report it as an error
-            raise Unsupported(f"no PyTorch form: {exc}") from None
-        raise
+    except ConversionFailed as exc:  # the conversion settings report it as an error
+        raise Unsupported(f"no PyTorch form: {exc}") from None
 
 
 def sgd_step(model: Any, module: Any, optimizer: Any, batch: Batch, device: str) -> float:

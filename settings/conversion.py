@@ -74,13 +74,12 @@ class Conversion(Setting):
 def _onnxruntime_predict(model: Any, x: Any) -> Any:
     import onnxruntime
 
-    from generators.sequential import EXPORT_ERROR_FILE, ONNX_FILE
+    from generators.sequential import onnx_export
 
-    if (model.model_dir / EXPORT_ERROR_FILE).exists():
-        raise RuntimeError((model.model_dir / EXPORT_ERROR_FILE).read_text())
+    path = onnx_export(model.model_dir)  # ConversionFailed → an error row with tf2onnx's message
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 1
-    session = onnxruntime.InferenceSession(str(model.model_dir / ONNX_FILE), options, providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return session.run(None, {session.get_inputs()[0].name: x})[0]
 
 

@@ -16,7 +16,7 @@ from difftest.store import STATUSES, Store
 
 CSV_COLUMNS = [
     "model", "input", "kind", "setting", "reference", "phase", "tensor",
-    "linf", "max_rel", "mismatches", "numel", "status", "message",
+    "linf", "max_rel", "mismatches", "numel", "oracle", "bound", "bound_ratio", "status", "message",
 ]
 
 
@@ -65,16 +65,14 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
             worst = math.nan
             if record.status != "ok":
                 verdict = record.status
-                rows.append({**base, "phase": "", "tensor": "", "linf": math.nan, "max_rel": math.nan,
-                             "mismatches": 0, "numel": 0, "status": record.status, "message": record.message})
+                rows.append(_case_row(base, record.status, record.message))
             elif record.setting == reference:
                 verdict = "ok"
             elif outputs_of_reference(record.model, reference) is None:
                 ref = by_model.get((record.model, reference))
                 why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
                 verdict = "error"
-                rows.append({**base, "phase": "", "tensor": "", "linf": math.nan, "max_rel": math.nan, "mismatches": 0,
-                             "numel": 0, "status": "error", "message": f"cannot judge: the reference case {why}"})
+                rows.append(_case_row(base, "error", f"cannot judge: the reference case {why}"))
             else:
                 expected = outputs_of_reference(record.model, reference) or {}
                 if setting is not None:
@@ -100,6 +98,12 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
     analysis.by_setting.to_csv(run_dir / "summary.csv")
     analysis.by_feature.to_csv(run_dir / "by_feature.csv", index=False)
     return analysis
+
+
+def _case_row(base: dict, status: str, message: str) -> dict:
+    """A comparisons row for a case judged as a whole (it failed, or its reference did)."""
+    return {**base, "phase": "", "tensor": "", "linf": math.nan, "max_rel": math.nan, "mismatches": 0, "numel": 0,
+            "oracle": "", "bound": math.nan, "bound_ratio": math.nan, "status": status, "message": message}
 
 
 def _registered(name: str):

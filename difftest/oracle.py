@@ -1,8 +1,15 @@
 """Judging a setting's outputs against the reference's. Kept apart from running, so a finished sweep can be
-re-judged under another tolerance without re-running anything."""
+re-judged under another tolerance without re-running anything.
+
+Two verdicts exist. Most tensors are judged by allclose (a `Tolerance`). A setting that knows how far it may
+legitimately be off (a quantized model: the rounding of its weights and activations bounds its error) records,
+beside a tensor `phase/name`, a tensor `allowed/phase/name` of the same shape; that tensor is then judged
+element-wise by |actual - reference| <= allowed, and the measured error is reported beside the bound.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +33,12 @@ class Comparison:
     numel: int
     consistent: bool
     message: str = ""
+    oracle: str = ""  # "allclose(atol=…, rtol=…)" or "bound"
+    bound: float = math.nan  # the allowed error at the element closest to (or furthest past) it
+    bound_ratio: float = math.nan  # max |actual - reference| / allowed; > 1 where the bound is exceeded
+
+
+BOUND_PREFIX = "allowed/"
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -33,16 +46,21 @@ def split_name(name: str) -> tuple[str, str]:
     return phase, tensor
 
 
-def compare_tensor(name: str, actual: np.ndarray | None, reference: np.ndarray | None, tol: Tolerance) -> Comparison:
+def compare_tensor(
+    name: str, actual: np.ndarray | None, reference: np.ndarray | None, tol: Tolerance,
+    allowed: np.ndarray | None = None,
+) -> Comparison:
     phase, tensor = split_name(name)
+    oracle = "bound" if allowed is not None else f"allclose(atol={tol.atol:g}, rtol={tol.rtol:g})"
     if reference is None:
-        return Comparison(phase, tensor, np.nan, np.nan, 0, 0, False, "not produced by the reference")
+        return Comparison(phase, tensor, np.nan, np.nan, 0, 0, False, "not produced by the reference", oracle)
     if actual is None:
-        return Comparison(phase, tensor, np.nan, np.nan, reference.size, reference.size, False, "missing from the setting's outputs")
-    if actual.shape != reference.shape:
+        return Comparison(phase, tensor, np.nan, np.nan, reference.size, reference.size, False, "missing from the setting's outputs", oracle)
+    if actual.shape != reference.shape or (allowed is not None and allowed.shape != reference.shape):
         return Comparison(
             phase, tensor, np.nan, np.nan, reference.size, reference.size, False,
-            f"shape {actual.shape} differs from the reference's {reference.shape}",
+            f"shape {actual.shape} (bound {None if allowed is None else allowed.shape}) differs from the "
+            f"reference's {reference.shape}", oracle,
         )
     a = actual.astype(np.float64)
     r = reference.astype(np.float64)
@@ -50,14 +68,28 @@ def compare_tensor(name: str, actual: np.ndarray | None, reference: np.ndarray |
     both_nan = np.isnan(a) & np.isnan(r)
     diff = np.where(both_nan, 0.0, diff)
     diff = np.where(np.isnan(diff), np.inf, diff)  # NaN on one side only is as far as it gets
-    close = diff <= tol.atol + tol.rtol * np.abs(np.nan_to_num(r))
+    bound = bound_ratio = math.nan
+    if allowed is None:
+        close = diff <= tol.atol + tol.rtol * np.abs(np.nan_to_num(r))
+    else:
+        limit = np.nan_to_num(allowed.astype(np.float64), nan=0.0)
+        close = diff <= limit
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios = np.where(diff == 0, 0.0, diff / limit)
+        if ratios.size:
+            worst = int(np.argmax(ratios))
+            bound, bound_ratio = float(limit.flat[worst]), float(ratios.flat[worst])
     nonzero = r != 0
     max_rel = float(np.max(diff[nonzero] / np.abs(r[nonzero]))) if np.any(nonzero) else (0.0 if not diff.any() else np.inf)
     mismatches = int((~close).sum())
     linf = float(diff.max()) if diff.size else 0.0
-    return Comparison(phase, tensor, linf, max_rel, mismatches, int(r.size), mismatches == 0)
+    return Comparison(phase, tensor, linf, max_rel, mismatches, int(r.size), mismatches == 0, "", oracle, bound, bound_ratio)
 
 
 def compare(outputs: dict[str, np.ndarray], reference: dict[str, np.ndarray], tol: Tolerance) -> list[Comparison]:
-    names = sorted(set(outputs) | set(reference))
-    return [compare_tensor(n, outputs.get(n), reference.get(n), tol) for n in names]
+    """Every tensor either side recorded; `allowed/…` tensors of the outputs are bounds, not values."""
+    bounds = {n[len(BOUND_PREFIX):]: v for n, v in outputs.items() if n.startswith(BOUND_PREFIX)}
+    values = {n: v for n, v in outputs.items() if not n.startswith(BOUND_PREFIX)}
+    reference = {n: v for n, v in reference.items() if not n.startswith(BOUND_PREFIX)}
+    names = sorted(set(values) | set(reference))
+    return [compare_tensor(n, values.get(n), reference.get(n), tol, bounds.get(n)) for n in names]

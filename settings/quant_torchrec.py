@@ -1,0 +1,245 @@
+"""TorchRec quantized inference embeddings (QuantEmbeddingBagCollection), unsharded and sharded.
+
+`quant/torchrec/<weights>/out-<output>/unsharded` swaps every EmbeddingBagCollection of the float model for its
+quantized form (row-wise int8/int4/int2 with fp16 scale and bias, or fp16/bf16 weights) and is judged against
+the float `reference` within a bound derived from that rounding (oracle 2).
+
+`quant/torchrec/<weights>/out-<output>/<sharding>/sim-ws<N>` then shards the same quantized model with
+TorchRec's quantized sharder over N simulated ranks in this one process (`ShardingEnv.from_local`, as TorchRec's
+inference tests and D3 do) and is judged against the unsharded quantized model (oracle 1): same quantized bytes,
+so all that may differ is the order of additions, a few units of the output type; anything past that is a
+distribution bug.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
+
+import numpy as np
+
+from difftest.errors import Unsupported
+from difftest.registry import register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from settings import _error_bounds as bounds
+from settings._training import to_numpy
+from settings.torchrec_sharding import COLLECTIONS, _column_shards, _table_column_wise
+
+# name -> (torch dtype attribute, bits of a row-wise integer scheme or 0 for a float type)
+WEIGHT_TYPES = {"int8": ("qint8", 8), "int4": ("quint4x2", 4), "int2": ("quint2x4", 2), "fp16": ("float16", 0), "bf16": ("bfloat16", 0)}
+OUTPUT_TYPES = {"fp32": "float32", "fp16": "float16"}
+# what QuantEmbeddingBagCollectionSharder offers on CPU (it refuses table_row_wise, table_column_wise, data_parallel)
+SHARDINGS = ("table_wise", "row_wise", "column_wise")
+SIMULATED_WORLDS = (1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class QuantizedEmbeddings(Setting):
+    """A DLRM's EmbeddingBagCollections quantized for inference (TorchRec QuantEmbeddingBagCollection)."""
+
+    family: ClassVar[str] = "quant"
+    weights: str
+    output: str
+    sharding: str = "unsharded"
+    simulated_world: int = 1
+    world_size: int = 1  # one process; the sharded world is simulated inside it
+
+    @property
+    def name(self) -> str:
+        base = f"quant/torchrec/{self.weights}/out-{self.output}/unsharded"
+        return base if self.sharding == "unsharded" else base.replace("unsharded", f"{self.sharding}/sim-ws{self.simulated_world}")
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        if self.sharding == "unsharded":
+            return "reference"
+        return QuantizedEmbeddings(self.weights, self.output).name
+
+    def describe(self) -> str:
+        what = f"{self.weights} embedding weights, {self.output} pooled output"
+        if self.sharding == "unsharded":
+            return f"Quantized EBC ({what}), unsharded, vs float within the rounding bound"
+        return f"Quantized EBC ({what}), {self.sharding} over {self.simulated_world} simulated ranks, vs unsharded"
+
+    def judges(self, tensor_name: str) -> bool:
+        return tensor_name.startswith("eval_before/")
+
+    def supports(self, spec: Any) -> str | None:
+        if spec.kind != "dlrm":
+            return f"quantized TorchRec embeddings need EmbeddingBagCollections; model kind {spec.kind!r} has none"
+        return None
+
+    def table_weights(self, tables: list[dict]) -> dict[str, str]:
+        """Each table's weight type: this setting's, except int2 on a table whose packed row is an odd number
+        of bytes (fbgemm aligns rows to the fp16 scale/bias), which stays int4, as a deployment would."""
+        bits = WEIGHT_TYPES[self.weights][1]
+        return {
+            t["name"]: "int4" if bits == 2 and (t["embedding_dim"] * bits // 8) % 2 else self.weights for t in tables
+        }
+
+    def available(self) -> str | None:
+        try:
+            import fbgemm_gpu  # noqa: F401
+            import torchrec  # noqa: F401
+        except Exception as exc:
+            return f"torchrec/fbgemm do not import ({type(exc).__name__}: {exc}); run ./install.sh"
+        return None
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+
+        float_module = model.build(ctx.device)
+        per_table = self.table_weights(model.spec.params["tables"])
+        if set(per_table.values()) != {self.weights}:
+            ctx.notes["weights"] = " ".join(f"{t}={w}" for t, w in sorted(per_table.items()))
+        quantized = quantize(float_module, per_table, self.output)
+        with _cpu_inference_sharding(ctx.device):
+            if self.sharding != "unsharded":
+                quantized = self.shard(ctx, quantized, model.spec.params["tables"])
+            with torch.no_grad():
+                predicted = model.evaluate(quantized, inputs.eval, ctx.device)
+        outputs = {f"eval_before/{name}": to_numpy(value.float()) for name, value in predicted.items()}
+        outputs.update(self.allowed_error(ctx, model, float_module, inputs.eval, per_table))
+        return outputs
+
+    # --- oracle 1: the sharded copy of the same quantized model --------------------------------------------
+    def shard(self, ctx: RunContext, quantized: Any, tables: list[dict]) -> Any:
+        import torch
+        from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+        from torchrec.distributed.shard import _shard_modules
+        from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+        from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+        sharder = QuantEmbeddingBagCollectionSharder()
+        world = self.simulated_world
+        per_collection = {}
+        for collection in COLLECTIONS:
+            chosen = [t for t in tables if (collection == "weighted_sparse") == t["weighted"]]
+            generators = {t["name"]: self._placement(position, t, world) for position, t in enumerate(chosen)}
+            try:
+                per_collection[collection] = construct_module_sharding_plan(
+                    getattr(quantized, collection), generators, sharder=sharder, local_size=world, world_size=world,
+                    device_type=ctx.device.split(":")[0],
+                )
+            except (ValueError, AssertionError, NotImplementedError) as exc:
+                raise Unsupported(f"TorchRec cannot build this plan: {type(exc).__name__}: {exc}") from exc
+        plan = ShardingPlan(per_collection)
+        ctx.notes["plan"] = " ".join(
+            sorted(f"{t}={p.sharding_type}@{p.ranks}" for m in plan.plan.values() for t, p in m.items())
+        )
+        state = quantized.state_dict()
+        sharded = _shard_modules(
+            module=copy.deepcopy(quantized), env=ShardingEnv.from_local(world, 0), plan=plan, sharders=[sharder],
+            device=torch.device(ctx.device),
+        )
+        self.load_quantized_state(sharded, state)
+        return sharded
+
+    def load_quantized_state(self, sharded: Any, state: dict) -> None:
+        """TorchRec's own way of giving a sharded inference model its weights (a hook for planted faults)."""
+        sharded.load_state_dict(state)
+
+    def _placement(self, position: int, table: dict, world: int) -> Any:
+        from torchrec.distributed import sharding_plan as sp
+
+        if self.sharding == "table_wise":
+            return sp.table_wise(rank=position % world)
+        if self.sharding == "row_wise":
+            return sp.row_wise()
+        if self.sharding == "column_wise":
+            count = _column_shards(table["embedding_dim"], world)
+            return sp.column_wise(ranks=[(position + j) % world for j in range(count)])
+        return _table_column_wise(position, table, world, world)
+
+    # --- the bounds ---------------------------------------------------------------------------------------
+    def allowed_error(self, ctx: RunContext, model: Any, float_module: Any, batch: Any, per_table: dict) -> Outputs:
+        """`allowed/eval_before/*`: per pooled bag, then to first order through the dense part to the prediction.
+
+        Unsharded (oracle 2, vs float): each element may be off by its table's rounding error, and an fp16
+        output by one more rounding. Sharded (oracle 1, vs unsharded, same quantized bytes): only the order of
+        the additions may change; with fp16 output each rank's partial sum is rounded before the ranks' sums are
+        added, so an element may be off by (ranks + 2) units of the output type times the bag's magnitude.
+        """
+        import torch
+
+        output_unit = bounds.FP16_UNIT if self.output == "fp16" else bounds.FP32_UNIT
+        pooled_bounds: dict[str, np.ndarray] = {}
+        reference = bounds.trainable_copy(float_module)
+        evaluated = model.evaluate(reference, batch, ctx.device)  # with grad: sensitivities of the prediction
+        for table in model.spec.params["tables"]:
+            collection = "weighted_sparse" if table["weighted"] else "sparse"
+            weights = model.init_state[f"{collection}.embedding_bags.{table['name']}.weight"]
+            rounding = element_rounding(weights, per_table[table["name"]])
+            if self.sharding != "unsharded":
+                rounding = (self.simulated_world + 2) * output_unit * (np.abs(weights.astype(np.float64)) + rounding)
+            for feature in table["features"]:
+                bound = bounds.pooled_bound(batch.sparse[feature], rounding, weights, table["pooling"], batch.size)
+                if self.sharding == "unsharded" and self.output == "fp16":
+                    value = to_numpy(evaluated[f"pooled.{feature}"]).astype(np.float64)
+                    bound = bound + bounds.output_rounding(np.abs(value) + bound, bounds.FP16_UNIT)
+                pooled_bounds[feature] = bound
+        sources = [(evaluated[f"pooled.{f}"], torch.from_numpy(b)) for f, b in pooled_bounds.items()]
+        allowed = {f"allowed/eval_before/pooled.{f}": b.astype(np.float32) for f, b in pooled_bounds.items()}
+        prediction = bounds.first_order_bound(evaluated["prediction"], sources)
+        allowed["allowed/eval_before/prediction"] = (prediction + 4 * bounds.FP32_UNIT).astype(np.float32)
+        return allowed
+
+
+def element_rounding(weights: np.ndarray, weight_type: str) -> np.ndarray:
+    """Bound on each stored weight's error under the table's scheme."""
+    bits = WEIGHT_TYPES[weight_type][1]
+    if bits:
+        return bounds.rowwise_nbit_rounding(weights, bits)
+    if weight_type == "bf16":
+        return np.abs(weights.astype(np.float64)) * bounds.BF16_UNIT
+    return bounds.fp16_rounding(weights.astype(np.float64))
+
+
+def quantize(float_module: Any, per_table: dict[str, str], output: str) -> Any:
+    """A copy of the model whose EmbeddingBagCollections are TorchRec's quantized inference modules."""
+    import torch
+    from torchrec.inference.modules import quantize_embeddings
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.quant.embedding_modules import quant_prep_enable_quant_state_dict_split_scale_bias_for_types
+
+    module = copy.deepcopy(float_module)
+    # scale and bias as their own state-dict entries: the only mode in which TorchRec shards row-/column-wise
+    quant_prep_enable_quant_state_dict_split_scale_bias_for_types(module, [EmbeddingBagCollection])
+    dtypes = {table: getattr(torch, WEIGHT_TYPES[weights][0]) for table, weights in per_table.items()}
+    quantize_embeddings(
+        module, dtype=next(iter(dtypes.values())), inplace=True, output_dtype=getattr(torch, OUTPUT_TYPES[output]),
+        per_table_weight_dtype=dtypes,
+    )
+    return module
+
+
+@contextlib.contextmanager
+def _cpu_inference_sharding(device: str) -> Iterator[None]:
+    """TorchRec places inference shards on cuda:<rank> unless told to follow the given device (global flag)."""
+    from torchrec.distributed import global_settings
+
+    before = global_settings.get_propogate_device()
+    global_settings.set_propogate_device(True)
+    try:
+        yield
+    finally:
+        global_settings.set_propogate_device(before)
+
+
+def _variants() -> list[QuantizedEmbeddings]:
+    variants = []
+    for weights, output in itertools.product(WEIGHT_TYPES, OUTPUT_TYPES):
+        variants.append(QuantizedEmbeddings(weights, output))
+        if weights == "bf16":
+            continue  # quantizing bf16 tables already dies (SIGFPE in fbgemm's N-bit packer): nothing to shard
+        variants += [
+            QuantizedEmbeddings(weights, output, sharding, world)
+            for sharding, world in itertools.product(SHARDINGS, SIMULATED_WORLDS)
+        ]
+    return variants
+
+
+register_settings(_variants())

@@ -96,19 +96,24 @@ class Perturbations:
 
         pending: dict[int, tuple[Any, Any]] = {}
 
-        def before(module: Any, args: tuple) -> tuple:
-            x = args[0]
+        def before(module: Any, args: tuple) -> tuple | None:
+            x = args[0] if args else None
+            if not (torch.is_tensor(x) and torch.is_floating_point(x)):  # ids, lengths: nothing rounds there
+                pending[id(module)] = (None, None)
+                return None
             zero = torch.zeros_like(x, requires_grad=True)
             pending[id(module)] = (x.detach(), zero)
             return (x + zero, *args[1:])
 
         def after(module: Any, args: tuple, output: Any) -> Any:
             x, input_zero = pending.pop(id(module))
+            if x is None or not (torch.is_tensor(output) and torch.is_floating_point(output)):
+                return None
             input_bound, output_bound = rule(module, x, output.detach())
             if input_bound is not None:
                 self.sources.append((input_zero, input_bound))
             if output_bound is None:
-                return output
+                return None
             zero = torch.zeros_like(output, requires_grad=True)
             self.sources.append((zero, output_bound))
             return output + zero

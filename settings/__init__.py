@@ -10,3 +10,4 @@ from settings import tensorflow  # noqa: F401
 from settings import conversion  # noqa: F401
 from settings import quant_torchrec  # noqa: F401
 from settings import quant_dense  # noqa: F401
+from settings import quant_tensorflow  # noqa: F401

@@ -191,6 +191,44 @@ def sweep(
     _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()))
 
 
+QUANT_SETTINGS = "quant/*"
+
+
+@app.command()
+def quant(
+    run_dir: Annotated[Path, typer.Argument(help="A folder made by `difftest generate` (or `difftest run`).")],
+    settings: Annotated[Optional[str], typer.Option("--settings", help="Globs over the quantization settings (default: all of them, 'quant/*').")] = None,
+    models_filter: ModelsFilterOpt = None,
+    timeout: TimeoutOpt = 120.0,
+    atol: AtolOpt = 5e-4,
+    rtol: RtolOpt = 1e-4,
+    device: DeviceOpt = "cpu",
+    plugin: PluginOpt = None,
+    fail_on_inconsistency: FailOpt = False,
+) -> None:
+    """The quantization sweep: every quantized setting on RUN_DIR's models, single process, then analyse.
+
+    Sharded quantized embeddings are judged against the unsharded quantized model (oracle 1); unsharded
+    quantized models against float within the error their rounding allows, reported beside the measured error
+    (oracle 2). The float references run too, where RUN_DIR has not run them yet.
+    """
+    from difftest.registry import load_plugins, select_settings
+    from difftest.spec import RunConfig
+
+    plugins = tuple(plugin or ())
+    if not (run_dir / "run.json").is_file():
+        raise UserError(f"{run_dir}: no run.json; make the run first with `difftest generate --out {run_dir}`")
+    load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
+    chosen = select_settings(settings or QUANT_SETTINGS)
+    # with the references they are judged against (and theirs), so this sweep can be judged on its own
+    names = {s.name for s in chosen}
+    while missing := {s.reference for s in select_settings(",".join(names))} - names:
+        names |= missing
+    globs = ",".join(sorted(names))
+    _sweep(run_dir, globs, models_filter, 1, timeout, device, plugins)
+    _analyze(run_dir, atol, rtol, fail_on_inconsistency)
+
+
 @app.command()
 def analyze(
     run_dir: Annotated[Path, typer.Argument(help="A swept run folder.")],

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings.conversion import Conversion
+from settings.quant_torchrec import QuantizedEmbeddings
 from settings.tensorflow import TensorFlowStrategy
 from settings.torchrec_sharding import TorchRecSharding, _local_pieces
 
@@ -150,3 +151,29 @@ class MirroredLocalMeanLoss(TensorFlowStrategy):
 
 register_settings([ConvertedKernelFlipped("onnx2pytorch", "eval"), ConvertedKernelFlipped("onnx2pytorch", "train"),
                    MirroredLocalMeanLoss("mirrored", 2)])
+
+
+@dataclass(frozen=True)
+class QuantizedTableCorrupted(QuantizedEmbeddings):
+    """Sharded quantized embeddings whose first table is loaded with its fp16 row scales 2% too large
+    (`corrupt="scale"`) or its row biases one quantization step too high (`corrupt="bias"`)."""
+
+    family: ClassVar[str] = "faults"
+    corrupt: str = "scale"
+
+    @property
+    def name(self) -> str:
+        return f"faults/quant_table_{self.corrupt}/{self.weights}/{self.sharding}/sim-ws{self.simulated_world}"
+
+    def load_quantized_state(self, sharded: Any, state: dict) -> None:
+        state = dict(state)
+        scale_key = sorted(k for k in state if k.endswith(".weight_qscale"))[0]
+        if self.corrupt == "scale":
+            state[scale_key] = (state[scale_key].float() * 1.02).half()
+        else:
+            bias_key = scale_key.replace("_qscale", "_qbias")
+            state[bias_key] = (state[bias_key].float() + state[scale_key].float()).half()
+        super().load_quantized_state(sharded, state)
+
+
+register_settings([QuantizedTableCorrupted("int8", "fp32", "table_wise", 2, corrupt=c) for c in ("scale", "bias")])

@@ -21,20 +21,28 @@ def test_difftest_run_on_the_default_models(tmp_path: Path) -> None:
     load_plugins()
     assert int(cases["cases"].sum()) == 4 * len(all_settings())  # 2 DLRM + 2 Keras models × every setting
     assert cases.loc["reference", "ok"] == 4 and cases.loc["tf/reference", "ok"] == 2
-    assert int(cases[["crash", "timeout"]].to_numpy().sum()) == 0
+    assert cases["timeout"].sum() == 0
+    # the only crashes: quantizing bf16 TorchRec tables dies in fbgemm (SIGFPE), on both DLRM models
+    crashed = cases[cases["crash"] > 0]
+    assert set(crashed.index) == {"quant/torchrec/bf16/out-fp32/unsharded", "quant/torchrec/bf16/out-fp16/unsharded"}
     rows = pd.read_csv(out / "inconsistencies.csv")
     assert list(rows.columns) == CSV_COLUMNS
-    # errors are converter limitations only (onnx2torch lacks ReduceMean-18 for the first model's LayerNorm)
+    assert rows[rows.status == "crash"].message.str.contains("SIGFPE").all()
+    # errors: converter limitations (onnx2torch lacks ReduceMean-18) and TorchRec failing to shard fp16-weight tables
     errors = rows[rows.status == "error"]
-    assert set(errors.setting) <= {"convert/onnx2torch/eval", "convert/onnx2torch/train"}
-    assert errors.message.str.startswith("ConversionFailed").all()
-    # refusals are kind mismatches, each with its reason
+    converter = errors.setting.str.startswith("convert/onnx2torch/")
+    assert errors[converter].message.str.startswith("ConversionFailed").all()
+    assert errors[~converter].setting.str.match(r"quant/torchrec/fp16/out-fp(16|32)/\w+/sim-ws\d").all()
+    # refusals are kind mismatches, engines refusing fp16 weights, or TF-MOT missing, each with its reason
     refused = rows[rows.status == "unsupported"]
-    assert len(refused) == 2 * (cases.index.str.startswith(("tf/", "convert/")).sum() + cases.index.str.startswith("torchrec/").sum())
-    assert refused.message.str.contains("kind").all()
-    assert set(rows.status) <= {"inconsistent", "error", "unsupported"}
-    # DDP, the TF strategies and conversion agree with their references on the default models
-    assert not rows[rows.status == "inconsistent"].setting.str.startswith(("ddp/", "tf/", "convert/")).any()
+    assert refused.message.str.contains("kind|refuses float16|tensorflow-model-optimization").all()
+    assert set(rows.status) <= {"inconsistent", "error", "crash", "unsupported"}
+    # DDP, the TF strategies, conversion and every quantized-vs-float setting agree with their references
+    inconsistent = rows[rows.status == "inconsistent"].setting
+    assert not inconsistent.str.startswith(("ddp/", "tf/", "convert/", "quant/dynamic/", "quant/bf16", "quant/tf")).any()
+    assert not inconsistent.str.endswith("/unsharded").any()
+    # oracle 1's finding: row-wise sharded quantized MEAN bags on 2+ ranks
+    assert inconsistent[inconsistent.str.startswith("quant/")].str.contains("/row_wise/sim-ws[234]").all()
     # the two known TorchRec mean-pooling findings are reported; single-type settings other than grid are clean
     assert "torchrec/ebc/grid_shard/ws2" in set(rows.setting)
     clean = {f"torchrec/ebc/{t}/ws{w}" for t in ("table_wise", "row_wise", "column_wise", "table_row_wise",

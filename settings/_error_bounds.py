@@ -140,16 +140,23 @@ def first_order_bound(output: Any, sources: list[tuple[Any, Any]]) -> np.ndarray
         for grad, (tensor, delta) in zip(grads, sources):
             if grad is None:
                 continue
-            contribution = (grad.detach().abs().double() * delta.double()).reshape(tensor.shape[0], -1).sum(dim=1)
+            weighted = grad.detach().abs().double() * delta.double()
+            if tensor.dim() and tensor.shape[0] == flat.shape[0]:
+                contribution = weighted.reshape(tensor.shape[0], -1).sum(dim=1)
+            else:  # not batch-major (a time-major transpose): charge every sample with all of it
+                contribution = weighted.sum().expand(flat.shape[0])
             bound[:, column] += contribution.cpu().numpy()
     return bound.reshape(tuple(output.shape))
 
 
+def all_trainable(module: Any) -> Any:
+    """`module` with every parameter requiring grad, so sensitivities reach frozen layers too."""
+    for parameter in module.parameters():
+        parameter.requires_grad_(True)
+    return module
+
+
 def trainable_copy(module: Any) -> Any:
-    """A deep copy with every parameter requiring grad, so sensitivities reach frozen layers too."""
     import copy
 
-    clone = copy.deepcopy(module)
-    for parameter in clone.parameters():
-        parameter.requires_grad_(True)
-    return clone
+    return all_trainable(copy.deepcopy(module))

@@ -45,13 +45,12 @@ class _DenseQuantization(Setting):
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch
 
-        module = build_for_training(model, ctx.device)
-        module.eval()
-        with self.quantized(ctx, module) as forward:
+        # fresh builds rather than deep copies: a converted graph can hold references that do not copy
+        with self.quantized(ctx, build_for_training(model, ctx.device).eval()) as forward:
             with torch.no_grad():
                 predicted = forward(lambda m: model.evaluate(m, inputs.eval, ctx.device))
         outputs = {f"eval_before/{name}": to_numpy(value.float()) for name, value in predicted.items()}
-        reference = bounds.trainable_copy(module)
+        reference = bounds.all_trainable(build_for_training(model, ctx.device).eval())
         perturbations = bounds.Perturbations()
         with perturbations.hooked(self.rounding_sites(reference), self.rounding):
             evaluated = model.evaluate(reference, inputs.eval, ctx.device)
@@ -137,7 +136,7 @@ class DynamicQuantization(_DenseQuantization):
         try:
             try:
                 quantized = torch.ao.quantization.quantize_dynamic(
-                    module, {torch.nn.Linear}, dtype=getattr(torch, self.dtype), inplace=False,
+                    module, {torch.nn.Linear}, dtype=getattr(torch, self.dtype), inplace=True,
                     mapping={torch.nn.Linear: _graph_dynamic_linear()},
                 )
             except RuntimeError as exc:

@@ -28,7 +28,7 @@ def test_difftest_run_on_the_default_models(tmp_path: Path) -> None:
     rows = pd.read_csv(out / "inconsistencies.csv")
     assert list(rows.columns) == CSV_COLUMNS
     assert rows[rows.status == "crash"].message.str.contains("SIGFPE").all()
-    # errors: converter limitations (onnx2torch lacks ReduceMean-18) and TorchRec failing to shard fp16-weight tables
+    # errors: converter limitations (onnx2torch lacks ReduceMean-18) and TorchRec failing to shard fp16 and int2 tables
     errors = rows[rows.status == "error"]
     converter = errors.setting.str.startswith("convert/onnx2torch/")
     assert errors[converter].message.str.startswith("ConversionFailed").all()

@@ -32,7 +32,7 @@ def test_difftest_run_on_the_default_models(tmp_path: Path) -> None:
     errors = rows[rows.status == "error"]
     converter = errors.setting.str.startswith("convert/onnx2torch/")
     assert errors[converter].message.str.startswith("ConversionFailed").all()
-    assert errors[~converter].setting.str.match(r"quant/torchrec/fp16/out-fp(16|32)/\w+/sim-ws\d").all()
+    assert errors[~converter].setting.str.match(r"quant/torchrec/(fp16|int2)/out-fp(16|32)/\w+/sim-ws\d").all()
     # refusals are kind mismatches, engines refusing fp16 weights, or TF-MOT missing, each with its reason
     refused = rows[rows.status == "unsupported"]
     assert refused.message.str.contains("kind|refuses float16|tensorflow-model-optimization").all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,6 @@ def test_difftest_run_on_the_default_models(tmp_path: Path) -> None:
 
     # a rerun of the same command resumes: nothing left to run, same verdicts
     again = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "0 already done" not in again.stderr
+    assert again.returncode == 0 and not re.search(r"\b0 already done", again.stderr)
     assert "ran 0" in again.stderr.replace("\n", " ")
     assert pd.read_csv(out / "inconsistencies.csv").equals(rows)

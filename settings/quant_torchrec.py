@@ -132,7 +132,7 @@ class QuantizedEmbeddings(Setting):
         )
         state = quantized.state_dict()
         sharded = _shard_modules(
-            module=copy.deepcopy(quantized), env=ShardingEnv.from_local(world, 0), plan=plan, sharders=[sharder],
+            module=quantized, env=ShardingEnv.from_local(world, 0), plan=plan, sharders=[sharder],
             device=torch.device(ctx.device),
         )
         self.load_quantized_state(sharded, state)

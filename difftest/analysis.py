@@ -77,7 +77,8 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
                 expected = outputs_of_reference(record.model, reference) or {}
                 if setting is not None:
                     expected = {k: v for k, v in expected.items() if setting.judges(k)}
-                comparisons = compare(store.load_outputs(record), expected, tol)
+                judged_by = setting.tolerance(tol) if setting is not None else tol
+                comparisons = compare(store.load_outputs(record), expected, judged_by)
                 for c in comparisons:
                     rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
                                  "status": "ok" if c.consistent else "inconsistent",

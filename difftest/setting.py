@@ -17,6 +17,7 @@ import numpy as np
 if TYPE_CHECKING:  # torch is imported by workers only
     import torch.distributed as dist
 
+    from difftest.oracle import Tolerance
     from difftest.spec import ModelSpec
 
 # Tensor names are "<phase>/<tensor>", e.g. "eval_before/prediction", "param_after_step1/over.0.weight".
@@ -76,6 +77,11 @@ class Setting(abc.ABC):
     def judges(self, tensor_name: str) -> bool:
         """Whether a recorded tensor of the reference is expected from this setting too (default: all)."""
         return True
+
+    def tolerance(self, default: "Tolerance") -> "Tolerance":
+        """The allclose tolerance this setting is judged by: the user's, unless its arithmetic is coarser
+        by design (a reduced-precision setting states its own, derived from its unit roundoff)."""
+        return default
 
     def available(self) -> str | None:
         """None if this machine can run the setting (libraries, devices), else the reason it cannot."""

@@ -150,8 +150,13 @@ class ConvertedModel(torch.nn.Module):
     def keras_parameters(self) -> dict[str, Any]:
         """Keras name → the mapped parameter, viewed in Keras layout."""
         views = {}
+        from torch.distributed.tensor import DTensor
+
         for name, mapped in self.mapped.items():
+            tensor = mapped.tensor
+            if isinstance(tensor, DTensor):  # sharded (FSDP2, tensor parallel): read the whole tensor
+                tensor = tensor.full_tensor()
             transposed_shape = tuple(self.keras_shapes[name][p] for p in mapped.perm)
             inverse = np.argsort(mapped.perm).tolist()
-            views[name] = mapped.tensor.reshape(transposed_shape).permute(*inverse)
+            views[name] = tensor.reshape(transposed_shape).permute(*inverse)
         return views

@@ -170,7 +170,7 @@ class DlrmGenerator:
 
 def _unwrap(module: Any) -> Any:
     """The DLRM inside DMP/DDP wrappers."""
-    while not hasattr(module, "table_specs"):
+    while "table_specs" not in vars(module):  # not hasattr: legacy FSDP forwards attribute lookups inward
         module = getattr(module, "_dmp_wrapped_module", None) or module.module
     return module
 

@@ -11,3 +11,5 @@ from settings import conversion  # noqa: F401
 from settings import quant_torchrec  # noqa: F401
 from settings import quant_dense  # noqa: F401
 from settings import quant_tensorflow  # noqa: F401
+from settings import fsdp  # noqa: F401
+from settings import fsdp_legacy  # noqa: F401

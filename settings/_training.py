@@ -29,7 +29,12 @@ def gather_to_rank0(ctx: RunContext, obj: Any) -> list[Any] | None:
 
 
 def to_numpy(tensor: Any) -> np.ndarray:
-    return tensor.detach().to("cpu", copy=True).contiguous().numpy()
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16; widening to float32 is exact
+        tensor = tensor.float()
+    return tensor.to("cpu", copy=True).contiguous().numpy()
 
 
 def assemble(shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], np.ndarray]], name: str) -> np.ndarray:
@@ -51,32 +56,49 @@ def assemble(shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], np.ndar
 def record_training(
     ctx: RunContext,
     inputs: Inputs,
-    evaluate: Callable[[Batch], dict[str, Any]],
+    evaluate: Callable[[Batch], dict[str, Any] | None],
     train_step: Callable[[Batch], Any],
     full_parameters: Callable[[], dict[str, np.ndarray] | None],
+    data_shard: tuple[int, int] | None = None,
 ) -> Outputs | None:
     """Evaluate, train `ctx.steps` steps on this rank's share, evaluate again; full tensors on rank 0.
 
-    `train_step` runs forward, backward and the optimizer step and returns the local mean loss;
-    `full_parameters` is collective and returns every parameter under its canonical name on rank 0.
+    `data_shard` = (index, count): which contiguous share of the global batch this rank trains on. It is
+    (rank, world size) for pure data parallelism; ranks that split one model (tensor or pipeline parallel)
+    share an index. `evaluate` and `train_step` may return None on ranks that hold no output (a pipeline's
+    inner stages); rank 0 keeps one answer per share. `train_step` runs forward, backward and the optimizer
+    step and returns the share's mean loss; `full_parameters` is collective and returns every parameter
+    under its canonical name on rank 0.
     """
     import torch
 
-    train = inputs.train.shard(ctx.rank, ctx.world_size)
-    eval_batch = inputs.eval.shard(ctx.rank, ctx.world_size)
+    index, count = data_shard or (ctx.rank, ctx.world_size)
+    train = inputs.train.shard(index, count)
+    eval_batch = inputs.eval.shard(index, count)
     outputs: Outputs = {}
+
+    def one_per_share(value: Any) -> list[Any] | None:
+        pieces = gather_to_rank0(ctx, (index, value))
+        if pieces is None:
+            return None
+        by_share = {i: v for i, v in reversed(pieces) if v is not None}
+        if sorted(by_share) != list(range(count)):
+            raise RuntimeError(f"no rank answered for data shares {sorted(set(range(count)) - set(by_share))}")
+        return [by_share[i] for i in range(count)]
 
     def gathered_predictions(phase: str) -> None:
         with torch.no_grad():
-            local = {name: to_numpy(t) for name, t in evaluate(eval_batch).items()}
-        pieces = gather_to_rank0(ctx, local)
+            evaluated = evaluate(eval_batch)
+        local = None if evaluated is None else {name: to_numpy(t) for name, t in evaluated.items()}
+        pieces = one_per_share(local)
         if pieces is not None:
             for name in pieces[0]:
                 outputs[f"{phase}/{name}"] = np.concatenate([p[name] for p in pieces])
 
     gathered_predictions("eval_before")
     for step in range(1, ctx.steps + 1):
-        losses = gather_to_rank0(ctx, float(train_step(train)))
+        loss = train_step(train)
+        losses = one_per_share(None if loss is None else float(loss))
         params = full_parameters()
         if ctx.rank == 0:
             assert losses is not None and params is not None
@@ -106,7 +128,14 @@ def sgd_step(model: Any, module: Any, optimizer: Any, batch: Batch, device: str)
 
 
 def canonical_parameters(model: Any, module: Any) -> dict[str, np.ndarray]:
-    return {name: to_numpy(tensor) for name, tensor in model.parameters(module).items()}
+    """Every parameter under its canonical name, whole. Collective when parameters are DTensors (FSDP2,
+    tensor parallel): every rank must call it."""
+    from torch.distributed.tensor import DTensor
+
+    full = {}
+    for name, tensor in model.parameters(module).items():
+        full[name] = to_numpy(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+    return full
 
 
 def train_single_process(ctx: RunContext, model: Any, inputs: Inputs, module: Any) -> Outputs | None:
@@ -119,3 +148,29 @@ def train_single_process(ctx: RunContext, model: Any, inputs: Inputs, module: An
         lambda b: sgd_step(model, module, optimizer, b, ctx.device),
         lambda: canonical_parameters(model, module),
     )
+
+
+def train_data_parallel(ctx: RunContext, model: Any, inputs: Inputs, wrapped: Any,
+                        full_parameters: Callable[[], dict[str, np.ndarray] | None]) -> Outputs | None:
+    """Plain SGD on this rank's share through a data-parallel wrapper that synchronises gradients itself."""
+    import torch
+
+    trainable = [p for p in wrapped.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=ctx.lr)
+    return record_training(
+        ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device),
+        lambda b: sgd_step(model, wrapped, optimizer, b, ctx.device), full_parameters,
+    )
+
+
+def device_mesh(ctx: RunContext, group: Any = None, name: str = "dp") -> Any:
+    """A 1-D DeviceMesh over `group` (default: the case's group), reusing it instead of creating new groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group if group is not None else ctx.group, device_type=ctx.device.split(":")[0],
+                                 mesh_dim_names=(name,))
+
+
+def parameter_holders(module: Any) -> list[tuple[str, Any]]:
+    """(qualified name, submodule) of every submodule that itself holds a parameter, in module order."""
+    return [(name, m) for name, m in module.named_modules() if name and any(True for _ in m.parameters(recurse=False))]

@@ -1,0 +1,89 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters sharded on dim 0 over the ranks as DTensors,
+all-gathered for forward/backward, gradients reduce-scattered to the global mean.
+
+Wrapping is per layer (every submodule that holds a parameter is its own FSDP unit, then the root) or the
+whole model as one unit; `reshard_after_forward` frees or keeps the gathered parameters between forward and
+backward. The bf16 variant computes with bf16 parameters and reduces gradients in fp32; it is judged by a
+tolerance derived from bf16's unit roundoff instead of the fp32 one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from difftest.oracle import Tolerance
+from difftest.registry import register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from settings._training import (
+    build_for_training, canonical_parameters, device_mesh, parameter_holders, train_data_parallel,
+)
+
+# bf16 keeps 8 significant bits: unit roundoff u = 2**-8. A layer rounds its input, its weights and its
+# output (3u); the generated models are at most ~6 layers deep, so outputs may be off by ~18u relative.
+BF16_TOLERANCE = Tolerance(atol=18 * 2**-8, rtol=18 * 2**-8)
+
+
+@dataclass(frozen=True)
+class FullyShard(Setting):
+    """FSDP2 fully_shard on a 1-D CPU/GPU mesh, plain SGD on each rank's share of the batch."""
+
+    world_size: int
+    wrap: str = "per-layer"  # or "whole-model"
+    reshard_after_forward: bool = True
+    precision: str = "fp32"  # or "bf16": bf16 parameters, fp32 gradient reduction and output
+    family: ClassVar[str] = "fsdp2"
+
+    @property
+    def name(self) -> str:
+        reshard = "reshard" if self.reshard_after_forward else "no-reshard"
+        return f"fsdp2/{self.wrap}/{reshard}/{self.precision}/ws{self.world_size}"
+
+    def describe(self) -> str:
+        return (f"FSDP2 over {self.world_size} ranks, {self.wrap} units, reshard_after_forward="
+                f"{self.reshard_after_forward}, {self.precision} compute")
+
+    def tolerance(self, default: Tolerance) -> Tolerance:
+        return BF16_TOLERANCE if self.precision == "bf16" else default
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        module = build_for_training(model, ctx.device)
+        _make_contiguous(module)
+        policy = MixedPrecisionPolicy()
+        if self.precision == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                          output_dtype=torch.float32)
+        options = dict(mesh=device_mesh(ctx), reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        units = parameter_holders(module) if self.wrap == "per-layer" else []
+        for _, unit in reversed(units):  # innermost first: a unit owns what its wrapped children do not
+            fully_shard(unit, **options)
+        fully_shard(module, **options)
+        ctx.notes["units"] = str(len(units) + 1)
+        return train_data_parallel(ctx, model, inputs, module, lambda: _gathered(ctx, model, module))
+
+
+def _make_contiguous(module: Any) -> None:
+    """FSDP2 refuses non-contiguous parameters ("not supported yet"); converted graphs hold transposed views.
+    A contiguous copy under the same attribute keeps values and names, so the comparison is unaffected."""
+    import torch
+
+    for owner in module.modules():
+        for attr, parameter in list(owner._parameters.items()):
+            if parameter is not None and not parameter.is_contiguous():
+                replacement = torch.nn.Parameter(parameter.detach().contiguous(), parameter.requires_grad)
+                owner._parameters[attr] = replacement
+
+
+def _gathered(ctx: RunContext, model: Any, module: Any) -> dict | None:
+    full = canonical_parameters(model, module)  # collective: every rank gathers its DTensors
+    return full if ctx.rank == 0 else None
+
+
+register_settings(
+    [FullyShard(ws, wrap, reshard) for wrap in ("per-layer", "whole-model") for reshard in (True, False)
+     for ws in (2, 3, 4)]
+    + [FullyShard(ws, "per-layer", True, "bf16") for ws in (2, 3, 4)]
+)

@@ -13,3 +13,4 @@ from settings import quant_dense  # noqa: F401
 from settings import quant_tensorflow  # noqa: F401
 from settings import fsdp  # noqa: F401
 from settings import fsdp_legacy  # noqa: F401
+from settings import tensor_parallel  # noqa: F401

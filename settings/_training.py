@@ -138,6 +138,12 @@ def canonical_parameters(model: Any, module: Any) -> dict[str, np.ndarray]:
     return full
 
 
+def gathered_parameters(ctx: RunContext, model: Any, module: Any) -> dict[str, np.ndarray] | None:
+    """`canonical_parameters` on every rank (DTensors gather collectively), kept on rank 0."""
+    full = canonical_parameters(model, module)
+    return full if ctx.rank == 0 else None
+
+
 def train_single_process(ctx: RunContext, model: Any, inputs: Inputs, module: Any) -> Outputs | None:
     """Plain SGD on the global batch in this one process: what the references do."""
     import torch
@@ -151,15 +157,16 @@ def train_single_process(ctx: RunContext, model: Any, inputs: Inputs, module: An
 
 
 def train_data_parallel(ctx: RunContext, model: Any, inputs: Inputs, wrapped: Any,
-                        full_parameters: Callable[[], dict[str, np.ndarray] | None]) -> Outputs | None:
-    """Plain SGD on this rank's share through a data-parallel wrapper that synchronises gradients itself."""
+                        full_parameters: Callable[[], dict[str, np.ndarray] | None],
+                        data_shard: tuple[int, int] | None = None) -> Outputs | None:
+    """Plain SGD on this rank's share through a wrapper that synchronises gradients itself."""
     import torch
 
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=ctx.lr)
     return record_training(
         ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device),
-        lambda b: sgd_step(model, wrapped, optimizer, b, ctx.device), full_parameters,
+        lambda b: sgd_step(model, wrapped, optimizer, b, ctx.device), full_parameters, data_shard,
     )
 
 

@@ -16,7 +16,7 @@ from difftest.oracle import Tolerance
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import (
-    build_for_training, canonical_parameters, device_mesh, parameter_holders, train_data_parallel,
+    build_for_training, device_mesh, gathered_parameters, parameter_holders, train_data_parallel,
 )
 
 # bf16 keeps 8 significant bits: unit roundoff u = 2**-8. A layer rounds its input, its weights and its
@@ -62,7 +62,7 @@ class FullyShard(Setting):
             fully_shard(unit, **options)
         fully_shard(module, **options)
         ctx.notes["units"] = str(len(units) + 1)
-        return train_data_parallel(ctx, model, inputs, module, lambda: _gathered(ctx, model, module))
+        return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module))
 
 
 def _make_contiguous(module: Any) -> None:
@@ -75,11 +75,6 @@ def _make_contiguous(module: Any) -> None:
             if parameter is not None and not parameter.is_contiguous():
                 replacement = torch.nn.Parameter(parameter.detach().contiguous(), parameter.requires_grad)
                 owner._parameters[attr] = replacement
-
-
-def _gathered(ctx: RunContext, model: Any, module: Any) -> dict | None:
-    full = canonical_parameters(model, module)  # collective: every rank gathers its DTensors
-    return full if ctx.rank == 0 else None
 
 
 register_settings(

@@ -1,0 +1,116 @@
+"""Tensor parallelism with DTensor `parallelize_module`: Megatron-style column-wise then row-wise sharding
+of consecutive Linear layers, every rank on the whole batch.
+
+The column-wise layer's output stays a DTensor (sharded on the feature dim), so whatever runs between the
+pair (an activation, a reshape) runs under DTensor's own sharding rules rather than on a bare local shard;
+the row-wise layer all-reduces back to a replicated tensor. The sequence-parallel variant ends a pair with
+a reduce-scatter onto the sequence dim (`Shard(1)`) instead, runs what follows on sequence shards, and the
+next column-wise layer all-gathers them; it applies where a row-wise layer outputs a (batch, seq, feature)
+tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from difftest.errors import Unsupported
+from difftest.registry import register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from settings._training import build_for_training, device_mesh, gathered_parameters, record_training
+
+
+def linear_pairs(module: Any) -> list[tuple[str, str]]:
+    """(column-wise, row-wise) qualified names: consecutive nn.Linear children of one parent, paired greedily."""
+    import torch
+
+    pairs = []
+    for parent_name, parent in module.named_modules():
+        linears = [name for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+        prefix = f"{parent_name}." if parent_name else ""
+        pairs += [(prefix + linears[i], prefix + linears[i + 1]) for i in range(0, len(linears) - 1, 2)]
+    return pairs
+
+
+@dataclass(frozen=True)
+class TensorParallel(Setting):
+    """DTensor tensor parallelism: ColwiseParallel then RowwiseParallel on consecutive Linear layers."""
+
+    world_size: int
+    sequence_parallel: bool = False
+    family: ClassVar[str] = "tp"
+
+    @property
+    def name(self) -> str:
+        return f"tp/{'sequence-parallel' if self.sequence_parallel else 'colwise-rowwise'}/ws{self.world_size}"
+
+    def describe(self) -> str:
+        detail = ", row-wise outputs reduce-scattered onto the sequence dim" if self.sequence_parallel else ""
+        return f"tensor parallel over {self.world_size} ranks{detail}"
+
+    def plan(self, ctx: RunContext, model: Any, module: Any, inputs: Any) -> dict[str, Any]:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        pairs = linear_pairs(module)
+        if not pairs:
+            raise Unsupported("no two consecutive nn.Linear layers to shard column-wise then row-wise")
+        sequence_outputs = _three_dim_outputs(model, module, inputs, [row for _, row in pairs], ctx.device)
+        if self.sequence_parallel and not sequence_outputs:
+            raise Unsupported("no row-wise Linear outputs a (batch, seq, feature) tensor to shard on seq")
+        plan: dict[str, Any] = {}
+        for column, row in pairs:
+            plan[column] = ColwiseParallel(use_local_output=False)
+            if self.sequence_parallel and row in sequence_outputs:
+                plan[row] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+            else:
+                plan[row] = RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
+        return plan
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.experimental import implicit_replication
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        module = build_for_training(model, ctx.device)
+        plan = self.plan(ctx, model, module, inputs)
+        parallelize_module(module, device_mesh(ctx, name="tp"), plan)
+        ctx.notes["plan"] = ", ".join(f"{name}: {type(style).__name__}" for name, style in plan.items())
+        # a sequence-sharded tensor may reach the model's output: hand back the whole tensor
+        module.register_forward_hook(lambda _m, _a, out: out.full_tensor() if isinstance(out, DTensor) else out)
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
+
+        def train_step(batch: Any) -> float:
+            optimizer.zero_grad()
+            loss = model.loss(model.forward(module, batch, ctx.device), batch)
+            loss.backward()
+            for parameter in module.parameters():
+                # a parameter outside the plan that met a DTensor activation gets a replicated DTensor grad
+                if not isinstance(parameter, DTensor) and isinstance(parameter.grad, DTensor):
+                    parameter.grad = parameter.grad.full_tensor()
+            optimizer.step()
+            return loss.item()
+
+        with implicit_replication():  # plain constants in the graph meet DTensor activations
+            return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step,
+                                   lambda: gathered_parameters(ctx, model, module), data_shard=(0, 1))
+
+
+def _three_dim_outputs(model: Any, module: Any, inputs: Any, names: list[str], device: str) -> set[str]:
+    import torch
+
+    found: set[str] = set()
+    submodules = dict(module.named_modules())
+    handles = [submodules[n].register_forward_hook(
+        lambda _m, _a, out, n=n: found.add(n) if out.dim() == 3 else None) for n in names]
+    try:
+        with torch.no_grad():
+            model.forward(module, inputs.eval, device)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+register_settings(TensorParallel(ws, sp) for sp in (False, True) for ws in (2, 4))

@@ -79,6 +79,14 @@ class LoadedModel:
         """A fresh unsharded PyTorch module with the initial weights and the frozen parameters frozen."""
         return self.generator.build(self.spec, self.init_state, device, self.model_dir, **options)
 
+    def chain(self, device: str) -> Any:
+        """The model as a LayerChain (generators/chain.py) for pipeline stages, if its kind has one."""
+        if not hasattr(self.generator, "chain"):
+            from difftest.errors import Unsupported
+
+            raise Unsupported(f"{self.spec.kind} models do not split into a chain of layers")
+        return self.generator.chain(self.spec, self.init_state, device, self.model_dir)
+
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         return self.generator.forward(module, batch, device)
 

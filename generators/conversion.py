@@ -43,7 +43,9 @@ def convert_onnx(generator: Any, spec: Any, init_state: dict[str, np.ndarray], m
         raise ConversionFailed(f"{converter} module fails to run: {type(exc).__name__}: {str(exc)[:500]}") from None
     wanted = {n: v for n, v in init_state.items() if not n.endswith(("moving_mean", "moving_variance"))}
     frozen = tuple(f"{layer}/" for layer in spec.frozen)
-    return ConvertedModel(graph, wanted, frozen, probe)
+    converted = ConvertedModel(graph, wanted, frozen, probe)
+    converted.probe = probe
+    return converted
 
 
 def _onnx2pytorch(proto: Any) -> Any:
@@ -126,7 +128,9 @@ class ConvertedModel(torch.nn.Module):
         promoted = {(id(o), a): _make_parameter(o, a) for found in candidates.values() for o, a, _ in found}
         for parameter in promoted.values():
             parameter.requires_grad_(True)
-        graph(probe).float().square().sum().backward()
+        reached = graph(probe).float()
+        if reached.requires_grad:  # a graph segment may hold no weight at all
+            reached.square().sum().backward()
         for name in keras_weights:
             found = candidates.get(name, [])
             used = [c for c in found if promoted[(id(c[0]), c[1])].grad is not None]
@@ -160,3 +164,110 @@ class ConvertedModel(torch.nn.Module):
             inverse = np.argsort(mapped.perm).tolist()
             views[name] = tensor.reshape(transposed_shape).permute(*inverse)
         return views
+
+
+def layer_cuts(proto: Any) -> list[str]:
+    """In a shape-inferred ONNX model: float tensors through which alone the graph passes from one Keras layer to the next, in graph order.
+
+    A cut is a point in the (topologically ordered) node list where exactly one tensor computed from the
+    input is still needed later: the graph splits there into two graphs joined by that tensor. Tensors
+    computed from constants alone are not counted (both sides can recompute them); tensors a Loop body reads
+    from the outer graph count as read by the Loop. Of several cuts inside one Keras layer only the last is
+    kept, so stages hold whole layers.
+    """
+    import onnx
+
+    graph = proto.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in graph.value_info}
+    constant = {i.name for i in graph.initializer}
+    last_use: dict[str, int] = {}
+    for k, node in enumerate(graph.node):
+        reads = set(node.input) | _outer_reads(node)
+        if reads <= constant | {""}:
+            constant.update(node.output)
+        for name in reads:
+            last_use[name] = k
+    outputs = {o.name for o in graph.output}
+    live = {i.name for i in graph.input}
+    cuts: list[str] = []
+    for k, node in enumerate(graph.node[:-1]):
+        live.update(o for o in node.output if o not in constant)
+        live = {t for t in live if last_use.get(t, -1) > k or t in outputs}
+        if len(live) == 1:
+            (tensor,) = live
+            if tensor not in outputs and types.get(tensor) == onnx.TensorProto.FLOAT and tensor not in cuts:
+                cuts.append(tensor)
+    # the graph's output is often a bare "Identity:0": the last layer is that of the last named node
+    final = next((_layer_of(f"{n.name}:0") for n in reversed(graph.node) if n.name.count("/") >= 2), None)
+    layer = [_layer_of(c) for c in cuts] + [final]
+    return [c for i, c in enumerate(cuts) if layer[i] != layer[i + 1]]
+
+
+def _outer_reads(node: Any) -> set[str]:
+    names: set[str] = set()
+    for attribute in node.attribute:
+        for subgraph in list(attribute.g.node and [attribute.g]) + list(attribute.graphs):
+            for inner in subgraph.node:
+                names.update(inner.input)
+                names |= _outer_reads(inner)
+    return names
+
+
+def _layer_of(tensor: str) -> str:
+    parts = tensor.split("/")
+    return parts[1] if len(parts) > 2 else tensor  # "seq_1/l3_dense_1/MatMul:0" -> "l3_dense_1"
+
+
+def convert_chain(generator: Any, spec: Any, init_state: dict[str, np.ndarray], model_dir: Path | None,
+                  converter: str, device: str) -> Any:
+    """The converted model as a LayerChain: one unit per ONNX segment between consecutive layer cuts."""
+    import onnx
+
+    from generators.chain import BatchSource, LayerChain
+    from generators.sequential import onnx_export
+
+    whole = convert_onnx(generator, spec, init_state, model_dir, converter, device)
+    proto = onnx.shape_inference.infer_shapes(onnx.load_model(str(onnx_export(model_dir))))
+    cuts = layer_cuts(proto)
+    ends = [proto.graph.input[0].name, *cuts, proto.graph.output[0].name]
+    extractor = onnx.utils.Extractor(proto)
+    wanted = {n: v for n, v in init_state.items() if n in whole.keras_shapes}
+    frozen = tuple(f"{layer}/" for layer in spec.frozen)
+    probe = whole.probe
+    segments = []
+    for start, stop in zip(ends, ends[1:]):
+        part = extractor.extract_model([start], [stop])
+        try:
+            graph = _CONVERT[converter](part).to(device).float()
+            segment = ConvertedModel(graph, wanted, frozen, probe)
+        except Exception as exc:
+            raise ConversionFailed(f"{converter} on the segment {start} -> {stop}: {type(exc).__name__}: "
+                                   f"{str(exc)[:300]}") from None
+        with torch.no_grad():
+            probe = graph(probe)
+        segments.append(segment)
+    owners: dict[str, int] = {}
+    for i, segment in enumerate(segments):
+        for name in segment.mapped:
+            owners.setdefault(name, i)
+    if set(owners) != set(whole.mapped):
+        raise ConversionFailed(f"cutting at layer boundaries loses the mapping of "
+                               f"{sorted(set(whole.mapped) ^ set(owners))}")
+    source = BatchSource()
+    units = [_InputSegment(source, segments[0], device), *segments[1:]]
+
+    def canonical() -> dict[str, Any]:
+        return {n: t for s in segments for n, t in s.keras_parameters().items()}
+
+    return LayerChain(units, source, canonical, "logits")
+
+
+class _InputSegment(torch.nn.Module):
+    """The first unit: reads the samples at the given positions and runs the first segment on them."""
+
+    def __init__(self, source: Any, segment: Any, device: str) -> None:
+        super().__init__()
+        self.source, self.segment, self.device = source, segment, device
+
+    def forward(self, positions: Any) -> Any:
+        return self.segment(torch.from_numpy(self.source.samples(positions).dense).to(self.device))

@@ -147,6 +147,10 @@ class DlrmGenerator:
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         """Predictions of `module` (unsharded or a TorchRec DMP around it) for `batch`."""
+        return module(*self.model_inputs(module, batch, device))
+
+    def model_inputs(self, module: Any, batch: Batch, device: str) -> tuple[Any, Any, Any]:
+        """(dense tensor, unweighted KJT, weighted KJT) of `batch`, keyed as `module`'s tables are."""
         import torch
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -160,8 +164,16 @@ class DlrmGenerator:
                 weights=torch.from_numpy(np.concatenate([f.weights for f in feats])).to(device) if weighted else None,
             )
 
-        dense = torch.from_numpy(batch.dense).to(device)
-        return module(dense, kjt(False), kjt(True))
+        return torch.from_numpy(batch.dense).to(device), kjt(False), kjt(True)
+
+    def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
+        """[features (embeddings + raw dense), one unit per dense-arch layer, one per over-arch layer]."""
+        from generators.chain import BatchSource, LayerChain
+
+        module = self.build(spec, init_state, device)
+        source = BatchSource()
+        units = _chain_units(self, module, source, device)
+        return LayerChain(units, source, lambda: dict(module.named_parameters()), "prediction")
 
     @staticmethod
     def _tables(module: Any, weighted: bool) -> list[dict[str, Any]]:
@@ -173,6 +185,55 @@ def _unwrap(module: Any) -> Any:
     while "table_specs" not in vars(module):  # not hasattr: legacy FSDP forwards attribute lookups inward
         module = getattr(module, "_dmp_wrapped_module", None) or module.module
     return module
+
+
+def _chain_units(generator: DlrmGenerator, module: Any, source: Any, device: str) -> list[Any]:
+    import torch
+    from torch import nn
+
+    class Features(nn.Module):
+        """Positions -> (dense input, pooled embeddings concatenated by feature name)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sparse, self.weighted_sparse = module.sparse, module.weighted_sparse
+
+        def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            dense, sparse, weighted = generator.model_inputs(module, source.samples(positions), device)
+            pooled = {**self.sparse(sparse).to_dict(), **self.weighted_sparse(weighted).to_dict()}
+            return dense, torch.cat([pooled[f] for f in module.feature_order], dim=1)
+
+    class DenseLayer(nn.Module):
+        def __init__(self, layers: list[nn.Module], last: bool) -> None:
+            super().__init__()
+            self.layers, self.last = nn.Sequential(*layers), last
+
+        def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> Any:
+            hidden = self.layers(dense)
+            # a tensor passed through unchanged is cloned: a stage's output must not be its own input
+            return torch.cat([hidden, embedded], dim=1) if self.last else (hidden, embedded.clone())
+
+    class OverLayer(nn.Module):
+        def __init__(self, layers: list[nn.Module], last: bool) -> None:
+            super().__init__()
+            self.layers, self.last = nn.Sequential(*layers), last
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.layers(x)
+            return torch.sigmoid(y.mean(dim=1)) if self.last else y
+
+    def layers_of(sequential: nn.Sequential) -> list[list[nn.Module]]:
+        grouped: list[list[nn.Module]] = []
+        for layer in sequential:
+            if isinstance(layer, nn.Linear):
+                grouped.append([layer])
+            else:
+                grouped[-1].append(layer)
+        return grouped
+
+    dense, over = layers_of(module.dense), layers_of(module.over)
+    return ([Features()] + [DenseLayer(g, i == len(dense) - 1) for i, g in enumerate(dense)]
+            + [OverLayer(g, i == len(over) - 1) for i, g in enumerate(over)])
 
 
 def _build_module(params: dict[str, Any], device: str) -> Any:

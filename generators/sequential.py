@@ -282,6 +282,12 @@ class SequentialGenerator:
 
         return convert_onnx(self, spec, init_state, model_dir, converter or spec.params["converter"], device)
 
+    def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None,
+              converter: str | None = None) -> Any:
+        from generators.conversion import convert_chain
+
+        return convert_chain(self, spec, init_state, model_dir, converter or spec.params["converter"], device)
+
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         import torch
 

@@ -51,7 +51,7 @@ class FullyShard(Setting):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         module = build_for_training(model, ctx.device)
-        _make_contiguous(module)
+        make_contiguous(module)
         policy = MixedPrecisionPolicy()
         if self.precision == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -65,7 +65,7 @@ class FullyShard(Setting):
         return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module))
 
 
-def _make_contiguous(module: Any) -> None:
+def make_contiguous(module: Any) -> None:
     """FSDP2 refuses non-contiguous parameters ("not supported yet"); converted graphs hold transposed views.
     A contiguous copy under the same attribute keeps values and names, so the comparison is unaffected."""
     import torch

@@ -1,0 +1,301 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: the model's layer chain (generators/chain.py)
+split into stages, trained on micro-batches under one of torch's schedules.
+
+Split points come from a partitioner that balances trainable parameters over the stages (PipeDream balances
+profiled time; parameters are this tool's deterministic stand-in) or are drawn at random from the case's
+seed. The reference is `accumulate/mb<M>`: one process accumulating the gradients of the same micro-batches,
+which is itself judged against full-batch `reference`. The hybrid family runs several such pipelines side
+by side as data-parallel replicas, with DDP or FSDP2 inside each stage, on a 2-D (dp, pp) device mesh.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from difftest.errors import ConversionFailed, Unsupported
+from difftest.registry import register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from generators.inputs import Batch
+from settings._training import (
+    build_for_training, canonical_parameters, gather_to_rank0, record_training, to_numpy,
+)
+
+# schedule name -> (torch class name, stages per rank, stage placement)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
+    "looped-bfs": ("ScheduleLoopedBFS", 2, "loop"),
+    "interleaved-zero-bubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zbv-zero-bubble": ("ScheduleZBVZeroBubble", 2, "v"),
+}
+
+
+def balanced_split(counts: list[int], stages: int) -> list[int]:
+    """Stage start indices (first is 0) of contiguous groups of units minimising the largest group's sum."""
+    best: tuple[int, list[int]] | None = None
+    for inner in itertools.combinations(range(1, len(counts)), stages - 1):
+        starts = [0, *inner]
+        largest = max(sum(counts[a:b]) for a, b in zip(starts, [*inner, len(counts)]))
+        if best is None or largest < best[0]:
+            best = (largest, starts)
+    assert best is not None
+    return best[1]
+
+
+def random_split(units: int, stages: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [0, *sorted(int(i) for i in rng.choice(np.arange(1, units), size=stages - 1, replace=False))]
+
+
+@dataclass(frozen=True)
+class Accumulation(Setting):
+    """One process, the global batch cut into micro-batches whose gradients are accumulated, then one step."""
+
+    microbatches: int
+    world_size: int = 1
+    family: ClassVar[str] = "accumulate"
+
+    @property
+    def name(self) -> str:
+        return f"accumulate/mb{self.microbatches}"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+
+        module = build_for_training(model, ctx.device)
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
+
+        def train_step(batch: Batch) -> float:
+            optimizer.zero_grad()
+            total = 0.0
+            for micro in _microbatches(batch, self.microbatches):
+                loss = model.loss(model.forward(module, micro, ctx.device), micro) / self.microbatches
+                loss.backward()
+                total += loss.item()
+            optimizer.step()
+            return total
+
+        return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step,
+                               lambda: canonical_parameters(model, module))
+
+
+def _microbatches(batch: Batch, count: int) -> list[Batch]:
+    if batch.size % count:
+        raise ValueError(f"a batch of {batch.size} does not split into {count} micro-batches")
+    size = batch.size // count
+    return [batch.slice(i * size, (i + 1) * size) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Pipeline(Setting):
+    """torch.distributed.pipelining: PipelineStage per stage, one schedule, plain SGD."""
+
+    schedule: str
+    world_size: int
+    microbatches: int
+    split: str = "balanced"  # or "random"
+    data_parallel: int = 1  # pipelines side by side (hybrid); the world is data_parallel x pipeline ranks
+    inner: str = ""  # hybrid only: "ddp" or "fsdp2" around each stage
+    family: ClassVar[str] = "pipeline"
+
+    @property
+    def name(self) -> str:
+        stages = self.pipeline_ranks * SCHEDULES[self.schedule][1]
+        shape = f"ws{self.world_size}" if self.data_parallel == 1 else \
+            f"dp{self.data_parallel}x{self.inner}/pp{self.pipeline_ranks}"
+        prefix = "pipeline" if self.data_parallel == 1 else "hybrid"
+        return f"{prefix}/{self.schedule}/{shape}/stages{stages}/mb{self.microbatches}/{self.split}"
+
+    @property
+    def pipeline_ranks(self) -> int:
+        return self.world_size // self.data_parallel
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return f"accumulate/mb{self.microbatches * self.data_parallel}"
+
+    def describe(self) -> str:
+        replicas = f", {self.data_parallel} replicas with {self.inner} in each stage" if self.data_parallel > 1 else ""
+        return (f"{SCHEDULES[self.schedule][0]} over {self.pipeline_ranks} ranks, {self.microbatches} "
+                f"micro-batches, {self.split} split{replicas}")
+
+    def judges(self, tensor_name: str) -> bool:
+        return "/pooled." not in tensor_name  # a pipeline returns the prediction, not the embedding stage's outputs
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+        from torch.distributed import pipelining
+
+        try:
+            chain = model.chain(ctx.device)
+        except ConversionFailed as exc:
+            raise Unsupported(f"no layer chain: {exc}") from None
+        class_name, per_rank, placement = SCHEDULES[self.schedule]
+        pp, stages = self.pipeline_ranks, self.pipeline_ranks * per_rank
+        if len(chain.units) < stages:
+            raise Unsupported(f"{len(chain.units)} layer units (cuts at layer boundaries) for {stages} stages")
+        if self.split == "balanced":
+            starts = balanced_split(chain.parameter_counts(), stages)
+        else:
+            starts = random_split(len(chain.units), stages, zlib.crc32(f"{ctx.seed}/{self.name}".encode()))
+        ctx.notes["stage starts"] = str(starts)
+        groups = _groups(ctx, self.data_parallel, pp)
+        dp_index, pp_rank = ctx.rank // pp, ctx.rank % pp
+        mine = [pp_rank, stages - 1 - pp_rank] if placement == "v" else list(range(pp_rank, stages, pp))
+        bounds = [*starts, len(chain.units)]
+        from generators.chain import ChainStage
+
+        modules = {s: ChainStage(chain.units[bounds[s]:bounds[s + 1]]) for s in mine}
+        examples = _stage_examples(chain, inputs.train.shard(dp_index, self.data_parallel), self.microbatches, bounds)
+        wrapped = {s: _wrap(m, self.inner, groups, ctx) for s, m in modules.items()}
+        device = torch.device(ctx.device)
+        pipeline_stages = [
+            pipelining.PipelineStage(wrapped[s], s, stages, device, input_args=examples[s][0],
+                                     output_args=examples[s][1], group=groups["pp"])
+            for s in mine
+        ]
+
+        def loss_fn(output: Any, target: Any) -> Any:
+            return model.loss(output, Batch(labels=target.detach().cpu().numpy()))
+
+        schedule_class = getattr(pipelining.schedules, class_name)
+        stage_arg = pipeline_stages if per_rank > 1 else pipeline_stages[0]
+        schedule = schedule_class(stage_arg, self.microbatches, loss_fn=loss_fn, scale_grads=self.scale_grads)
+        holds_last = stages - 1 in mine
+        trainable = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trainable, lr=ctx.lr) if trainable else None
+
+        def run_schedule(batch: Batch, train: bool) -> Any:
+            chain.feed(batch)
+            positions = torch.arange(batch.size, device=device)
+            target = torch.from_numpy(batch.labels).to(device)
+            losses: list[Any] = []
+            if train:
+                output = schedule.step(positions, target=target, losses=losses)
+            else:
+                output = schedule.eval(positions, target=target)
+            return output, losses
+
+        def evaluate(batch: Batch) -> dict | None:
+            output, _ = run_schedule(batch, train=False)
+            return {chain.output_name: output} if holds_last else None
+
+        def train_step(batch: Batch) -> float | None:
+            if optimizer is not None:
+                optimizer.zero_grad()
+            _, losses = run_schedule(batch, train=True)
+            self.after_backward(ctx, modules)
+            if optimizer is not None:
+                optimizer.step()
+            return float(torch.stack([l.detach() for l in losses]).mean()) if holds_last else None
+
+        def full_parameters() -> dict | None:
+            local = _stage_parameters(chain, modules, wrapped, self.inner)
+            pieces = gather_to_rank0(ctx, local if dp_index == 0 else {})
+            if pieces is None:
+                return None
+            merged = {k: v for piece in pieces for k, v in piece.items()}
+            missing = set(chain.canonical()) - set(merged)
+            if missing:
+                raise RuntimeError(f"no stage holds {sorted(missing)}")
+            return merged
+
+        return record_training(ctx, inputs, evaluate, train_step, full_parameters,
+                               data_shard=(dp_index, self.data_parallel))
+
+    # hooks for planted faults
+    scale_grads: ClassVar[bool] = True
+
+    def after_backward(self, ctx: RunContext, modules: dict[int, Any]) -> None:
+        pass
+
+
+_GROUPS: dict[tuple[int, int], dict[str, Any]] = {}
+
+
+def _groups(ctx: RunContext, dp: int, pp: int) -> dict[str, Any]:
+    """The pipeline group and data-parallel mesh of this rank; made once per process and shape, since every
+    rank must create every subgroup in the same order."""
+    if dp == 1:
+        return {"pp": ctx.group, "dp": None}
+    key = (dp, pp)
+    if key not in _GROUPS:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(ctx.device.split(":")[0], (dp, pp), mesh_dim_names=("dp", "pp"))
+        _GROUPS[key] = {"pp": mesh["pp"].get_group(), "dp": mesh["dp"]}
+    return _GROUPS[key]
+
+
+def _wrap(module: Any, inner: str, groups: dict[str, Any], ctx: RunContext) -> Any:
+    if not inner or not any(p.requires_grad for p in module.parameters()):
+        return module  # nothing to synchronise
+    if inner == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, process_group=groups["dp"].get_group())
+    from torch.distributed.fsdp import fully_shard
+
+    from settings.fsdp import make_contiguous
+
+    make_contiguous(module)
+    return fully_shard(module, mesh=groups["dp"])
+
+
+def _stage_examples(chain: Any, batch: Batch, microbatches: int, bounds: list[int]) -> dict[int, tuple]:
+    """Each stage's (input, output) for one micro-batch, from running the whole chain once in this process."""
+    import torch
+
+    from generators.chain import ChainStage
+
+    def example(tensor: Any) -> Any:
+        # a stage sends back gradients for exactly the received tensors that require them
+        return tensor.detach().clone().requires_grad_(tensor.requires_grad)
+
+    first = _microbatches(batch, microbatches)[0]
+    chain.feed(first)
+    value: Any = torch.arange(first.size)
+    examples = {}
+    for s in range(len(bounds) - 1):
+        inputs = tuple(example(t) for t in (value if isinstance(value, tuple) else (value,)))
+        value = ChainStage(chain.units[bounds[s]:bounds[s + 1]])(*inputs)
+        outputs = value if isinstance(value, tuple) else (value,)
+        examples[s] = (inputs, tuple(example(t) for t in outputs))
+    chain.canonical_zero_grad()
+    return examples
+
+
+def _stage_parameters(chain: Any, modules: dict[int, Any], wrapped: dict[int, Any], inner: str) -> dict:
+    if inner == "fsdp2":
+        for m in wrapped.values():
+            if hasattr(m, "unshard"):
+                m.unshard()
+    try:
+        return {k: to_numpy(v) for k, v in chain.parameters_of(list(modules.values())).items()}
+    finally:
+        if inner == "fsdp2":
+            for m in wrapped.values():
+                if hasattr(m, "reshard"):
+                    m.reshard()
+
+
+def _pipeline_settings() -> list[Setting]:
+    settings: list[Setting] = []
+    for schedule, (_, per_rank, _) in SCHEDULES.items():
+        for ws in (2, 3, 4):
+            for mb in (ws, 2 * ws):
+                settings += [Pipeline(schedule, ws, mb, split) for split in ("balanced", "random")]
+    return settings
+
+
+HYBRID = [Pipeline(schedule, 4, mb, "balanced", data_parallel=2, inner=inner)
+          for schedule in ("gpipe", "1f1b", "interleaved-1f1b") for inner in ("ddp", "fsdp2") for mb in (2, 4)]
+register_settings([Accumulation(mb) for mb in sorted({s.microbatches * s.data_parallel
+                                                      for s in _pipeline_settings() + HYBRID})])
+register_settings(_pipeline_settings() + HYBRID)

@@ -62,7 +62,12 @@ class FullyShard(Setting):
             fully_shard(unit, **options)
         fully_shard(module, **options)
         ctx.notes["units"] = str(len(units) + 1)
+        self.sharded(ctx, module)
         return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module))
+
+
+    def sharded(self, ctx: RunContext, module: Any) -> None:
+        """Called once the model is sharded, before training (a hook for planted faults)."""
 
 
 def make_contiguous(module: Any) -> None:

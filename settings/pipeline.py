@@ -294,8 +294,10 @@ def _pipeline_settings() -> list[Setting]:
     return settings
 
 
-HYBRID = [Pipeline(schedule, 4, mb, "balanced", data_parallel=2, inner=inner)
-          for schedule in ("gpipe", "1f1b", "interleaved-1f1b") for inner in ("ddp", "fsdp2") for mb in (2, 4)]
+# FSDP2 inside the stages ("fsdp2") hung all four ranks on a converted Keras model (no answer in 120 s);
+# until that is understood it is left out of the registry, so a default sweep does not spend its timeouts.
+HYBRID = [Pipeline(schedule, 4, mb, "balanced", data_parallel=2, inner="ddp")
+          for schedule in ("gpipe", "1f1b", "interleaved-1f1b") for mb in (2, 4)]
 register_settings([Accumulation(mb) for mb in sorted({s.microbatches * s.data_parallel
                                                       for s in _pipeline_settings() + HYBRID})])
 register_settings(_pipeline_settings() + HYBRID)

@@ -49,8 +49,7 @@ class TensorParallel(Setting):
         return f"tensor parallel over {self.world_size} ranks{detail}"
 
     def plan(self, ctx: RunContext, model: Any, module: Any, inputs: Any) -> dict[str, Any]:
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        from torch.distributed.tensor.parallel import ColwiseParallel
 
         pairs = linear_pairs(module)
         if not pairs:
@@ -61,11 +60,16 @@ class TensorParallel(Setting):
         plan: dict[str, Any] = {}
         for column, row in pairs:
             plan[column] = ColwiseParallel(use_local_output=False)
-            if self.sequence_parallel and row in sequence_outputs:
-                plan[row] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-            else:
-                plan[row] = RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
+            plan[row] = self.row_style(row in sequence_outputs)
         return plan
+
+    def row_style(self, sequence_output: bool) -> Any:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        if self.sequence_parallel and sequence_output:
+            return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        return RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch

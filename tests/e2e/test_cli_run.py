@@ -16,7 +16,7 @@ from difftest.registry import all_settings, load_plugins
 def test_difftest_run_on_the_default_models(tmp_path: Path) -> None:
     out = tmp_path / "run"
     command = [sys.executable, "-m", "difftest.cli", "run", "--out", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=2400)
     assert result.returncode == 0, result.stderr[-3000:]
     cases = pd.read_csv(out / "summary.csv", index_col=0)
     load_plugins()
@@ -33,14 +33,20 @@ def test_difftest_run_on_the_default_models(tmp_path: Path) -> None:
     errors = rows[rows.status == "error"]
     converter = errors.setting.str.startswith("convert/onnx2torch/")
     assert errors[converter].message.str.startswith("ConversionFailed").all()
-    assert errors[~converter].setting.str.match(r"quant/torchrec/(fp16|int2)/out-fp(16|32)/\w+/sim-ws\d").all()
+    # torch's zero-bubble schedules fail on gloo: eval() of the V schedule, non-contiguous gradient sends
+    known = r"quant/torchrec/(fp16|int2)/out-fp(16|32)/\w+/sim-ws\d|pipeline/(interleaved-zero-bubble|zbv-zero-bubble)/"
+    assert errors[~converter].setting.str.match(known).all()
     # refusals are kind mismatches, engines refusing fp16 weights, or TF-MOT missing, each with its reason
     refused = rows[rows.status == "unsupported"]
-    assert refused.message.str.contains("kind|refuses float16|tensorflow-model-optimization").all()
+    assert refused.message.str.contains("kind|refuses float16|tensorflow-model-optimization|layer units|Linear").all()
     assert set(rows.status) <= {"inconsistent", "error", "crash", "unsupported"}
     # DDP, the TF strategies, conversion and every quantized-vs-float setting agree with their references
     inconsistent = rows[rows.status == "inconsistent"].setting
-    assert not inconsistent.str.startswith(("ddp/", "tf/", "convert/", "quant/dynamic/", "quant/bf16", "quant/tf")).any()
+    assert not inconsistent.str.startswith(("ddp/", "tf/", "convert/", "quant/dynamic/", "quant/bf16", "quant/tf",
+                                            "fsdp2/", "tp/", "pipeline/", "hybrid/", "accumulate/")).any()
+    # legacy FSDP's finding: NO_SHARD + use_orig_params trains non-contiguous (converted) weights wrongly
+    fsdp1 = rows[(rows.status == "inconsistent") & rows.setting.str.startswith("fsdp1/")]
+    assert set(fsdp1.setting) == {f"fsdp1/no_shard/ws{w}" for w in (2, 3, 4)} and (fsdp1.kind == "sequential").all()
     assert not inconsistent.str.endswith("/unsharded").any()
     # oracle 1's finding: row-wise sharded quantized MEAN bags on 2+ ranks
     assert inconsistent[inconsistent.str.startswith("quant/")].str.contains("/row_wise/sim-ws[234]").all()

@@ -177,3 +177,65 @@ class QuantizedTableCorrupted(QuantizedEmbeddings):
 
 
 register_settings([QuantizedTableCorrupted("int8", "fp32", "table_wise", 2, corrupt=c) for c in ("scale", "bias")])
+
+
+# --- negative controls of the parallelism families (issue 5) ----------------------------------------------
+
+from settings.fsdp import FullyShard  # noqa: E402
+from settings.pipeline import Pipeline  # noqa: E402
+from settings.tensor_parallel import TensorParallel  # noqa: E402
+
+
+@dataclass(frozen=True)
+class StageDropsGradScaling(Pipeline):
+    """GPipe whose stage on rank 1 undoes the schedule's 1/micro-batches gradient scaling."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/pipeline_unscaled_stage/ws{self.world_size}/mb{self.microbatches}"
+
+    def after_backward(self, ctx: RunContext, modules: dict) -> None:
+        if ctx.rank == 1:
+            for module in modules.values():
+                for parameter in module.parameters():
+                    if parameter.grad is not None:
+                        parameter.grad.mul_(self.microbatches)
+
+
+@dataclass(frozen=True)
+class TensorParallelWrongDim(TensorParallel):
+    """Tensor parallel whose second layer of a pair is split on its output dim (column-wise) instead of its
+    input dim, and whose ranks carry on with their local slice as if it were the whole output."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/tp_wrong_dim/ws{self.world_size}"
+
+    def row_style(self, sequence_output: bool) -> Any:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        return ColwiseParallel(input_layouts=Shard(-1), use_local_output=True)
+
+
+@dataclass(frozen=True)
+class FsdpRankSkipsReduceScatter(FullyShard):
+    """FSDP2 (one unit) whose rank 1 turns off the unit's gradient reduce-scatter."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/fsdp_skip_reduce_scatter/ws{self.world_size}"
+
+    def sharded(self, ctx: RunContext, module: Any) -> None:
+        if ctx.rank == 1:
+            module.set_requires_gradient_sync(False, recurse=False)
+
+
+register_settings([StageDropsGradScaling("gpipe", 2, 2), TensorParallelWrongDim(2),
+                   FsdpRankSkipsReduceScatter(2, "whole-model")])

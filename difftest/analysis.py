@@ -79,12 +79,13 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
                     expected = {k: v for k, v in expected.items() if setting.judges(k)}
                 judged_by = setting.tolerance(tol) if setting is not None else tol
                 comparisons = compare(store.load_outputs(record), expected, judged_by)
+                mismatch = setting.mismatch_status if setting is not None else "inconsistent"
                 for c in comparisons:
                     rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
-                                 "status": "ok" if c.consistent else "inconsistent",
+                                 "status": "ok" if c.consistent else mismatch,
                                  "message": c.message or record.message})
                 worst = max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan)
-                verdict = "ok" if all(c.consistent for c in comparisons) else "inconsistent"
+                verdict = "ok" if all(c.consistent for c in comparisons) else mismatch
             verdicts.append({"model": record.model, "kind": spec.kind, "setting": record.setting,
                              "verdict": verdict, "worst_linf": worst, "wall_s": record.wall_s})
     finally:

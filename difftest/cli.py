@@ -27,7 +27,7 @@ console = Console(stderr=True)
 out_console = Console()
 
 DEFAULT_OUT = Path("results/default")
-FINDINGS = ("inconsistent", "error", "crash", "timeout")
+FINDINGS = ("inconsistent", "nondeterministic", "error", "crash", "timeout")
 
 # Shared options --------------------------------------------------------------------------------------
 SettingsOpt = Annotated[Optional[str], typer.Option("--settings", help="Comma-separated globs over setting names, e.g. 'reference,torchrec/*/ws2'.")]
@@ -79,7 +79,7 @@ def _unavailable(generator: object) -> str | None:
     return check() if check is not None else None
 
 
-def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: int, timeout: float, device: str, plugins: tuple[str, ...]) -> None:
+def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: int, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False) -> None:
     from difftest.registry import load_plugins
     from difftest.runner.sweep import SweepOptions, plan_cases, run_sweep
     from difftest.spec import RunConfig
@@ -88,7 +88,7 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
 
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r}: use cpu or cuda")
-    options = SweepOptions(settings=settings, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins)
+    options = SweepOptions(settings=settings, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice)
     plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
     started = time.perf_counter()
     with _progress() as progress:
@@ -186,9 +186,10 @@ def sweep(
     timeout: TimeoutOpt = 120.0,
     device: DeviceOpt = "cpu",
     plugin: PluginOpt = None,
+    twice: Annotated[bool, typer.Option("--twice", help="Also run every selected setting a second time (rerun/<name>), judged bitwise against the first: differences are `nondeterministic`.")] = False,
 ) -> None:
     """Run every (model, setting) case not yet committed in RUN_DIR; a rerun resumes."""
-    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()))
+    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice)
 
 
 QUANT_SETTINGS = "quant/*"

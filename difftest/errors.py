@@ -9,6 +9,11 @@ class Unsupported(Exception):
     """Raised by a setting when the library refuses the combination; recorded as `unsupported`."""
 
 
+class InvariantViolated(Exception):
+    """Raised by a setting whose run broke a promise it checks itself (a stashed weight version, a preserved
+    mean, an unchanged set of parameter names); recorded as `inconsistent` with the message."""
+
+
 class ConversionFailed(RuntimeError):
     """A model has no form in the framework a setting needs (its export or conversion failed); says why.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 from importlib.metadata import entry_points
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from difftest.errors import UserError
 from difftest.setting import Setting
@@ -19,6 +19,10 @@ from difftest.setting import Setting
 _SETTINGS: dict[str, Setting] = {}
 _GENERATORS: dict[str, Any] = {}
 _LOADED_PLUGINS: set[str] = set()
+# prefix -> factory making a setting out of any registered one (`rerun/<name>`); made on demand, so a
+# default sweep does not double, and kept apart from _SETTINGS so `all_settings` lists only the base ones
+_DERIVED: dict[str, Callable[[Setting], Setting]] = {}
+_DERIVED_MADE: dict[str, Setting] = {}
 
 BUILTIN_PLUGINS = ("generators", "settings")
 
@@ -34,6 +38,24 @@ def register_setting(setting: Setting) -> Setting:
 def register_settings(settings: Iterable[Setting]) -> None:
     for setting in settings:
         register_setting(setting)
+
+
+def register_derived(prefix: str, factory: Callable[[Setting], Setting]) -> None:
+    """Settings named `<prefix>/<any registered setting>`, each made by `factory(that setting)`."""
+    _DERIVED[prefix] = factory
+
+
+def _derived(name: str) -> Setting | None:
+    prefix, _, base = name.partition("/")
+    if prefix not in _DERIVED or base not in _SETTINGS:
+        return None
+    if name not in _DERIVED_MADE:
+        _DERIVED_MADE[name] = _DERIVED[prefix](_SETTINGS[base])
+    return _DERIVED_MADE[name]
+
+
+def derived_prefixes() -> list[str]:
+    return sorted(_DERIVED)
 
 
 def register_generator(kind: str, generator: Any) -> Any:
@@ -66,6 +88,9 @@ def get_setting(name: str) -> Setting:
     try:
         return _SETTINGS[name]
     except KeyError:
+        derived = _derived(name)
+        if derived is not None:
+            return derived
         raise UserError(f"unknown setting {name!r}; `difftest settings list` shows the registered ones") from None
 
 
@@ -74,12 +99,18 @@ def all_settings() -> list[Setting]:
 
 
 def select_settings(patterns: str | None) -> list[Setting]:
-    """Settings whose names match any of the comma-separated glob patterns (all when None)."""
+    """Settings whose names match any of the comma-separated glob patterns (all when None). A pattern
+    `<derived prefix>/<glob>` selects the derived settings of the registered ones its glob matches."""
     settings = all_settings()
     if not patterns:
         return settings
     globs = [p.strip() for p in patterns.split(",") if p.strip()]
     chosen = [s for s in settings if any(fnmatch.fnmatchcase(s.name, g) for g in globs)]
+    for glob in globs:
+        prefix, _, rest = glob.partition("/")
+        if prefix in _DERIVED:
+            chosen += [get_setting(f"{prefix}/{s.name}") for s in settings if fnmatch.fnmatchcase(s.name, rest)]
+    chosen = list({s.name: s for s in chosen}.values())
     if not chosen:
         raise UserError(f"--settings {patterns!r} matches no registered setting; `difftest settings list` shows them")
     return chosen

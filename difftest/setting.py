@@ -49,6 +49,8 @@ class Setting(abc.ABC):
     deterministic: ClassVar[bool] = False
     # the setting whose outputs this one is judged against (itself for a reference)
     reference: ClassVar[str] = "reference"
+    # the verdict when its outputs differ from the reference's beyond its tolerance
+    mismatch_status: ClassVar[str] = "inconsistent"
 
     @property
     @abc.abstractmethod

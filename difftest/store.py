@@ -16,7 +16,7 @@ import numpy as np
 
 from difftest.artifacts import atomic_save_arrays, load_arrays
 
-STATUSES = ("ok", "inconsistent", "error", "crash", "timeout", "unsupported")
+STATUSES = ("ok", "inconsistent", "nondeterministic", "error", "crash", "timeout", "unsupported")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS cases (
@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS cases (
 class CaseRecord:
     model: str
     setting: str
-    status: str  # a run status: ok | error | crash | timeout | unsupported (judging adds inconsistent)
+    status: str  # a run status: ok | inconsistent (a broken invariant) | error | crash | timeout | unsupported
     message: str = ""
     rank: int | None = None
     wall_s: float | None = None

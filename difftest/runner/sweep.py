@@ -10,7 +10,7 @@ from typing import Callable
 
 from difftest.artifacts import load_spec
 from difftest.errors import UserError
-from difftest.registry import load_plugins, select_settings
+from difftest.registry import get_setting, load_plugins, select_settings
 from difftest.runner.pool import CaseRequest, CaseResult, GroupStartError, WorkerGroup
 from difftest.setting import Setting
 from difftest.spec import ModelSpec, RunConfig
@@ -26,6 +26,7 @@ class SweepOptions:
     device: str = "cpu"
     backend: str | None = None  # default: gloo on cpu, nccl on cuda
     plugins: tuple[str, ...] = ()
+    twice: bool = False  # add `rerun/<name>` of every selected setting (the determinism oracle)
 
     @property
     def resolved_backend(self) -> str:
@@ -62,6 +63,10 @@ def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
     import fnmatch
 
     settings = select_settings(options.settings)
+    if options.twice:
+        names = {s.name for s in settings}
+        settings += [get_setting(f"rerun/{s.name}") for s in list(settings)
+                     if not s.name.startswith("rerun/") and f"rerun/{s.name}" not in names]
     globs = [g.strip() for g in (options.models or "*").split(",") if g.strip()]
     models = [(d, s) for d, s in list_models(run_dir) if any(fnmatch.fnmatchcase(s.model_id, g) for g in globs)]
     if not models:

@@ -88,7 +88,7 @@ def _serve(config: WorkerConfig, conn: Any) -> None:
     import torch.distributed as dist
 
     from difftest.artifacts import load_model
-    from difftest.errors import Unsupported
+    from difftest.errors import InvariantViolated, Unsupported
     from difftest.registry import get_setting, load_plugins
     from difftest.setting import RunContext
 
@@ -140,6 +140,8 @@ def _serve(config: WorkerConfig, conn: Any) -> None:
             text = "; ".join(f"{k}: {v}" for k, v in ctx.notes.items())
         except Unsupported as exc:
             status, text = "unsupported", str(exc)
+        except InvariantViolated as exc:
+            status, text = "inconsistent", f"invariant broken: {exc}"[:4000]
         except Exception as exc:  # a setting that raises is a finding, recorded with its traceback tail
             status = "error"
             tail = "".join(traceback.format_exception(exc)[-3:]).strip().replace("\n", " | ")

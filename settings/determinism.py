@@ -1,0 +1,66 @@
+"""DETrain's first promise: a setting run twice computes the same bits.
+
+`rerun/<setting>` runs any registered setting again, with `torch.use_deterministic_algorithms(True)` (the
+TensorFlow settings always run with op determinism), in whichever warm worker the sweep gives it, and is
+judged against that setting's own stored run with zero tolerance (every recorded tensor equal). A
+difference is its own finding, `nondeterministic`, never noise to tolerate. Select them with a glob
+(`--settings 'rerun/ddp/*'`) or `--twice`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from difftest.oracle import Tolerance
+from difftest.registry import register_derived
+from difftest.setting import Outputs, RunContext, Setting
+
+BITWISE = Tolerance(atol=0.0, rtol=0.0)
+
+
+@dataclass(frozen=True)
+class Rerun(Setting):
+    """The same setting a second time, deterministic algorithms on: must equal the first run bitwise."""
+
+    base: Setting
+    family: ClassVar[str] = "rerun"
+    deterministic: ClassVar[bool] = True
+    mismatch_status: ClassVar[str] = "nondeterministic"
+
+    @property
+    def name(self) -> str:
+        return f"rerun/{self.base.name}"
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self.base.world_size
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return self.base.name
+
+    @property
+    def process_affinity(self) -> str:
+        return self.base.process_affinity
+
+    def describe(self) -> str:
+        return f"{self.base.name} again, judged bitwise against its first run"
+
+    def supports(self, spec: Any) -> str | None:
+        return self.base.supports(spec)
+
+    def available(self) -> str | None:
+        return self.base.available()
+
+    def judges(self, tensor_name: str) -> bool:
+        return True  # everything the first run recorded
+
+    def tolerance(self, default: Tolerance) -> Tolerance:
+        return BITWISE
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        return self.base.run(ctx, model, inputs)
+
+
+register_derived("rerun", Rerun)

@@ -21,6 +21,14 @@ class JaggedFeature:
         weights = None if self.weights is None else self.weights[lo:hi]
         return JaggedFeature(self.lengths[start:stop], self.values[lo:hi], weights)
 
+    def take(self, samples: np.ndarray) -> "JaggedFeature":
+        """The bags of `samples`, in that order."""
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        picked = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in samples] or [np.zeros(0, np.int64)])
+        picked = picked.astype(np.int64)
+        weights = None if self.weights is None else self.weights[picked]
+        return JaggedFeature(self.lengths[samples], self.values[picked], weights)
+
 
 @dataclass
 class Batch:
@@ -38,6 +46,11 @@ class Batch:
         dense = None if self.dense is None else self.dense[start:stop]
         sparse = {name: feature.slice(start, stop) for name, feature in self.sparse.items()}
         return Batch(self.labels[start:stop], dense, sparse)
+
+    def take(self, samples: np.ndarray) -> "Batch":
+        """The samples at positions `samples`, in that order (a data loader's shuffled batch)."""
+        dense = None if self.dense is None else self.dense[samples]
+        return Batch(self.labels[samples], dense, {name: f.take(samples) for name, f in self.sparse.items()})
 
     def shard(self, rank: int, world_size: int) -> "Batch":
         """The contiguous share of rank `rank`; the global batch must divide evenly."""

@@ -239,3 +239,28 @@ class FsdpRankSkipsReduceScatter(FullyShard):
 
 register_settings([StageDropsGradScaling("gpipe", 2, 2), TensorParallelWrongDim(2),
                    FsdpRankSkipsReduceScatter(2, "whole-model")])
+
+
+# --- issue 6: the seeds' oracles ---------------------------------------------------------------------
+from settings._resumable import CARRIED, Placement  # noqa: E402
+from settings.resume import Resume  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ResumeForgets(Resume):
+    """A single-process resume whose checkpoint leaves one piece of state behind."""
+
+    forgets: str = "optimizer"
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/resume_forgets_{self.forgets}"
+
+    @property
+    def carried(self) -> frozenset[str]:
+        return CARRIED - {self.forgets}
+
+
+register_settings([ResumeForgets(Placement("single"), Placement("single"), 3, forgets=f)
+                   for f in ("optimizer", "rng", "loader")])

@@ -1,0 +1,316 @@
+"""A training program with everything a resume has to carry, run in phases (DETrain's checkpoint/resume).
+
+The program: SGD with momentum 0.9 and a step learning-rate schedule (halved every 2 steps), fed by an
+epoch loader that draws a fresh permutation of the model's training samples from torch's global RNG at the
+start of every epoch and serves half of them per step — so after a resume the next batches depend on the
+loader's position and permutation, the epoch after that on the RNG state, and the update on the momentum.
+Each rank trains on its contiguous share of the loader's batch (data parallel); eval and parameters are
+recorded like every other training setting (see `settings._training`), steps numbered across phases.
+
+A phase runs steps (first_step, last_step], optionally after loading a checkpoint ("restore": everything
+from `torch.distributed.checkpoint`; "fast-forward": model and optimizer from the checkpoint, the loader
+replayed from the seed for `first_step` batches without training) and optionally saves one. The checkpoint
+holds tensors and plain numbers only; it lives in a private temporary folder the case made and removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from difftest.errors import Unsupported
+from difftest.setting import Outputs, RunContext
+from generators.inputs import Batch
+from settings._training import build_for_training, canonical_parameters, gather_to_rank0, to_numpy
+
+TOTAL_STEPS = 5
+MOMENTUM = 0.9
+LR_HALVING_EVERY = 2
+# what a full checkpoint carries; a planted fault leaves some out
+CARRIED = frozenset({"model", "optimizer", "scheduler", "rng", "loader"})
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How the model is trained: one process, or DDP / FSDP2 (per-layer) over `world_size` ranks."""
+
+    strategy: str  # "single" | "ddp" | "fsdp2"
+    world_size: int = 1
+
+    @property
+    def label(self) -> str:
+        return "single" if self.strategy == "single" else f"{self.strategy}-ws{self.world_size}"
+
+
+@dataclass(frozen=True)
+class Phase:
+    placement: Placement
+    first_step: int  # steps already trained before this phase
+    last_step: int
+    load: str = ""  # "" | "restore" | "fast-forward"
+    save: bool = False
+    carried: frozenset[str] = CARRIED
+
+
+class EpochLoader:
+    """Serves `batch_size` samples a step from a per-epoch permutation drawn from torch's global RNG."""
+
+    def __init__(self, source: Batch, batch_size: int) -> None:
+        import torch
+
+        self.source, self.batch_size = source, batch_size
+        # an exhausted epoch 0, so the first batch draws a permutation and the state has one fixed shape
+        self.order = torch.arange(source.size)
+        self.epoch, self.position = 0, source.size
+
+    def next(self) -> Batch:
+        import torch
+
+        if self.position >= len(self.order):
+            self.order, self.position, self.epoch = torch.randperm(self.source.size), 0, self.epoch + 1
+        picked = self.order[self.position:self.position + self.batch_size]
+        self.position += self.batch_size
+        return self.source.take(picked.numpy())
+
+    def state(self) -> dict[str, Any]:
+        import torch
+
+        return {"epoch": torch.tensor(self.epoch), "position": torch.tensor(self.position), "order": self.order.clone()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.order = state["order"].clone()
+
+
+def rng_state() -> dict[str, Any]:
+    import torch
+
+    _, keys, position, has_gauss, gauss = np.random.get_state()
+    version, python_state, gauss_next = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_rest": torch.tensor([position, has_gauss], dtype=torch.int64), "numpy_gauss": torch.tensor(gauss, dtype=torch.float64),
+        "python": torch.tensor(python_state, dtype=torch.int64), "python_rest": torch.tensor([version, -1 if gauss_next is None else 0]),
+        "python_gauss": torch.tensor(0.0 if gauss_next is None else gauss_next, dtype=torch.float64),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    position, has_gauss = (int(v) for v in state["numpy_rest"])
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), position, has_gauss, float(state["numpy_gauss"])))
+    version, gauss_flag = (int(v) for v in state["python_rest"])
+    gauss_next = None if gauss_flag == -1 else float(state["python_gauss"])
+    random.setstate((version, tuple(int(v) for v in state["python"]), gauss_next))
+
+
+def seed_everything(seed: int) -> None:
+    """What a worker does before every case (difftest/runner/worker.py), so fresh processes start alike."""
+    import torch
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+class Trainer:
+    """The program on this rank: the placed module, its optimizer, schedule and loader."""
+
+    def __init__(self, ctx: RunContext, model: Any, inputs: Any, placement: Placement) -> None:
+        import torch
+
+        self.ctx, self.model, self.inputs, self.placement = ctx, model, inputs, placement
+        module = build_for_training(model, ctx.device)
+        if placement.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = DistributedDataParallel(module, process_group=ctx.group)
+        elif placement.strategy == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            from settings._training import device_mesh, parameter_holders
+            from settings.fsdp import make_contiguous
+
+            make_contiguous(module)
+            mesh = device_mesh(ctx)
+            for _, unit in reversed(parameter_holders(module)):
+                fully_shard(unit, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+        self.module = module
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if not trainable:
+            from difftest.errors import Unsupported
+
+            raise Unsupported("every parameter is frozen: nothing for a checkpoint's optimizer state to carry")
+        self.optimizer = torch.optim.SGD(trainable, lr=ctx.lr, momentum=MOMENTUM)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, LR_HALVING_EVERY, gamma=0.5)
+        self.loader = EpochLoader(inputs.train, inputs.train.size // 2)
+        # the program seeds once its model is built (building draws initialisers), so the stream the loader
+        # draws from is the same in every process whatever it built
+        seed_everything(ctx.seed)
+
+    def step(self) -> float:
+        batch = self.loader.next().shard(self.ctx.rank, self.ctx.world_size)
+        self.optimizer.zero_grad()
+        loss = self.model.loss(self.model.forward(self.module, batch, self.ctx.device), batch)
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss.item()
+
+    def evaluate(self) -> dict[str, np.ndarray] | None:
+        import torch
+
+        with torch.no_grad():
+            local = self.model.evaluate(self.module, self.inputs.eval.shard(self.ctx.rank, self.ctx.world_size), self.ctx.device)
+        pieces = gather_to_rank0(self.ctx, {k: to_numpy(v) for k, v in local.items()})
+        return None if pieces is None else {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(), "loader": self.loader.state()}
+
+    def save(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.checkpoint_state(), checkpoint_id=str(folder), process_group=self.ctx.group)
+
+    def load(self, folder: Path, carried: frozenset[str]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = self.checkpoint_state()  # the structure DCP fills in place, resharded to this placement
+        state = {k: v for k, v in state.items() if k in carried}
+        dcp.load(state, checkpoint_id=str(folder), process_group=self.ctx.group)
+        if "model" in carried:
+            set_model_state_dict(self.module, state["model"])
+        if "optimizer" in carried:
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.state.clear()  # get_state_dict made empty momentum buffers; a fresh run has none
+        if "scheduler" in carried:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if "rng" in carried:
+            set_rng_state(state["rng"])
+        if "loader" in carried:
+            self.loader.load(state["loader"])
+
+
+def run_phase(ctx: RunContext, model: Any, inputs: Any, phase: Phase, checkpoint: Path | None) -> Outputs | None:
+    """Run one phase on this rank; rank 0 returns what it recorded."""
+    trainer = Trainer(ctx, model, inputs, phase.placement)
+    outputs: Outputs = {}
+    if phase.load == "restore":
+        assert checkpoint is not None
+        trainer.load(checkpoint, phase.carried)
+    elif phase.load == "fast-forward":
+        assert checkpoint is not None
+        trainer.load(checkpoint, phase.carried & {"model", "optimizer", "scheduler"})
+        for _ in range(phase.first_step):
+            trainer.loader.next()  # DETrain's fast-forward: replay the loader, skip the step
+    if phase.first_step == 0:
+        outputs.update({f"eval_before/{k}": v for k, v in (trainer.evaluate() or {}).items()})
+    for step in range(phase.first_step + 1, phase.last_step + 1):
+        losses = gather_to_rank0(ctx, trainer.step())
+        params = canonical_parameters(trainer.model, trainer.module)  # collective for DTensors
+        if losses is not None:
+            outputs[f"train_step{step}/loss"] = np.array([np.mean(losses)], dtype=np.float32)
+            outputs.update({f"param_after_step{step}/{k}": v for k, v in params.items()})
+    if phase.save:
+        assert checkpoint is not None
+        trainer.save(checkpoint)
+    if phase.last_step == TOTAL_STEPS:
+        outputs.update({f"eval_after_step{TOTAL_STEPS}/{k}": v for k, v in (trainer.evaluate() or {}).items()})
+    return outputs if ctx.rank == 0 else None
+
+
+def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpoint: Path, workdir: Path,
+                         timeout_s: float = 600.0) -> Outputs:
+    """Run `phase` in `phase.placement.world_size` fresh interpreters joined in a new process group (rendezvous
+    through a file in `workdir`, no port at all); returns rank 0's outputs. Raises with the failing rank's
+    last stderr lines (`Unsupported` when the program refused the model)."""
+    import os
+    import subprocess
+    import sys
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = f"{phase.first_step}-{phase.last_step}"
+    request = workdir / f"phase-{tag}.json"
+    request.write_text(json.dumps({
+        "model_dir": str(model_dir), "checkpoint": str(checkpoint), "workdir": str(workdir), "result": str(workdir / f"outputs-{tag}.npz"),
+        "seed": ctx.seed, "lr": ctx.lr, "steps": ctx.steps, "device": ctx.device, "backend": ctx.backend,
+        "placement": dataclasses.asdict(phase.placement), "first_step": phase.first_step, "last_step": phase.last_step,
+        "load": phase.load, "save": phase.save, "carried": sorted(phase.carried),
+    }))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+    logs = [workdir / f"rank{r}-{tag}.log" for r in range(phase.placement.world_size)]
+    processes = [subprocess.Popen([sys.executable, "-m", "settings._resumable", str(request), str(r)], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=log.open("w"))
+                 for r, log in enumerate(logs)]
+    try:
+        codes = [p.wait(timeout=timeout_s) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    failed = [r for r, code in enumerate(codes) if code != 0]
+    if failed:
+        tail = logs[failed[0]].read_text().strip().splitlines()[-3:]
+        last = tail[-1] if tail else ""
+        if last.startswith("difftest.errors.Unsupported: "):
+            raise Unsupported(last.split(": ", 1)[1])
+        raise RuntimeError(f"phase {tag} rank {failed[0]} exited {codes[failed[0]]}: " + " | ".join(tail))
+    with np.load(workdir / f"outputs-{tag}.npz", allow_pickle=False) as stored:
+        return {k: stored[k] for k in stored.files}
+
+
+def _phase_process(request_path: str, rank: int) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from difftest.artifacts import load_model
+    from difftest.registry import load_plugins
+
+    request = json.loads(Path(request_path).read_text())
+    placement = Placement(**request["placement"])
+    phase = Phase(placement, request["first_step"], request["last_step"], request["load"], request["save"],
+                  frozenset(request["carried"]))
+    torch.set_num_threads(1)
+    device = f"cuda:{rank}" if request["device"].startswith("cuda") else "cpu"
+    if device != "cpu":
+        torch.cuda.set_device(rank)
+    store = dist.FileStore(str(Path(request["workdir"]) / f"rendezvous-{phase.first_step}"), placement.world_size)
+    dist.init_process_group(request["backend"], store=store, rank=rank, world_size=placement.world_size,
+                            timeout=timedelta(seconds=120))
+    try:
+        load_plugins(("generators",))
+        model, inputs = load_model(Path(request["model_dir"]))
+        ctx = RunContext(rank=rank, world_size=placement.world_size, local_world_size=placement.world_size,
+                         device=device, backend=request["backend"], group=dist.group.WORLD, steps=request["steps"],
+                         lr=request["lr"], seed=request["seed"])
+        outputs = run_phase(ctx, model, inputs, phase, Path(request["checkpoint"]))
+        if rank == 0:
+            assert outputs is not None
+            np.savez(request["result"], **outputs)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _phase_process(sys.argv[1], int(sys.argv[2]))

@@ -17,3 +17,4 @@ from settings import tensor_parallel  # noqa: F401
 from settings import pipeline  # noqa: F401
 from settings import determinism  # noqa: F401
 from settings import resume  # noqa: F401
+from settings import repartition  # noqa: F401

@@ -59,17 +59,28 @@ class Accumulation(Setting):
 
     microbatches: int
     world_size: int = 1
+    momentum: float = 0.0
+    steps: int = 0  # 0: the run's steps
     family: ClassVar[str] = "accumulate"
 
     @property
     def name(self) -> str:
-        return f"accumulate/mb{self.microbatches}"
+        extra = f"/momentum{self.momentum:g}/steps{self.steps}" if self.momentum or self.steps else ""
+        return f"accumulate/mb{self.microbatches}{extra}"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        # with its own optimizer and step count it is the reference of the settings built on it
+        return self.name if self.momentum or self.steps else "reference"
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import dataclasses
+
         import torch
 
         module = build_for_training(model, ctx.device)
-        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr,
+                                    momentum=self.momentum)
 
         def train_step(batch: Batch) -> float:
             optimizer.zero_grad()
@@ -81,6 +92,7 @@ class Accumulation(Setting):
             optimizer.step()
             return total
 
+        ctx = dataclasses.replace(ctx, steps=self.steps or ctx.steps)
         return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step,
                                lambda: canonical_parameters(model, module))
 

@@ -180,14 +180,14 @@ class WorkerGroup:
     def _combine(self, replies: dict[int, tuple], started: float, reusable: bool = True) -> CaseResult:
         wall = time.perf_counter() - started
         statuses = {rank: reply[1] for rank, reply in replies.items()}
-        for status in ("error", "unsupported"):
+        for status in ("error", "inconsistent", "unsupported"):  # "inconsistent": a setting's invariant broke
             ranks = [r for r, s in sorted(statuses.items()) if s == status]
             if ranks:
                 # an error may leave collectives half-done on the other ranks: never reuse that group,
                 # unless it has no other ranks (one process: nothing can be half-done)
                 everyone_answered = len(statuses) == self.world_size
                 reusable = reusable and everyone_answered and (
-                    self.world_size == 1 or all(s == "unsupported" for s in statuses.values())
+                    self.world_size == 1 or all(s in ("unsupported", "inconsistent") for s in statuses.values())
                 )
                 return CaseResult(status, message=replies[ranks[0]][3], rank=ranks[0], wall_s=wall, reusable=reusable)
         outputs = replies[0][2]

@@ -264,3 +264,26 @@ class ResumeForgets(Resume):
 
 register_settings([ResumeForgets(Placement("single"), Placement("single"), 3, forgets=f)
                    for f in ("optimizer", "rng", "loader")])
+
+
+from settings.repartition import Repartition  # noqa: E402
+
+
+@dataclass(frozen=True)
+class RepartitionLosesKey(Repartition):
+    """A re-partition that loads the moved state with strict=False after one key went missing on the way."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/repartition_loses_key/ws{self.world_size}"
+
+    def load_moved(self, stages: Any, state: dict) -> None:
+        mine = sorted(f"param/{k}" for k in stages.parameters)
+        kept = {k: v for k, v in state.items() if k not in mine[-1:]}
+        stages.load({**kept, **{f"param/{k}": p.detach() for k, p in stages.parameters.items()
+                                if f"param/{k}" not in kept}})  # strict=False: a missing key keeps its value
+
+
+register_settings([RepartitionLosesKey("gpipe", 2, 2)])

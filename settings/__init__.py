@@ -18,3 +18,4 @@ from settings import pipeline  # noqa: F401
 from settings import determinism  # noqa: F401
 from settings import resume  # noqa: F401
 from settings import repartition  # noqa: F401
+from settings import partial_reduce  # noqa: F401

@@ -287,3 +287,23 @@ class RepartitionLosesKey(Repartition):
 
 
 register_settings([RepartitionLosesKey("gpipe", 2, 2)])
+
+
+from settings.partial_reduce import PartialReduce  # noqa: E402
+
+
+@dataclass(frozen=True)
+class PartialAverageForgetsReplica(PartialReduce):
+    """Partial reduce whose group average leaves its last member out (still dividing by the group's size)."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/partial_average_forgets_replica/ws{self.world_size}"
+
+    def average(self, members: list) -> Any:
+        return sum(members[:-1]) / len(members) if len(members) > 1 else members[0]
+
+
+register_settings([PartialAverageForgetsReplica(4, 2, 2)])

@@ -1,0 +1,219 @@
+"""SD-Pipe's partial reduce: data-parallel replicas that average their parameters with a few partners per
+step and with everyone every `sync_every` steps, after each local SGD step on their share of the batch.
+
+The partner schedule is seeded: at step t the ranks are permuted by `numpy.random.default_rng([seed, t])`
+and cut into groups of `group` (the last may be smaller). A group average is the sum of the members'
+flattened parameters in rank order over the group's size, computed by every member from an all-gather, so
+it is the same arithmetic on every rank and in the simulator. A global sync is an all-reduce (SUM) / W.
+Oracles:
+- `partial-reduce/...` equals `partial-reduce/simulator/...`, the same schedule over W replicas in one
+  process (every replica's parameters after every step, and their mean);
+- every partial average preserves the mean of the replicas, and after every global sync the replicas are
+  bitwise identical (both checked on every rank; a break is `inconsistent`);
+- `.../hetero` (seeded sleeps before each reduce, ranks arriving at different times) equals the run without
+  them bitwise;
+- with everyone in one group every step (`group` = W), plain SGD equals DDP (`ddp/default/ws<W>`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from difftest.errors import InvariantViolated, Unsupported
+from difftest.oracle import Tolerance
+from difftest.registry import register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from settings._training import build_for_training, canonical_parameters, gather_to_rank0, to_numpy
+from settings.determinism import BITWISE
+
+TOTAL_STEPS = 4
+
+
+def partner_groups(seed: int, step: int, world_size: int, group: int) -> list[list[int]]:
+    order = np.random.default_rng([seed, step]).permutation(world_size)
+    return [sorted(int(r) for r in order[i:i + group]) for i in range(0, world_size, group)]
+
+
+def group_average(members: list[Any]) -> Any:
+    """The members' mean: a sum in the given (rank) order, then one division."""
+    import torch
+
+    return torch.stack(members).sum(0) / len(members)
+
+
+def _flat(module: Any) -> Any:
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters() if p.requires_grad])
+
+
+def _assign(module: Any, flat: Any) -> None:
+    import torch
+
+    offset = 0
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def _local_step(model: Any, module: Any, optimizer: Any, batch: Any, device: str) -> float:
+    optimizer.zero_grad()
+    loss = model.loss(model.forward(module, batch, device), batch)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+@dataclass(frozen=True)
+class PartialReduce(Setting):
+    """Replicas with seeded partial averaging and periodic global syncs (SD-Pipe), plain SGD."""
+
+    world_size: int
+    group: int
+    sync_every: int
+    hetero: bool = False
+    simulate: bool = False  # the single-process simulator of the same schedule
+    family: ClassVar[str] = "partial-reduce"
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size if not self.simulate else self.simulated_replicas
+
+    simulated_replicas: int = 0
+
+    @property
+    def everyone(self) -> bool:
+        return self.group >= self.replicas
+
+    @property
+    def name(self) -> str:
+        shape = f"ws{self.replicas}/group{self.group}/" + ("every-step" if self.everyone else f"sync{self.sync_every}")
+        prefix = "partial-reduce/simulator" if self.simulate else "partial-reduce"
+        return f"{prefix}/{shape}" + ("/hetero" if self.hetero else "")
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        if self.everyone:
+            return f"ddp/default/ws{self.replicas}"
+        if self.hetero:
+            return dataclasses.replace(self, hetero=False).name
+        if self.simulate:
+            return self.name
+        return PartialReduce(1, self.group, self.sync_every, simulate=True, simulated_replicas=self.world_size).name
+
+    def tolerance(self, default: Tolerance) -> Tolerance:
+        return BITWISE if self.hetero else default
+
+    def describe(self) -> str:
+        where = "simulated in one process" if self.simulate else "over gloo/nccl"
+        delays = ", seeded delays" if self.hetero else ""
+        return f"{self.replicas} replicas averaging in groups of {self.group}, all every {self.sync_every} steps, {where}{delays}"
+
+    def steps(self, ctx: RunContext) -> int:
+        return ctx.steps if self.everyone else TOTAL_STEPS  # against DDP: the same steps as DDP
+
+    def average(self, members: list[Any]) -> Any:
+        """A group's average (a planted fault forgets a member)."""
+        return group_average(members)
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+
+        modules = [build_for_training(model, ctx.device) for _ in range(self.replicas if self.simulate else 1)]
+        if not any(p.requires_grad for p in modules[0].parameters()):
+            raise Unsupported("every parameter is frozen: nothing to average")
+        optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=ctx.lr) for m in modules]
+        mine = list(range(self.replicas)) if self.simulate else [ctx.rank]
+        shards = {r: inputs.train.shard(r, self.replicas) for r in mine}
+        outputs: Outputs = {}
+
+        def every_replica_flat() -> list[Any]:
+            if self.simulate:
+                return [_flat(m) for m in modules]
+            import torch.distributed as dist
+
+            local = _flat(modules[0])
+            gathered = [torch.empty_like(local) for _ in range(self.replicas)]
+            dist.all_gather(gathered, local, group=ctx.group)
+            return gathered
+
+        def global_sync(before: list[Any]) -> None:
+            if self.simulate:
+                total = group_average(before)
+                for m in modules:
+                    _assign(m, total)
+                return
+            import torch.distributed as dist
+
+            flat = _flat(modules[0])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)  # gloo has no AVG
+            _assign(modules[0], flat / self.replicas)
+
+        def check(step: int, before: list[Any], after: list[Any], synced: bool) -> None:
+            mean_before = torch.stack(before).double().mean(0)
+            mean_after = torch.stack(after).double().mean(0)
+            if not torch.allclose(mean_after, mean_before, rtol=1e-5, atol=1e-6):
+                drift = float((mean_after - mean_before).abs().max())
+                raise InvariantViolated(f"step {step}: the partial average moved the replicas' mean by {drift:.3g}")
+            if synced and not all(torch.equal(after[0], a) for a in after[1:]):
+                raise InvariantViolated(f"step {step}: replicas differ after a global sync")
+
+        def record_eval(phase: str) -> None:
+            with torch.no_grad():
+                local = {r: {k: to_numpy(v) for k, v in model.evaluate(modules[mine.index(r)], inputs.eval.shard(r, self.replicas), ctx.device).items()} for r in mine}
+            pieces = [local[r] for r in mine] if self.simulate else gather_to_rank0(ctx, local[ctx.rank])
+            if pieces is not None:
+                outputs.update({f"{phase}/{k}": np.concatenate([p[k] for p in pieces]) for k in pieces[0]})
+
+        record_eval("eval_before")
+        steps = self.steps(ctx)
+        for step in range(1, steps + 1):
+            losses = [_local_step(model, modules[i], optimizers[i], shards[r], ctx.device) for i, r in enumerate(mine)]
+            if self.hetero:
+                delay = np.random.default_rng([ctx.seed, step, ctx.rank]).uniform(0, 0.05)
+                time.sleep(float(delay))
+            before = every_replica_flat()
+            synced = self.everyone or step % self.sync_every == 0
+            if synced and not self.everyone:
+                global_sync(before)
+            else:
+                for members in partner_groups(ctx.seed, step, self.replicas, self.group):
+                    average = self.average([before[r] for r in members])
+                    for r in set(members) & set(mine):
+                        _assign(modules[mine.index(r)], average)
+            after = every_replica_flat()
+            check(step, before, after, synced)
+            replica_params = [canonical_parameters(model, m) for m in modules]
+            gathered = ({"loss": losses, "params": replica_params} if self.simulate
+                        else gather_to_rank0(ctx, {"loss": losses, "params": replica_params}))
+            if gathered is None:
+                continue
+            if not self.simulate:
+                gathered = {"loss": [l for g in gathered for l in g["loss"]],
+                            "params": [p for g in gathered for p in g["params"]]}
+            outputs[f"train_step{step}/loss"] = np.array([np.mean(gathered["loss"])], dtype=np.float32)
+            for name in gathered["params"][0]:
+                stack = np.stack([p[name] for p in gathered["params"]])
+                outputs[f"param_after_step{step}/{name}"] = stack.mean(0, dtype=np.float64).astype(np.float32)
+                if not self.everyone:
+                    outputs.update({f"replica{r}_after_step{step}/{name}": stack[r] for r in range(self.replicas)})
+        record_eval(f"eval_after_step{steps}")
+        return outputs if ctx.rank == 0 else None
+
+
+def _family() -> list[Setting]:
+    settings: list[Setting] = []
+    for ws, group in ((4, 2), (3, 2)):
+        settings += [PartialReduce(ws, group, 2), PartialReduce(ws, group, 2, hetero=True),
+                     PartialReduce(1, group, 2, simulate=True, simulated_replicas=ws)]
+    return settings + [PartialReduce(ws, ws, 1) for ws in (2, 4)]
+
+
+register_settings(_family())

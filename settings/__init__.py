@@ -19,3 +19,4 @@ from settings import determinism  # noqa: F401
 from settings import resume  # noqa: F401
 from settings import repartition  # noqa: F401
 from settings import partial_reduce  # noqa: F401
+from settings import async_pipeline  # noqa: F401

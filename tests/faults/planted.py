@@ -307,3 +307,23 @@ class PartialAverageForgetsReplica(PartialReduce):
 
 
 register_settings([PartialAverageForgetsReplica(4, 2, 2)])
+
+
+from settings.async_pipeline import AsyncPipeline  # noqa: E402
+
+
+@dataclass(frozen=True)
+class StashQueueOneShort(AsyncPipeline):
+    """PipeDream weight stashing whose per-stage stash queue holds one version fewer than in flight."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/stash_queue_one_short/stages{self.world_size}"
+
+    def stash_capacity(self, stage: int) -> int:
+        return max(1, super().stash_capacity(stage) - 1)
+
+
+register_settings([StashQueueOneShort("stash", 2, 4)])

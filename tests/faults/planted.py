@@ -327,3 +327,26 @@ class StashQueueOneShort(AsyncPipeline):
 
 
 register_settings([StashQueueOneShort("stash", 2, 4)])
+
+
+from settings.reference import Reference  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ReadsTheClock(Reference):
+    """The reference, but its learning rate wobbles with the wall clock: a run twice never repeats."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return "faults/reads_the_clock"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import dataclasses
+
+        wobble = 1.0 + (time.perf_counter_ns() % 1000) * 1e-6
+        return super().run(dataclasses.replace(ctx, lr=ctx.lr * wobble), model, inputs)
+
+
+register_settings([ReadsTheClock()])

@@ -28,7 +28,7 @@ from difftest.errors import InvariantViolated, Unsupported
 from difftest.oracle import Tolerance
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
-from settings._training import build_for_training, canonical_parameters, gather_to_rank0, to_numpy
+from settings._training import build_for_training, canonical_parameters, gather_to_rank0, sgd_step, to_numpy
 from settings.determinism import BITWISE
 
 TOTAL_STEPS = 4
@@ -61,14 +61,6 @@ def _assign(module: Any, flat: Any) -> None:
             if p.requires_grad:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-
-
-def _local_step(model: Any, module: Any, optimizer: Any, batch: Any, device: str) -> float:
-    optimizer.zero_grad()
-    loss = model.loss(model.forward(module, batch, device), batch)
-    loss.backward()
-    optimizer.step()
-    return loss.item()
 
 
 @dataclass(frozen=True)
@@ -175,7 +167,7 @@ class PartialReduce(Setting):
         record_eval("eval_before")
         steps = self.steps(ctx)
         for step in range(1, steps + 1):
-            losses = [_local_step(model, modules[i], optimizers[i], shards[r], ctx.device) for i, r in enumerate(mine)]
+            losses = [sgd_step(model, modules[i], optimizers[i], shards[r], ctx.device) for i, r in enumerate(mine)]
             if self.hetero:
                 delay = np.random.default_rng([ctx.seed, step, ctx.rank]).uniform(0, 0.05)
                 time.sleep(float(delay))

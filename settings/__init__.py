@@ -20,3 +20,4 @@ from settings import resume  # noqa: F401
 from settings import repartition  # noqa: F401
 from settings import partial_reduce  # noqa: F401
 from settings import async_pipeline  # noqa: F401
+from settings import resume_tensorflow  # noqa: F401

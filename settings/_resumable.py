@@ -236,33 +236,41 @@ def run_phase(ctx: RunContext, model: Any, inputs: Any, phase: Phase, checkpoint
     return outputs if ctx.rank == 0 else None
 
 
-def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpoint: Path, workdir: Path,
-                         timeout_s: float = 600.0) -> Outputs:
+def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpoint: Path, workdir: Path) -> Outputs:
     """Run `phase` in `phase.placement.world_size` fresh interpreters joined in a new process group (rendezvous
-    through a file in `workdir`, no port at all); returns rank 0's outputs. Raises with the failing rank's
-    last stderr lines (`Unsupported` when the program refused the model)."""
+    through a file in `workdir`, no port at all); returns rank 0's outputs."""
+    tag = f"{phase.first_step}-{phase.last_step}"
+    request = {
+        "model_dir": str(model_dir), "checkpoint": str(checkpoint), "workdir": str(workdir),
+        "seed": ctx.seed, "lr": ctx.lr, "steps": ctx.steps, "device": ctx.device, "backend": ctx.backend,
+        "placement": dataclasses.asdict(phase.placement), "first_step": phase.first_step, "last_step": phase.last_step,
+        "load": phase.load, "save": phase.save, "carried": sorted(phase.carried),
+    }
+    return launch("settings._resumable", request, phase.placement.world_size, workdir, tag)
+
+
+def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, tag: str,
+           timeout_s: float = 600.0) -> Outputs:
+    """`python -m <module> <request.json> <rank>` in `processes` fresh interpreters; rank 0 writes the outputs to
+    `request["result"]` (.npz, read back without pickle). Raises with the failing rank's last stderr lines
+    (`Unsupported` when the program refused the model)."""
     import os
     import subprocess
     import sys
 
     workdir.mkdir(parents=True, exist_ok=True)
-    tag = f"{phase.first_step}-{phase.last_step}"
-    request = workdir / f"phase-{tag}.json"
-    request.write_text(json.dumps({
-        "model_dir": str(model_dir), "checkpoint": str(checkpoint), "workdir": str(workdir), "result": str(workdir / f"outputs-{tag}.npz"),
-        "seed": ctx.seed, "lr": ctx.lr, "steps": ctx.steps, "device": ctx.device, "backend": ctx.backend,
-        "placement": dataclasses.asdict(phase.placement), "first_step": phase.first_step, "last_step": phase.last_step,
-        "load": phase.load, "save": phase.save, "carried": sorted(phase.carried),
-    }))
+    result = workdir / f"outputs-{tag}.npz"
+    request_path = workdir / f"request-{tag}.json"
+    request_path.write_text(json.dumps({**request, "result": str(result)}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
-    logs = [workdir / f"rank{r}-{tag}.log" for r in range(phase.placement.world_size)]
-    processes = [subprocess.Popen([sys.executable, "-m", "settings._resumable", str(request), str(r)], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=log.open("w"))
-                 for r, log in enumerate(logs)]
+    logs = [workdir / f"rank{r}-{tag}.log" for r in range(processes)]
+    running = [subprocess.Popen([sys.executable, "-m", module, str(request_path), str(r)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=log.open("w"))
+               for r, log in enumerate(logs)]
     try:
-        codes = [p.wait(timeout=timeout_s) for p in processes]
+        codes = [p.wait(timeout=timeout_s) for p in running]
     finally:
-        for p in processes:
+        for p in running:
             p.kill()
     failed = [r for r, code in enumerate(codes) if code != 0]
     if failed:
@@ -271,7 +279,7 @@ def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpo
         if last.startswith("difftest.errors.Unsupported: "):
             raise Unsupported(last.split(": ", 1)[1])
         raise RuntimeError(f"phase {tag} rank {failed[0]} exited {codes[failed[0]]}: " + " | ".join(tail))
-    with np.load(workdir / f"outputs-{tag}.npz", allow_pickle=False) as stored:
+    with np.load(result, allow_pickle=False) as stored:
         return {k: stored[k] for k in stored.files}
 
 

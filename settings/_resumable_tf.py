@@ -1,0 +1,77 @@
+"""The TensorFlow resumable program (settings/resume_tensorflow.py runs it): SGD with momentum 0.9 and a
+staircase learning rate halved every 2 steps, fed by a tf.data pipeline that reshuffles the training samples
+every epoch (seeded) and serves half of them per step; `tf.train.Checkpoint` carries model, optimizer and the
+tf.data iterator itself. `python -m settings._resumable_tf REQUEST RANK` runs one phase in a fresh process."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from difftest.setting import Outputs
+from generators import _tf
+
+TOTAL_STEPS = 5
+
+
+def run_phase(model: Any, inputs: Any, seed: int, lr: float, first: int, last: int, checkpoint: Path | None,
+              save: bool) -> Outputs:
+    tf, keras = _tf.import_tensorflow()
+    tf.random.set_seed(seed)
+    keras_model = model.generator.keras_model(model.spec, model.init_state)
+    schedule = keras.optimizers.schedules.ExponentialDecay(lr, decay_steps=2, decay_rate=0.5, staircase=True)
+    optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=0.9)
+    optimizer.build(keras_model.trainable_variables)  # slots exist before a restore fills them
+    samples = tf.data.Dataset.from_tensor_slices((inputs.train.dense, inputs.train.labels))
+    batches = samples.shuffle(inputs.train.size, seed=seed, reshuffle_each_iteration=True) \
+        .batch(inputs.train.size // 2).repeat()
+    iterator = iter(batches)
+    state = tf.train.Checkpoint(model=keras_model, optimizer=optimizer, iterator=iterator)
+    if first > 0:
+        assert checkpoint is not None
+        state.restore(str(checkpoint / "ckpt-1")).assert_consumed()
+    recorded = [w for w in keras_model.weights if not w.path.endswith(("moving_mean", "moving_variance"))]
+
+    @tf.function
+    def train_step(x: Any, y: Any) -> Any:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(y, keras_model(x, training=False)))
+        variables = keras_model.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+
+    def logits() -> np.ndarray:
+        return np.array(keras_model(tf.constant(inputs.eval.dense), training=False))
+
+    outputs: Outputs = {} if first else {"eval_before/logits": logits()}
+    for step in range(first + 1, last + 1):
+        x, y = next(iterator)
+        outputs[f"train_step{step}/loss"] = np.array([float(train_step(x, y))], dtype=np.float32)
+        outputs.update({f"param_after_step{step}/{w.path.split('/', 1)[1]}": np.array(w.numpy()) for w in recorded})
+    if save:
+        assert checkpoint is not None
+        state.save(str(checkpoint / "ckpt"))
+    if last == TOTAL_STEPS:
+        outputs[f"eval_after_step{TOTAL_STEPS}/logits"] = logits()
+    return outputs
+
+
+def _main(request_path: str) -> None:
+    import json
+
+    from difftest.artifacts import load_model
+    from difftest.registry import load_plugins
+
+    request = json.loads(Path(request_path).read_text())
+    load_plugins(("generators",))
+    model, inputs = load_model(Path(request["model_dir"]))
+    outputs = run_phase(model, inputs, request["seed"], request["lr"], request["first"], request["last"],
+                        Path(request["checkpoint"]), save=request["last"] < TOTAL_STEPS)
+    np.savez(request["result"], **outputs)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

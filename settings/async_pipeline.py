@@ -252,7 +252,7 @@ class AsyncPipeline(Setting):
         def receive(templates: tuple, source: int, tag: int) -> tuple:
             received = []
             for t in templates:
-                buffer = torch.empty_like(t)
+                buffer = torch.empty(t.shape, dtype=t.dtype, device=t.device)  # contiguous, whatever t's strides
                 dist.recv(buffer, src=source, group=ctx.group, tag=tag)
                 received.append(buffer.requires_grad_(t.requires_grad))
             return tuple(received)

@@ -290,8 +290,7 @@ class AsyncPipeline(Setting):
         for handle in sends:
             handle.wait()
         state["updates"] += 1 if self.mode == "flush" else self.microbatches
-        oldest = state["updates"]  # a step drains the pipeline: the next one starts on the newest version
-        stage.end_step(oldest)
+        stage.end_step(oldest_needed=state["updates"])  # drained: the next step starts on the newest version
         stage.forward_versions.clear()
         return sum(losses) / len(losses) if s == last else None
 

@@ -72,13 +72,12 @@ class PartialReduce(Setting):
     sync_every: int
     hetero: bool = False
     simulate: bool = False  # the single-process simulator of the same schedule
+    simulated_replicas: int = 0  # the simulator's replicas (its world size is 1)
     family: ClassVar[str] = "partial-reduce"
 
     @property
     def replicas(self) -> int:
-        return self.world_size if not self.simulate else self.simulated_replicas
-
-    simulated_replicas: int = 0
+        return self.simulated_replicas if self.simulate else self.world_size
 
     @property
     def everyone(self) -> bool:

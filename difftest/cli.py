@@ -213,20 +213,14 @@ def quant(
     quantized models against float within the error their rounding allows, reported beside the measured error
     (oracle 2). The float references run too, where RUN_DIR has not run them yet.
     """
-    from difftest.registry import load_plugins, select_settings
+    from difftest.registry import load_plugins
     from difftest.spec import RunConfig
 
     plugins = tuple(plugin or ())
     if not (run_dir / "run.json").is_file():
         raise UserError(f"{run_dir}: no run.json; make the run first with `difftest generate --out {run_dir}`")
     load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
-    chosen = select_settings(settings or QUANT_SETTINGS)
-    # with the references they are judged against (and theirs), so this sweep can be judged on its own
-    names = {s.name for s in chosen}
-    while missing := {s.reference for s in select_settings(",".join(names))} - names:
-        names |= missing
-    globs = ",".join(sorted(names))
-    _sweep(run_dir, globs, models_filter, 1, timeout, device, plugins)
+    _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, 1, timeout, device, plugins)
     _analyze(run_dir, atol, rtol, fail_on_inconsistency)
 
 

@@ -116,6 +116,19 @@ def select_settings(patterns: str | None) -> list[Setting]:
     return chosen
 
 
+def with_references(settings: list[Setting]) -> list[Setting]:
+    """`settings` followed by every setting they are judged against, transitively (a rerun needs its first run, a
+    moved pipeline its uninterrupted one, that one its accumulation), so that any selection can be judged on its own."""
+    chosen = {s.name: s for s in settings}
+    pending = [s.reference for s in settings]
+    while pending:
+        name = pending.pop()
+        if name not in chosen:
+            chosen[name] = get_setting(name)
+            pending.append(chosen[name].reference)
+    return list(chosen.values())
+
+
 def get_generator(kind: str) -> Any:
     try:
         return _GENERATORS[kind]

@@ -13,7 +13,7 @@ import pytest
 from difftest.artifacts import load_arrays
 from difftest.errors import UserError
 from difftest.oracle import Tolerance, compare, compare_tensor
-from difftest.registry import all_settings, load_plugins, select_settings
+from difftest.registry import all_settings, load_plugins, select_settings, with_references
 from difftest.store import CaseRecord, Store
 from generators.dlrm import DlrmGenerator
 
@@ -106,6 +106,15 @@ def test_registry_names_are_paths_and_globs_select_families() -> None:
     assert {s.world_size for s in select_settings("*/ws3")} == {3}
     with pytest.raises(UserError):
         select_settings("nothing/*")
+
+
+def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None:
+    load_plugins()
+    chosen = [s.name for s in with_references(select_settings("rerun/repartition/gpipe/ws2/mb2/moved"))]
+    assert chosen == ["rerun/repartition/gpipe/ws2/mb2/moved", "repartition/gpipe/ws2/mb2/moved",
+                      "repartition/gpipe/ws2/mb2/uninterrupted", "accumulate/mb2/momentum0.9/steps4"]
+    assert [s.name for s in with_references(select_settings("rerun/ddp/default/ws3"))] == [
+        "rerun/ddp/default/ws3", "ddp/default/ws3", "reference"]
 
 
 def test_unreadable_tensor_file_is_a_user_error(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Callable
 
 from difftest.artifacts import load_spec
 from difftest.errors import UserError
-from difftest.registry import get_setting, load_plugins, select_settings
+from difftest.registry import get_setting, load_plugins, select_settings, with_references
 from difftest.runner.pool import CaseRequest, CaseResult, GroupStartError, WorkerGroup
 from difftest.setting import Setting
 from difftest.spec import ModelSpec, RunConfig
@@ -67,6 +67,7 @@ def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
         names = {s.name for s in settings}
         settings += [get_setting(f"rerun/{s.name}") for s in list(settings)
                      if not s.name.startswith("rerun/") and f"rerun/{s.name}" not in names]
+    settings = with_references(settings)
     globs = [g.strip() for g in (options.models or "*").split(",") if g.strip()]
     models = [(d, s) for d, s in list_models(run_dir) if any(fnmatch.fnmatchcase(s.model_id, g) for g in globs)]
     if not models:

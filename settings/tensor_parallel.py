@@ -4,9 +4,10 @@ of consecutive Linear layers, every rank on the whole batch.
 The column-wise layer's output stays a DTensor (sharded on the feature dim), so whatever runs between the
 pair (an activation, a reshape) runs under DTensor's own sharding rules rather than on a bare local shard;
 the row-wise layer all-reduces back to a replicated tensor. The sequence-parallel variant ends a pair with
-a reduce-scatter onto the sequence dim (`Shard(1)`) instead, runs what follows on sequence shards, and the
-next column-wise layer all-gathers them; it applies where a row-wise layer outputs a (batch, seq, feature)
-tensor.
+a reduce-scatter onto the positions instead, runs what follows on position shards, and the next column-wise
+layer all-gathers them. It applies where a row-wise layer outputs a (batch, seq, feature) tensor (`Shard(1)`)
+or a (batch·seq, feature) one (`Shard(0)`): tf2onnx lowers a Keras Dense over a sequence to
+reshape → MatMul → reshape, so a converted graph's Linear sees every position of every sample as a row.
 """
 
 from __future__ import annotations
@@ -54,21 +55,22 @@ class TensorParallel(Setting):
         pairs = linear_pairs(module)
         if not pairs:
             raise Unsupported("no two consecutive nn.Linear layers to shard column-wise then row-wise")
-        sequence_outputs = _three_dim_outputs(model, module, inputs, [row for _, row in pairs], ctx.device)
-        if self.sequence_parallel and not sequence_outputs:
-            raise Unsupported("no row-wise Linear outputs a (batch, seq, feature) tensor to shard on seq")
+        position_dims = _position_dims(model, module, inputs, [row for _, row in pairs], ctx.device)
+        if self.sequence_parallel and not position_dims:
+            raise Unsupported("no row-wise Linear outputs a (batch, seq, feature) or (batch·seq, feature) tensor "
+                              "to shard on positions")
         plan: dict[str, Any] = {}
         for column, row in pairs:
             plan[column] = ColwiseParallel(use_local_output=False)
-            plan[row] = self.row_style(row in sequence_outputs)
+            plan[row] = self.row_style(position_dims.get(row))
         return plan
 
-    def row_style(self, sequence_output: bool) -> Any:
+    def row_style(self, position_dim: int | None) -> Any:
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import RowwiseParallel
 
-        if self.sequence_parallel and sequence_output:
-            return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        if self.sequence_parallel and position_dim is not None:
+            return RowwiseParallel(output_layouts=Shard(position_dim), use_local_output=False)
         return RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
@@ -80,7 +82,7 @@ class TensorParallel(Setting):
         module = build_for_training(model, ctx.device)
         plan = self.plan(ctx, model, module, inputs)
         parallelize_module(module, device_mesh(ctx, name="tp"), plan)
-        ctx.notes["plan"] = ", ".join(f"{name}: {type(style).__name__}" for name, style in plan.items())
+        ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in plan.items())
         # a sequence-sharded tensor may reach the model's output: hand back the whole tensor
         module.register_forward_hook(lambda _m, _a, out: out.full_tensor() if isinstance(out, DTensor) else out)
         optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
@@ -101,20 +103,33 @@ class TensorParallel(Setting):
                                    lambda: gathered_parameters(ctx, model, module), data_shard=(0, 1))
 
 
-def _three_dim_outputs(model: Any, module: Any, inputs: Any, names: list[str], device: str) -> set[str]:
+def _describe(style: Any) -> str:
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    if isinstance(style, RowwiseParallel):
+        return f"RowwiseParallel(output {style.output_layouts[0]})"
+    return type(style).__name__
+
+
+def _position_dims(model: Any, module: Any, inputs: Any, names: list[str], device: str) -> dict[str, int]:
+    """The dim holding positions in each named layer's output: 1 for (batch, seq, feature); 0 for a
+    (batch·seq, feature) output of a layer applied position-wise (more rows than the model has samples)."""
     import torch
 
-    found: set[str] = set()
+    rows: dict[str, tuple[int, ...]] = {}
     submodules = dict(module.named_modules())
-    handles = [submodules[n].register_forward_hook(
-        lambda _m, _a, out, n=n: found.add(n) if out.dim() == 3 else None) for n in names]
+    handles = [submodules[n].register_forward_hook(lambda _m, _a, out, n=n: rows.update({n: tuple(out.shape)}))
+               for n in names]
     try:
         with torch.no_grad():
-            model.forward(module, inputs.eval, device)
+            samples = len(model.forward(module, inputs.eval, device))
     finally:
         for handle in handles:
             handle.remove()
-    return found
+    dims = {n: 1 for n, shape in rows.items() if len(shape) == 3}
+    dims.update({n: 0 for n, shape in rows.items()
+                 if len(shape) == 2 and shape[0] > samples and shape[0] % samples == 0})
+    return dims
 
 
 register_settings(TensorParallel(ws, sp) for sp in (False, True) for ws in (2, 4))

@@ -61,3 +61,33 @@ def test_layer_cuts_split_a_graph_between_layers() -> None:
                               [helper.make_tensor_value_info("seq/l1_dense/Add:0", TensorProto.FLOAT, [None, 2])], inits)
     proto = onnx.shape_inference.infer_shapes(helper.make_model(graph))
     assert layer_cuts(proto) == ["seq/l0_dense/Add:0"]  # not the MatMul inside a layer
+
+
+def test_sequence_parallel_shards_positions_where_a_converted_dense_pair_runs_over_a_sequence(tmp_path: Path) -> None:
+    """Keras (seed 0, index 89): Conv1D → Dense → Dense over a sequence, which tf2onnx lowers to a Linear over
+    (batch·seq, feature) rows; none of the default models has such a pair."""
+    from difftest.artifacts import save_model
+    from difftest.generate import prepare_run
+    from difftest.registry import get_generator, load_plugins
+    from difftest.spec import RunConfig
+    from difftest.store import Store
+
+    load_plugins()
+    run_dir = tmp_path / "run"
+    prepare_run(run_dir, RunConfig(seed=0, models=90, kinds=("sequential",)))
+    generator = get_generator("sequential")
+    spec = generator.spec(0, 89)
+    state = generator.init_state(spec)
+    save_model(run_dir / "models" / spec.model_id, spec, state, generator.inputs(spec, 24),
+               generator.artifacts(spec, state))
+
+    report = run_sweep(run_dir, SweepOptions(settings="tp/sequence-parallel/ws2,tp/sequence-parallel/ws4",
+                                             timeout_s=120))
+    assert report.statuses == {"ok": 3}
+    cases = analyze(run_dir).cases
+    assert set(cases.verdict) == {"ok"} and len(cases) == 3
+    store = Store(run_dir)
+    messages = {r.setting: r.message for r in store.records()}
+    store.close()
+    for world_size in (2, 4):
+        assert "RowwiseParallel(output S(0))" in messages[f"tp/sequence-parallel/ws{world_size}"]

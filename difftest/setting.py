@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # torch is imported by workers only
 
 # Tensor names are "<phase>/<tensor>", e.g. "eval_before/prediction", "param_after_step1/over.0.weight".
 Outputs = dict[str, np.ndarray]
+SettingT = TypeVar("SettingT", bound="Setting")
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,10 @@ class Setting(abc.ABC):
     @abc.abstractmethod
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         """Train/evaluate on every rank; rank 0 returns the full logical tensors, other ranks None."""
+
+
+def variant_of(base: type[SettingT], setting: Setting, **changes: Any) -> SettingT:
+    """`dataclasses.replace(setting, **changes)`, built as `base`: a subclass of a setting (a planted fault) is judged
+    against the clean setting it breaks, never against another instance of itself."""
+    values = {f.name: getattr(setting, f.name) for f in dataclasses.fields(base) if f.init}
+    return base(**{**values, **changes})

@@ -20,12 +20,12 @@ schedule, queue or messages at all.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
 from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
+from difftest.setting import Outputs, RunContext, Setting, variant_of
 from generators.inputs import Batch
 from settings._training import gather_to_rank0, record_training, to_numpy
 from settings.pipeline import _microbatches, _stage_examples, balanced_split
@@ -170,7 +170,9 @@ class AsyncPipeline(Setting):
     def reference(self) -> str:  # type: ignore[override]
         if self.mode == "flush":
             return f"accumulate/mb{self.microbatches}"
-        return self.name if self.simulate else replace(self, simulate=True, world_size=1, stages_simulated=self.world_size).name
+        if self.simulate:
+            return self.name
+        return variant_of(AsyncPipeline, self, simulate=True, world_size=1, stages_simulated=self.world_size).name
 
     def describe(self) -> str:
         how = "simulated from the staleness rule in one process" if self.simulate else "over p2p"

@@ -17,7 +17,6 @@ Oracles:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,7 +26,7 @@ import numpy as np
 from difftest.errors import InvariantViolated, Unsupported
 from difftest.oracle import Tolerance
 from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
+from difftest.setting import Outputs, RunContext, Setting, variant_of
 from settings._training import build_for_training, canonical_parameters, gather_to_rank0, sgd_step, to_numpy
 from settings.determinism import BITWISE
 
@@ -94,7 +93,7 @@ class PartialReduce(Setting):
         if self.everyone:
             return f"ddp/default/ws{self.replicas}"
         if self.hetero:
-            return dataclasses.replace(self, hetero=False).name
+            return variant_of(PartialReduce, self, hetero=False).name
         if self.simulate:
             return self.name
         return PartialReduce(1, self.group, self.sync_every, simulate=True, simulated_replicas=self.world_size).name

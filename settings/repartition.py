@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
 from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
+from difftest.setting import Outputs, RunContext, Setting, variant_of
 from generators.inputs import Batch
 from settings._training import gather_to_rank0, record_training, to_numpy
 from settings.pipeline import SCHEDULES, Accumulation, _stage_examples, balanced_split
@@ -114,7 +114,7 @@ class Repartition(Setting):
     @property
     def reference(self) -> str:  # type: ignore[override]
         if self.moved:
-            return dataclasses.replace(self, moved=False).name
+            return variant_of(Repartition, self, moved=False).name
         return Accumulation(self.microbatches, momentum=MOMENTUM, steps=TOTAL_STEPS).name
 
     def describe(self) -> str:

@@ -115,6 +115,11 @@ def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None
                       "repartition/gpipe/ws2/mb2/uninterrupted", "accumulate/mb2/momentum0.9/steps4"]
     assert [s.name for s in with_references(select_settings("rerun/ddp/default/ws3"))] == [
         "rerun/ddp/default/ws3", "ddp/default/ws3", "reference"]
+    load_plugins(("tests.faults.planted",))  # a planted fault is judged against the clean setting it breaks
+    assert [s.name for s in with_references(select_settings("faults/stash_queue_one_short/stages2"))] == [
+        "faults/stash_queue_one_short/stages2", "async-pipeline/simulator/stash/stages2/mb4"]
+    assert [s.name for s in with_references(select_settings("faults/repartition_loses_key/ws2"))][1] == \
+        "repartition/gpipe/ws2/mb2/uninterrupted"
 
 
 def test_unreadable_tensor_file_is_a_user_error(tmp_path: Path) -> None:

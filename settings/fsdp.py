@@ -3,8 +3,10 @@ all-gathered for forward/backward, gradients reduce-scattered to the global mean
 
 Wrapping is per layer (every submodule that holds a parameter is its own FSDP unit, then the root) or the
 whole model as one unit; `reshard_after_forward` frees or keeps the gathered parameters between forward and
-backward. The bf16 variant computes with bf16 parameters and reduces gradients in fp32; it is judged by a
-tolerance derived from bf16's unit roundoff instead of the fp32 one.
+backward. The bf16 variant computes with bf16 parameters and reduces gradients in fp32, judged by a tolerance
+derived from bf16's unit roundoff instead of the fp32 one, in two steps that keep precision and distribution
+apart: on one rank against the fp32 `reference` (what bf16 itself costs), on 2+ ranks against that one-rank
+bf16 run (what sharding adds).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, ClassVar
 
 from difftest.oracle import Tolerance
 from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
+from difftest.setting import Outputs, RunContext, Setting, variant_of
 from settings._training import (
     build_for_training, device_mesh, gathered_parameters, parameter_holders, train_data_parallel,
 )
@@ -42,6 +44,12 @@ class FullyShard(Setting):
     def describe(self) -> str:
         return (f"FSDP2 over {self.world_size} ranks, {self.wrap} units, reshard_after_forward="
                 f"{self.reshard_after_forward}, {self.precision} compute")
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        if self.precision == "fp32" or self.world_size == 1:
+            return "reference"
+        return variant_of(FullyShard, self, world_size=1).name
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return BF16_TOLERANCE if self.precision == "bf16" else default
@@ -85,5 +93,5 @@ def make_contiguous(module: Any) -> None:
 register_settings(
     [FullyShard(ws, wrap, reshard) for wrap in ("per-layer", "whole-model") for reshard in (True, False)
      for ws in (2, 3, 4)]
-    + [FullyShard(ws, "per-layer", True, "bf16") for ws in (2, 3, 4)]
+    + [FullyShard(ws, "per-layer", True, "bf16") for ws in (1, 2, 3, 4)]
 )

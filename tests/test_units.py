@@ -115,6 +115,9 @@ def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None
                       "repartition/gpipe/ws2/mb2/uninterrupted", "accumulate/mb2/momentum0.9/steps4"]
     assert [s.name for s in with_references(select_settings("rerun/ddp/default/ws3"))] == [
         "rerun/ddp/default/ws3", "ddp/default/ws3", "reference"]
+    # mixed precision: sharded bf16 against one-rank bf16 (what sharding adds), that against fp32 (what bf16 costs)
+    assert [s.name for s in with_references(select_settings("fsdp2/per-layer/reshard/bf16/ws3"))] == [
+        "fsdp2/per-layer/reshard/bf16/ws3", "fsdp2/per-layer/reshard/bf16/ws1", "reference"]
     load_plugins(("tests.faults.planted",))  # a planted fault is judged against the clean setting it breaks
     assert [s.name for s in with_references(select_settings("faults/stash_queue_one_short/stages2"))] == [
         "faults/stash_queue_one_short/stages2", "async-pipeline/simulator/stash/stages2/mb4"]

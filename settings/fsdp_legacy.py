@@ -38,6 +38,7 @@ class LegacyFsdp(Setting):
             module, process_group=ctx.group, device_id=torch.device(ctx.device),
             sharding_strategy=ShardingStrategy[self.strategy.upper()], use_orig_params=True,
         )
+        self.wrapped(ctx, wrapped)
 
         def full_parameters() -> dict | None:
             with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
@@ -45,6 +46,9 @@ class LegacyFsdp(Setting):
             return full if ctx.rank == 0 else None
 
         return train_data_parallel(ctx, model, inputs, wrapped, full_parameters)
+
+    def wrapped(self, ctx: RunContext, module: Any) -> None:
+        """Called once the model is wrapped, before training (a hook for planted faults)."""
 
 
 register_settings(LegacyFsdp(ws, strategy) for strategy in STRATEGIES for ws in (2, 3, 4))

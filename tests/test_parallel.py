@@ -1,5 +1,5 @@
 """The parallelism families of issue 5 on real gloo groups: clean settings agree with their references,
-one planted fault per family is reported."""
+one planted fault per family (pipeline, hybrid, FSDP1, TP, FSDP2) is reported."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ CLEAN = [
     "pipeline/interleaved-1f1b/ws2/stages4/mb2/balanced",
     "hybrid/1f1b/dp2xddp/pp2/stages2/mb2/balanced",
 ]
-FAULTS = ["faults/pipeline_unscaled_stage/ws2/mb2", "faults/tp_wrong_dim/ws2", "faults/fsdp_skip_reduce_scatter/ws2"]
+FAULTS = ["faults/pipeline_unscaled_stage/ws2/mb2", "faults/hybrid_replica_sums/dp2xddp/mb2",
+          "faults/fsdp1_skip_predivide/full_shard/ws2", "faults/tp_wrong_dim/ws2", "faults/fsdp_skip_reduce_scatter/ws2"]
 
 
 def test_parallel_families_agree_and_planted_faults_are_reported(fresh_run: Path) -> None:
@@ -35,8 +36,9 @@ def test_parallel_families_agree_and_planted_faults_are_reported(fresh_run: Path
             assert verdict[(model, setting)] == "ok", (model, setting)
         for setting in FAULTS:
             assert verdict[(model, setting)] in {"inconsistent", "error", "timeout"}, (model, setting)
-    # the pipeline fault trains wrong without failing: it is caught by comparison, not by an exception
-    assert {verdict[(m, FAULTS[0])] for m in models} == {"inconsistent"}
+    # these train wrong without failing: they are caught by comparison, not by an exception
+    for fault in FAULTS[:3]:
+        assert {verdict[(m, fault)] for m in models} == {"inconsistent"}, fault
 
 
 def test_partitioners() -> None:

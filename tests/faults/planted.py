@@ -182,6 +182,7 @@ register_settings([QuantizedTableCorrupted("int8", "fp32", "table_wise", 2, corr
 # --- negative controls of the parallelism families (issue 5) ----------------------------------------------
 
 from settings.fsdp import FullyShard  # noqa: E402
+from settings.fsdp_legacy import LegacyFsdp  # noqa: E402
 from settings.pipeline import Pipeline  # noqa: E402
 from settings.tensor_parallel import TensorParallel  # noqa: E402
 
@@ -198,10 +199,46 @@ class StageDropsGradScaling(Pipeline):
 
     def after_backward(self, ctx: RunContext, modules: dict) -> None:
         if ctx.rank == 1:
-            for module in modules.values():
-                for parameter in module.parameters():
-                    if parameter.grad is not None:
-                        parameter.grad.mul_(self.microbatches)
+            _scale_gradients(modules, self.microbatches)
+
+
+def _scale_gradients(modules: dict, factor: float) -> None:
+    for module in modules.values():
+        for parameter in module.parameters():
+            if parameter.grad is not None:
+                parameter.grad.mul_(factor)
+
+
+@dataclass(frozen=True)
+class HybridReplicaSumsGradients(Pipeline):
+    """2 pipelines × 2 stages with DDP inside, whose second replica sums its stages' gradients over the replicas
+    instead of averaging them (gloo has no AVG): the replicas drift apart after one step."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/hybrid_replica_sums/dp{self.data_parallel}x{self.inner}/mb{self.microbatches}"
+
+    def after_backward(self, ctx: RunContext, modules: dict) -> None:
+        if ctx.rank // self.pipeline_ranks == 1:
+            _scale_gradients(modules, self.data_parallel)
+
+
+@dataclass(frozen=True)
+class LegacyFsdpRankSkipsPredivide(LegacyFsdp):
+    """FSDP1 whose rank 1 does not pre-divide its gradient before the reduce-scatter sums it: that rank's
+    share counts twice as much in every rank's gradient."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/fsdp1_skip_predivide/{self.strategy}/ws{self.world_size}"
+
+    def wrapped(self, ctx: RunContext, module: Any) -> None:
+        if ctx.rank == 1:
+            module._gradient_predivide_factor = 1.0
 
 
 @dataclass(frozen=True)
@@ -238,7 +275,9 @@ class FsdpRankSkipsReduceScatter(FullyShard):
 
 
 register_settings([StageDropsGradScaling("gpipe", 2, 2), TensorParallelWrongDim(2),
-                   FsdpRankSkipsReduceScatter(2, "whole-model")])
+                   FsdpRankSkipsReduceScatter(2, "whole-model"),
+                   HybridReplicaSumsGradients("gpipe", 4, 2, data_parallel=2, inner="ddp"),
+                   LegacyFsdpRankSkipsPredivide(2, "full_shard")])
 
 
 # --- issue 6: the seeds' oracles ---------------------------------------------------------------------

@@ -42,7 +42,8 @@ class FullyShard(Setting):
         return f"fsdp2/{self.wrap}/{reshard}/{self.precision}/ws{self.world_size}"
 
     def describe(self) -> str:
-        return (f"FSDP2 over {self.world_size} ranks, {self.wrap} units, reshard_after_forward="
+        ranks = f"{self.world_size} ranks" if self.world_size > 1 else "1 rank (nothing sharded)"
+        return (f"FSDP2 over {ranks}, {self.wrap} units, reshard_after_forward="
                 f"{self.reshard_after_forward}, {self.precision} compute")
 
     @property

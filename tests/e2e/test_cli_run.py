@@ -14,7 +14,7 @@ from difftest.analysis import CSV_COLUMNS
 from difftest.registry import all_settings, load_plugins
 
 
-# the whole default job takes ~14 min on 2 cores, over the suite-wide 600 s limit
+# the whole default job takes ~15 min on 2 cores, over the suite-wide 600 s limit
 @pytest.mark.timeout(2400)
 def test_difftest_run_on_the_default_models(tmp_path: Path) -> None:
     out = tmp_path / "run"

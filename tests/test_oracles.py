@@ -85,3 +85,15 @@ def test_batch_take_keeps_bags_with_their_samples() -> None:
     assert taken.labels.tolist() == [2.0, 0.0] and taken.dense.tolist() == [[4, 5], [0, 1]]
     assert taken.sparse["f"].lengths.tolist() == [1, 2] and taken.sparse["f"].values.tolist() == [12, 10, 11]
     assert taken.sparse["f"].weights.tolist() == [2.5, 0.5, 1.5]
+
+
+def test_every_case_prefers_deterministic_kernels_and_a_rerun_insists(fresh_run: Path) -> None:
+    """A rerun is compared with a first run that chose the same kernels: both run in deterministic mode, the
+    first only warning where an op has no deterministic kernel, the rerun raising."""
+    run_sweep(fresh_run, SweepOptions(settings="probes/determinism_mode,rerun/probes/determinism_mode",
+                                      models="*-i0", plugins=(PLANTED,)))
+    store = Store(fresh_run)
+    modes = {r.setting: store.load_outputs(r)["mode/deterministic_warn_only"].tolist() for r in store.records()
+             if r.setting.endswith("probes/determinism_mode")}  # the sweep also brings `reference`
+    store.close()
+    assert modes == {"probes/determinism_mode": [1, 1], "rerun/probes/determinism_mode": [1, 0]}

@@ -389,3 +389,25 @@ class UnseededLearningRate(Reference):
 
 
 register_settings([UnseededLearningRate()])
+
+
+@dataclass(frozen=True)
+class DeterminismModeProbe(Setting):
+    """Not a fault: records the deterministic-algorithms mode the worker ran it under, for the tests."""
+
+    world_size: int = 1
+    family: ClassVar[str] = "probes"
+
+    @property
+    def name(self) -> str:
+        return "probes/determinism_mode"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import numpy as np
+        import torch
+
+        mode = [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()]
+        return {"mode/deterministic_warn_only": np.array(mode, dtype=np.int8)}
+
+
+register_settings([DeterminismModeProbe()])

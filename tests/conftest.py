@@ -33,3 +33,11 @@ def sequential_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("sequential") / "run"
     generate(run_dir, RunConfig(seed=0, models=6, kinds=("sequential",), plugins=(PLANTED,)))
     return run_dir
+
+
+@pytest.fixture
+def fresh_sequential_run(sequential_run: Path, tmp_path: Path) -> Path:
+    """A private copy of the generated Keras run, so each test sweeps into an empty store."""
+    target = tmp_path / "run"
+    shutil.copytree(sequential_run, target)
+    return target

@@ -3,7 +3,6 @@ one planted fault per family (pipeline, hybrid, FSDP1, TP, FSDP2) is reported.""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from difftest.analysis import analyze
@@ -96,11 +95,10 @@ def test_sequence_parallel_shards_positions_where_a_converted_dense_pair_runs_ov
         assert "RowwiseParallel(output S(0))" in messages[f"tp/sequence-parallel/ws{world_size}"]
 
 
-def test_fsdp2_inside_pipeline_stages_finishes_on_a_converted_keras_model(sequential_run: Path, tmp_path: Path) -> None:
+def test_fsdp2_inside_pipeline_stages_finishes_on_a_converted_keras_model(fresh_sequential_run: Path) -> None:
     """Keras s0-i0 hung all four ranks once: rank 0 alone read the canonical parameters after FSDP2 wrapped its
     stage, an all-gather its data-parallel peer never joined."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(sequential_run, run_dir)
+    run_dir = fresh_sequential_run
     hybrid = ["hybrid/gpipe/dp2xfsdp2/pp2/stages2/mb2/balanced", "hybrid/1f1b/dp2xfsdp2/pp2/stages2/mb4/balanced"]
     report = run_sweep(run_dir, SweepOptions(settings=",".join(hybrid), models="*-i0", timeout_s=60))
     assert report.statuses == {"ok": 5}  # the two hybrids, accumulate/mb4 and /mb8, and their reference

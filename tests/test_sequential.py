@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +63,8 @@ def test_every_keras_weight_maps_to_exactly_one_trainable_parameter(sequential_r
     assert checked >= 4
 
 
-def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(sequential_run: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    shutil.copytree(sequential_run, run_dir)
+def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_sequential_run: Path) -> None:
+    run_dir = fresh_sequential_run
     clean = ["reference", "tf/reference", "tf/mirrored/r2", "convert/onnxruntime/eval",
              "convert/onnx2pytorch/eval", "convert/onnx2pytorch/train", "ddp/default/ws2"]
     planted = ["faults/convert_flipped_kernel/eval", "faults/convert_flipped_kernel/train", "faults/tf_local_mean_loss/r2"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from difftest.analysis import analyze
-from difftest.runner.pool import CaseRequest, WorkerGroup
+from difftest.runner.pool import ERROR_GRACE_S, CaseRequest, WorkerGroup
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.store import Store
 from tests.conftest import PLANTED
@@ -123,30 +123,88 @@ def test_sigkill_mid_sweep_then_rerun_resumes_to_the_same_results(fresh_run: Pat
             assert np.array_equal(resumed[key][name], clean[key][name]), (key, name)
 
 
+PROBE = "torchrec/ebc/row_wise/ws2"
+
+
+def _request(model_dir: str, setting: str) -> CaseRequest:
+    return CaseRequest(model_dir, setting, steps=1, lr=0.1, seed=0)
+
+
+def _model_dirs(run_dir: Path) -> list[str]:
+    return sorted(str(d) for d in (run_dir / "models").iterdir())
+
+
+def _probe_in_a_fresh_group(run_dir: Path) -> dict[str, np.ndarray]:
+    from difftest.registry import load_plugins
+
+    fresh = WorkerGroup(2, run_dir / "logs", load_plugins((PLANTED,)))
+    try:
+        first = fresh.run_case(_request(_model_dirs(run_dir)[0], PROBE), 120)
+    finally:
+        fresh.close()
+    assert first.status == "ok"
+    return first.outputs
+
+
+def _assert_same_bytes(first: dict[str, np.ndarray], later: dict[str, np.ndarray]) -> None:
+    assert first.keys() == later.keys()
+    for name in first:
+        assert first[name].tobytes() == later[name].tobytes(), name
+
+
 def test_a_case_gives_the_same_bytes_first_in_a_fresh_group_and_after_other_cases(fresh_run: Path) -> None:
     from difftest.registry import load_plugins
 
-    plugins = load_plugins()
-    model_dirs = sorted(str(d) for d in (fresh_run / "models").iterdir())
-
-    def request(model_dir: str, setting: str) -> CaseRequest:
-        return CaseRequest(model_dir, setting, steps=1, lr=0.1, seed=0)
-
-    probe = request(model_dirs[0], "torchrec/ebc/row_wise/ws2")
-    fresh = WorkerGroup(2, fresh_run / "logs", plugins)
-    try:
-        first = fresh.run_case(probe, 120)
-    finally:
-        fresh.close()
-    warm = WorkerGroup(2, fresh_run / "logs", plugins)
+    first = _probe_in_a_fresh_group(fresh_run)
+    model_dirs = _model_dirs(fresh_run)
+    warm = WorkerGroup(2, fresh_run / "logs", load_plugins())
     try:
         for setting in ("torchrec/ebc/data_parallel/ws2", "torchrec/ebc/mixed-s0/ws2", "torchrec/ebc/planner/ws2"):
             for model_dir in reversed(model_dirs):
-                assert warm.run_case(request(model_dir, setting), 120).status == "ok"
-        later = warm.run_case(probe, 120)
+                assert warm.run_case(_request(model_dir, setting), 120).status == "ok"
+        later = warm.run_case(_request(model_dirs[0], PROBE), 120)
     finally:
         warm.close()
-    assert first.status == later.status == "ok"
-    assert first.outputs.keys() == later.outputs.keys()
-    for name in first.outputs:
-        assert first.outputs[name].tobytes() == later.outputs[name].tobytes(), name
+    assert later.status == "ok"
+    _assert_same_bytes(first, later.outputs)
+
+
+def test_a_failed_case_leaves_the_group_in_step_and_the_next_case_gives_a_fresh_groups_bytes(fresh_run: Path) -> None:
+    """A rank that raises while its peer waits on it (in a barrier; in a pipeline's pending receive, a real torch
+    failure) costs what a passing case costs: the peer is cut loose at once, the same processes run the next case."""
+    from difftest.registry import load_plugins
+
+    first = _probe_in_a_fresh_group(fresh_run)
+    model_dir = _model_dirs(fresh_run)[0]
+    warm = WorkerGroup(2, fresh_run / "logs", load_plugins((PLANTED,)))
+    try:
+        pids = [p.pid for p in warm.processes]
+        for setting, needle in (("faults/raises/ws2", "planted failure on rank 1"),
+                                ("pipeline/zbv-zero-bubble/ws2/stages4/mb2/balanced", "steal_bwd_input")):
+            failed = warm.run_case(_request(model_dir, setting), 120)
+            assert failed.status == "error" and needle in failed.message, failed.message
+            assert failed.rank == 1  # the rank that failed first, not the peer whose receive was cut
+            assert failed.reusable and failed.wall_s < ERROR_GRACE_S, failed.wall_s
+        later = warm.run_case(_request(model_dir, PROBE), 120)
+        assert [p.pid for p in warm.processes] == pids and warm.alive
+    finally:
+        warm.close()
+    assert later.status == "ok"
+    _assert_same_bytes(first, later.outputs)
+
+
+def test_after_a_crash_the_next_case_runs_on_a_replacement_and_gives_a_fresh_groups_bytes(fresh_run: Path) -> None:
+    first = _probe_in_a_fresh_group(fresh_run)
+    order: list[str] = []
+    report = run_sweep(fresh_run, SweepOptions(settings=f"faults/aborts/ws2,{PROBE}", models="*-i0",
+                                               plugins=(PLANTED,), timeout_s=60),
+                       on_result=lambda case, record: order.append(record.setting))
+    assert order.index("faults/aborts/ws2") < order.index(PROBE)
+    assert report.statuses == {"crash": 1, "ok": 2}  # the probe and its reference
+    assert report.groups_started == 3  # ws1 for the reference; ws2, and its replacement after the crash
+    store = Store(fresh_run)
+    try:
+        record = next(r for r in store.records() if r.setting == PROBE)
+        _assert_same_bytes(first, store.load_outputs(record))
+    finally:
+        store.close()

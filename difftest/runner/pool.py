@@ -14,6 +14,7 @@ from difftest.runner import worker
 
 _SPAWN = mp.get_context("spawn")
 ERROR_GRACE_S = 3.0  # how long the other ranks may take to report after one rank raised
+READY_TIMEOUT_S = 60.0  # how long the ranks may take to close a case's world and open the next one
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ def simulated_local_size(world_size: int) -> int:
 
 class GroupStartError(RuntimeError):
     pass
+
+
+class GroupBroken(RuntimeError):
+    """The ranks could not open a fresh world for the next case: the group must be replaced, and the case
+    it was about to run goes to the new group (it never started, so it is not a finding)."""
 
 
 def _tail(path: Path, lines: int = 6) -> str:
@@ -113,6 +119,19 @@ class WorkerGroup:
         except GroupStartError:
             self.kill()
             raise
+        self._ready = True
+
+    def _await_ready(self) -> None:
+        """Every rank closed the last case's world and joined the next one: the group is in step again."""
+        if self._ready:
+            return
+        try:
+            for rank in range(self.world_size):
+                self._expect(rank, "ready", READY_TIMEOUT_S)
+        except GroupStartError as exc:
+            self.kill()
+            raise GroupBroken(str(exc)) from None
+        self._ready = True
 
     def _expect(self, rank: int, kind: str, timeout_s: float) -> tuple:
         conn, process = self.conns[rank], self.processes[rank]
@@ -122,6 +141,8 @@ class WorkerGroup:
                 message = conn.recv()
                 if message[0] == kind:
                     return message
+                if message[0] == "broken":
+                    raise GroupStartError(f"rank {rank} could not join its group: {message[1]}")
             except EOFError:
                 pass
         if not ready:
@@ -132,17 +153,20 @@ class WorkerGroup:
         )
 
     def run_case(self, request: CaseRequest, timeout_s: float) -> CaseResult:
+        self._await_ready()
         started = time.perf_counter()
         for conn in self.conns:
             conn.send(("case", request))
+        self._ready = False
         replies: dict[int, tuple] = {}
         deadline = started + timeout_s
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         while len(replies) < self.world_size:
             pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
             ready = wait(list(pending) + list(sentinels), timeout=max(0.0, deadline - time.perf_counter()))
-            if not ready and any(reply[1] == "error" for reply in replies.values()):
-                # the others are stuck in a collective the failed rank will never join: the error is the finding
+            if not ready and any(reply[1] != "ok" for reply in replies.values()):
+                # the others are still stuck in something the failed rank will never join (not a collective with
+                # it: closing its world has cut those): the failure is the finding, the group is replaced
                 self.kill()
                 return self._combine(replies, started, reusable=False)
             if not ready:
@@ -160,7 +184,7 @@ class WorkerGroup:
                 if handle in pending:
                     try:
                         replies[pending[handle]] = handle.recv()
-                        if replies[pending[handle]][1] == "error":
+                        if replies[pending[handle]][1] != "ok":
                             deadline = min(deadline, time.perf_counter() + ERROR_GRACE_S)
                         continue
                     except EOFError:
@@ -179,20 +203,18 @@ class WorkerGroup:
 
     def _combine(self, replies: dict[int, tuple], started: float, reusable: bool = True) -> CaseResult:
         wall = time.perf_counter() - started
-        statuses = {rank: reply[1] for rank, reply in replies.items()}
+        # every rank answered: the ranks are back in their serving loop, and each opens a fresh world before the
+        # next case, so a failed case leaves nothing behind (`_await_ready` proves it or replaces the group)
+        reusable = reusable and len(replies) == self.world_size
         for status in ("error", "inconsistent", "unsupported"):  # "inconsistent": a setting's invariant broke
-            ranks = [r for r, s in sorted(statuses.items()) if s == status]
-            if ranks:
-                # an error may leave collectives half-done on the other ranks: never reuse that group,
-                # unless it has no other ranks (one process: nothing can be half-done)
-                everyone_answered = len(statuses) == self.world_size
-                reusable = reusable and everyone_answered and (
-                    self.world_size == 1 or all(s in ("unsupported", "inconsistent") for s in statuses.values())
-                )
-                return CaseResult(status, message=replies[ranks[0]][3], rank=ranks[0], wall_s=wall, reusable=reusable)
+            failed = [r for r, reply in replies.items() if reply[1] == status]
+            if failed:
+                # the rank that failed first is the cause; later ones were cut off by it (a closed connection)
+                rank = min(failed, key=lambda r: (replies[r][5] or 0.0, r))
+                return CaseResult(status, message=replies[rank][3], rank=rank, wall_s=wall, reusable=reusable)
         outputs = replies[0][2]
         if outputs is None:
-            return CaseResult("error", message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=False)
+            return CaseResult("error", message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=reusable)
         return CaseResult("ok", outputs=outputs, message=replies[0][3], wall_s=wall)
 
     @property

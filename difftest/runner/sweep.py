@@ -11,7 +11,7 @@ from typing import Callable
 from difftest.artifacts import load_spec
 from difftest.errors import UserError
 from difftest.registry import get_setting, load_plugins, select_settings, with_references
-from difftest.runner.pool import CaseRequest, CaseResult, GroupStartError, WorkerGroup
+from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
 from difftest.setting import Setting
 from difftest.spec import ModelSpec, RunConfig
 from difftest.store import CaseRecord, Store
@@ -150,6 +150,55 @@ def run_sweep(
     return report
 
 
+class _GroupSupply:
+    """Warm groups of one world size for one bucket: the group in use, and, once a group of this bucket has had to
+    be replaced (a crash, a hang, a rank stuck outside a collective), a spare started in the background so the next
+    replacement is already warm. A bucket that never breaks its group never pays for a spare."""
+
+    def __init__(self, make: Callable[[], WorkerGroup]) -> None:
+        self._make = make
+        self._spare: threading.Thread | None = None
+        self._spare_result: list[WorkerGroup | Exception] = []
+        self.started = 0
+
+    def _start_spare(self) -> None:
+        result: list[WorkerGroup | Exception] = []
+
+        def start() -> None:
+            try:
+                result.append(self._make())
+            except GroupStartError as exc:
+                result.append(exc)
+
+        self._spare_result = result
+        self._spare = threading.Thread(target=start, daemon=True)
+        self._spare.start()
+
+    def first(self) -> WorkerGroup:
+        self.started += 1
+        return self._make()
+
+    def replacement(self) -> WorkerGroup:
+        if self._spare is None:
+            group = self.first()
+        else:
+            self._spare.join()
+            self._spare = None
+            self.started += 1
+            made = self._spare_result[0]
+            if isinstance(made, Exception):
+                raise made
+            group = made
+        self._start_spare()
+        return group
+
+    def close(self) -> None:
+        if self._spare is not None:
+            self._spare.join()
+            if self._spare_result and isinstance(self._spare_result[0], WorkerGroup):
+                self._spare_result[0].close()
+
+
 def _run_bucket(
     run_dir: Path,
     config: RunConfig,
@@ -161,34 +210,45 @@ def _run_bucket(
     report: SweepReport,
     lock: threading.Lock,
 ) -> None:
+    supply = _GroupSupply(
+        lambda: WorkerGroup(
+            world_size,
+            run_dir / "logs",
+            plugins,
+            device=options.device,
+            backend=options.resolved_backend,
+            collective_timeout_s=options.timeout_s,
+        )
+    )
     group: WorkerGroup | None = None
+    broken_before = False  # a group of this bucket was replaced: the next one comes from the spare
     start_failure: str | None = None
     failed_starts = 0
     try:
-        for case in cases:
+        queue = list(cases)
+        while queue:
+            case = queue[0]
             if group is None and failed_starts >= 2:
                 # the group cannot start at all: say so for every remaining case rather than retrying each
                 record(case, CaseRecord(case.model_id, case.setting.name, "crash", f"worker group: {start_failure}"), None)
+                queue.pop(0)
                 continue
             if group is None:
                 try:
-                    group = WorkerGroup(
-                        world_size,
-                        run_dir / "logs",
-                        plugins,
-                        device=options.device,
-                        backend=options.resolved_backend,
-                        collective_timeout_s=options.timeout_s,
-                    )
+                    group = supply.replacement() if broken_before else supply.first()
                     failed_starts = 0
-                    with lock:
-                        report.groups_started += 1
                 except GroupStartError as exc:
                     start_failure, failed_starts = str(exc), failed_starts + 1
                     record(case, CaseRecord(case.model_id, case.setting.name, "crash", f"worker group: {exc}"), None)
+                    queue.pop(0)
                     continue
             request = CaseRequest(str(case.model_dir), case.setting.name, config.steps, config.lr, config.seed)
-            result: CaseResult = group.run_case(request, options.timeout_s)
+            try:
+                result: CaseResult = group.run_case(request, options.timeout_s)
+            except GroupBroken:
+                group, broken_before = None, True  # the case never started: it runs on the replacement
+                continue
+            queue.pop(0)
             record(
                 case,
                 CaseRecord(
@@ -198,7 +258,10 @@ def _run_bucket(
             )
             if not result.reusable:
                 group.kill()
-                group = None
+                group, broken_before = None, True
     finally:
         if group is not None:
             group.close()
+        supply.close()
+        with lock:
+            report.groups_started += supply.started

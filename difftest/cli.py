@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from difftest.errors import UserError
+from difftest.progress import SweepProgress
 
 app = typer.Typer(
     help="Differential testing of distributed/quantized training settings against a single-process reference.",
@@ -38,6 +39,7 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nc
 AtolOpt = Annotated[float, typer.Option("--atol", min=0, help="Absolute tolerance of the allclose verdict.")]
 RtolOpt = Annotated[float, typer.Option("--rtol", min=0, help="Relative tolerance of the allclose verdict.")]
 FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 when any case is inconsistent, errored, crashed or timed out.")]
+TierOpt = Annotated[Optional[str], typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
 ModelsFilterOpt = Annotated[Optional[str], typer.Option("--models-filter", help="Comma-separated globs over model ids to sweep.")]
 
 
@@ -79,7 +81,7 @@ def _unavailable(generator: object) -> str | None:
     return check() if check is not None else None
 
 
-def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: int, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False) -> None:
+def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: int, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None) -> None:
     from difftest.registry import load_plugins
     from difftest.runner.sweep import SweepOptions, plan_cases, run_sweep
     from difftest.spec import RunConfig
@@ -88,18 +90,15 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
 
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r}: use cpu or cuda")
-    options = SweepOptions(settings=settings, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice)
+    options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice)
     plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
     started = time.perf_counter()
-    with _progress() as progress:
-        task = progress.add_task("sweep", total=None, detail="")
-        counts: dict[str, int] = {}
-
-        def on_result(case, record) -> None:
-            counts[record.status] = counts.get(record.status, 0) + 1
-            progress.update(task, advance=1, detail=" ".join(f"{k}={v}" for k, v in sorted(counts.items())) + f"  {record.setting}")
-
-        report = run_sweep(out, options, on_result=on_result, on_planned=lambda n: progress.update(task, total=n))
+    with SweepProgress(console) as progress:
+        report = run_sweep(
+            out, options,
+            on_result=lambda case, record: progress.result(record.setting, record.status),
+            on_planned=lambda cases: progress.planned([c.setting.name for c in cases]),
+        )
     console.print(
         f"sweep: {report.total} cases, {report.skipped_done} already done, ran {sum(report.statuses.values())} "
         f"({dict(report.statuses)}) with {report.groups_started} worker group(s) in {time.perf_counter() - started:.1f}s"
@@ -140,6 +139,7 @@ def run(
     seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
     kind: Annotated[str, typer.Option("--kind", help="Model kind to generate, or 'all'.")] = "all",
     settings: SettingsOpt = None,
+    tier: TierOpt = None,
     jobs: JobsOpt = 1,
     timeout: TimeoutOpt = 120.0,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per case.")] = 1,
@@ -156,9 +156,9 @@ def run(
 
     plugins = tuple(plugin or ())
     load_plugins(plugins)
-    select_settings(settings)  # a glob that selects nothing fails before any model is written
+    select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
     _generate(out, models, seed, kind, steps, lr, batch_size, plugins)
-    _sweep(out, settings, None, jobs, timeout, device, plugins)
+    _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier)
     _analyze(out, atol, rtol, fail_on_inconsistency)
 
 
@@ -181,6 +181,7 @@ def generate(
 def sweep(
     run_dir: Annotated[Path, typer.Argument(help="A folder made by `difftest generate`.")],
     settings: SettingsOpt = None,
+    tier: TierOpt = None,
     models_filter: ModelsFilterOpt = None,
     jobs: JobsOpt = 1,
     timeout: TimeoutOpt = 120.0,
@@ -189,7 +190,7 @@ def sweep(
     twice: Annotated[bool, typer.Option("--twice", help="Also run every selected setting a second time (rerun/<name>), judged bitwise against the first: differences are `nondeterministic`.")] = False,
 ) -> None:
     """Run every (model, setting) case not yet committed in RUN_DIR; a rerun resumes."""
-    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice)
+    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier)
 
 
 QUANT_SETTINGS = "quant/*"
@@ -236,19 +237,37 @@ def analyze(
 
 
 @settings_app.command("list")
-def settings_list(plugin: PluginOpt = None) -> None:
-    """Every registered setting, what it runs, and whether this machine supports it."""
-    from difftest.registry import all_settings, load_plugins
+def settings_list(
+    tier: Annotated[Optional[str], typer.Option("--tier", help="Only the settings of this tier (default or full); the table always says which tier each is in.")] = None,
+    names: Annotated[bool, typer.Option("--names", help="One full setting name per line, nothing else (for scripts).")] = False,
+    plugin: PluginOpt = None,
+) -> None:
+    """Every registered setting, its tier, what it runs, and whether this machine supports it."""
+    from difftest.registry import all_settings, derived_prefixes, load_plugins
+    from difftest.registry import tier as tier_members
 
     load_plugins(tuple(plugin or ()))
+    default = {s.name for s in tier_members("default")}
+    shown = tier_members(tier) if tier else all_settings()
+    if names:
+        for setting in shown:
+            print(setting.name)
+        return
     table = Table()
-    for column in ("setting", "family", "ranks", "runs", "here"):
-        table.add_column(column)
-    for setting in all_settings():
+    for column in ("setting", "tier", "family", "ranks", "runs", "here"):
+        table.add_column(column, overflow="fold")
+    for setting in shown:
         reason = setting.available()
         here = "yes" if reason is None else f"no: {reason}"
-        table.add_row(setting.name, setting.family, str(setting.world_size), escape(setting.describe()), escape(here))
+        table.add_row(setting.name, "default" if setting.name in default else "full", setting.family,
+                      str(setting.world_size), escape(setting.describe()), escape(here))
     out_console.print(table)
+    out_console.print(
+        f"{len(shown)} settings ({len(default)} in the default tier, which `difftest run` runs; --tier full runs all). "
+        + "".join(f"Derived, selectable but not listed: {p}/<any setting>, e.g. --settings '{p}/ddp/*'. "
+                  for p in derived_prefixes()),
+        highlight=False,
+    )
 
 
 def main() -> None:

@@ -24,6 +24,8 @@ _LOADED_PLUGINS: set[str] = set()
 _DERIVED: dict[str, Callable[[Setting], Setting]] = {}
 _DERIVED_MADE: dict[str, Setting] = {}
 
+_WORLD_RESETS: list[Callable[[], None]] = []
+
 BUILTIN_PLUGINS = ("generators", "settings")
 
 
@@ -52,6 +54,19 @@ def _derived(name: str) -> Setting | None:
     if name not in _DERIVED_MADE:
         _DERIVED_MADE[name] = _DERIVED[prefix](_SETTINGS[base])
     return _DERIVED_MADE[name]
+
+
+def register_world_reset(reset: Callable[[], None]) -> Callable[[], None]:
+    """`reset()` runs on every rank after each case's process group is destroyed: a plugin (or the library it
+    drives) that keeps process groups or meshes in module globals forgets them there, since every case runs
+    in a fresh default group (`difftest.runner.worker`)."""
+    _WORLD_RESETS.append(reset)
+    return reset
+
+
+def reset_world_state() -> None:
+    for reset in _WORLD_RESETS:
+        reset()
 
 
 def derived_prefixes() -> list[str]:
@@ -98,10 +113,12 @@ def all_settings() -> list[Setting]:
     return sorted(_SETTINGS.values(), key=lambda s: (s.name != "reference", s.name))
 
 
-def select_settings(patterns: str | None) -> list[Setting]:
-    """Settings whose names match any of the comma-separated glob patterns (all when None). A pattern
-    `<derived prefix>/<glob>` selects the derived settings of the registered ones its glob matches."""
-    settings = all_settings()
+def select_settings(patterns: str | None, tier_name: str | None = None) -> list[Setting]:
+    """Settings whose names match any of the comma-separated glob patterns (all when None), within a tier. A pattern
+    `<derived prefix>/<glob>` selects the derived settings of the registered ones its glob matches.
+
+    Without patterns the tier defaults to `default`; with patterns, to `full` (a glob means what it matches)."""
+    settings = tier(tier_name or ("full" if patterns else "default"))
     if not patterns:
         return settings
     globs = [p.strip() for p in patterns.split(",") if p.strip()]
@@ -114,6 +131,47 @@ def select_settings(patterns: str | None) -> list[Setting]:
     if not chosen:
         raise UserError(f"--settings {patterns!r} matches no registered setting; `difftest settings list` shows them")
     return chosen
+
+
+TIERS = ("default", "full")
+
+
+def tier(name: str) -> list[Setting]:
+    """The settings of a tier. `full` is every registered setting. `default` covers every class of setting and,
+    within it, every value of each parameter the class names in `tier_axes` (each sharding type, schedule,
+    quantization scheme, oracle mode) with the fewest, cheapest settings: a greedy set cover that prefers the
+    setting adding the most uncovered values, then the smallest scale of 2 or more (`Setting.scale`). A setting that exists to judge its own
+    family (an uninterrupted run, a simulator, a one-rank bf16 run) is only a candidate for values nothing else
+    covers; it comes in anyway through `with_references` where the tier needs it."""
+    settings = all_settings()
+    if name == "full":
+        return settings
+    if name != "default":
+        raise UserError(f"unknown tier {name!r}; tiers: {', '.join(TIERS)}")
+    judges_own_family = {
+        s.reference for s in settings if s.reference != s.name and get_setting(s.reference).family == s.family
+    } | {s.name for s in settings if s.judge_only}
+    by_class: dict[type, list[Setting]] = {}
+    for setting in settings:
+        by_class.setdefault(type(setting), []).append(setting)
+    chosen: list[Setting] = []
+    for members in by_class.values():
+        members = sorted(members, key=lambda s: (s.name in judges_own_family, s.scale < 2, s.scale, s.name))
+        axes = type(members[0]).tier_axes
+        values = {s.name: {(axis, repr(s.params[axis])) for axis in axes} for s in members}
+        candidates = [s for s in members if s.name not in judges_own_family] or members
+        uncovered = set().union(*values.values())
+        picked = [candidates[0]]
+        uncovered -= values[candidates[0].name]
+        for pool in (candidates, members):  # family-internal judges last, for values only they have
+            while uncovered and (gains := [(len(values[s.name] & uncovered), s) for s in pool]):
+                gain, best = max(gains, key=lambda g: (g[0], -pool.index(g[1])))
+                if gain == 0:
+                    break
+                picked.append(best)
+                uncovered -= values[best.name]
+        chosen += picked
+    return with_references(sorted(chosen, key=lambda s: (s.name != "reference", s.name)))
 
 
 def with_references(settings: list[Setting]) -> list[Setting]:

@@ -52,6 +52,9 @@ class Setting(abc.ABC):
     reference: ClassVar[str] = "reference"
     # the verdict when its outputs differ from the reference's beyond its tolerance
     mismatch_status: ClassVar[str] = "inconsistent"
+    # the parameters whose every value the default tier runs at least once (`difftest.registry.tier`), at the
+    # smallest world size that has it; none: one setting of the class represents it
+    tier_axes: ClassVar[tuple[str, ...]] = ()
 
     @property
     @abc.abstractmethod
@@ -67,6 +70,18 @@ class Setting(abc.ABC):
     def supports(self, spec: "ModelSpec") -> str | None:
         """None if the model can run under this setting, else the reason it cannot."""
         return None
+
+    @property
+    def scale(self) -> int:
+        """How many ranks or replicas the setting distributes over (its world size, unless it simulates them in one
+        process): the default tier prefers the smallest scale of 2 or more, the smallest that is distributed."""
+        return self.world_size
+
+    @property
+    def judge_only(self) -> bool:
+        """True for a setting that exists only to judge others (a simulator of their schedule): tiers run it as
+        their reference, never as a representative of its family."""
+        return False
 
     @property
     def process_affinity(self) -> str:

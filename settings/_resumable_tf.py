@@ -59,7 +59,7 @@ def run_phase(model: Any, inputs: Any, seed: int, lr: float, first: int, last: i
     return outputs
 
 
-def _main(request_path: str) -> None:
+def main(request_path: str, rank: int = 0) -> None:
     import json
 
     from difftest.artifacts import load_model
@@ -74,4 +74,4 @@ def _main(request_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    main(sys.argv[1])

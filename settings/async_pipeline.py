@@ -155,11 +155,16 @@ class AsyncPipeline(Setting):
     simulate: bool = False
     stages_simulated: int = 0
     family: ClassVar[str] = "async-pipeline"
+    tier_axes: ClassVar[tuple[str, ...]] = ("mode",)
     deterministic: ClassVar[bool] = True
 
     @property
     def stages(self) -> int:
         return self.stages_simulated if self.simulate else self.world_size
+
+    @property
+    def judge_only(self) -> bool:
+        return self.simulate
 
     @property
     def name(self) -> str:

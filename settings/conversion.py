@@ -30,6 +30,7 @@ class Conversion(Setting):
     phase: str  # "eval" or "train"
     world_size: int = 1
     family: ClassVar[str] = "conversion"
+    tier_axes: ClassVar[tuple[str, ...]] = ("backend", "phase")
     deterministic: ClassVar[bool] = True
     reference: ClassVar[str] = TF_REFERENCE
 

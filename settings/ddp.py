@@ -33,6 +33,7 @@ class DataParallel(Setting):
     world_size: int
     variant: str = "default"
     family: ClassVar[str] = "ddp"
+    tier_axes: ClassVar[tuple[str, ...]] = ("variant",)
 
     @property
     def name(self) -> str:

@@ -35,6 +35,7 @@ class FullyShard(Setting):
     reshard_after_forward: bool = True
     precision: str = "fp32"  # or "bf16": bf16 parameters, fp32 gradient reduction and output
     family: ClassVar[str] = "fsdp2"
+    tier_axes: ClassVar[tuple[str, ...]] = ("wrap", "reshard_after_forward", "precision")
 
     @property
     def name(self) -> str:

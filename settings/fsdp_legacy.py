@@ -21,6 +21,7 @@ class LegacyFsdp(Setting):
     world_size: int
     strategy: str = "full_shard"
     family: ClassVar[str] = "fsdp1"
+    tier_axes: ClassVar[tuple[str, ...]] = ("strategy",)
 
     @property
     def name(self) -> str:

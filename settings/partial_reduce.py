@@ -73,6 +73,7 @@ class PartialReduce(Setting):
     simulate: bool = False  # the single-process simulator of the same schedule
     simulated_replicas: int = 0  # the simulator's replicas (its world size is 1)
     family: ClassVar[str] = "partial-reduce"
+    tier_axes: ClassVar[tuple[str, ...]] = ("sync_every", "hetero")
 
     @property
     def replicas(self) -> int:
@@ -81,6 +82,10 @@ class PartialReduce(Setting):
     @property
     def everyone(self) -> bool:
         return self.group >= self.replicas
+
+    @property
+    def judge_only(self) -> bool:
+        return self.simulate
 
     @property
     def name(self) -> str:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from difftest.errors import ConversionFailed, Unsupported
-from difftest.registry import register_settings
+from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from generators.inputs import Batch
 from settings._training import (
@@ -115,6 +115,7 @@ class Pipeline(Setting):
     data_parallel: int = 1  # pipelines side by side (hybrid); the world is data_parallel x pipeline ranks
     inner: str = ""  # hybrid only: "ddp" or "fsdp2" around each stage
     family: ClassVar[str] = "pipeline"
+    tier_axes: ClassVar[tuple[str, ...]] = ("schedule", "split", "inner")
 
     @property
     def name(self) -> str:
@@ -231,11 +232,12 @@ class Pipeline(Setting):
 
 
 _GROUPS: dict[tuple[int, int], dict[str, Any]] = {}
+register_world_reset(_GROUPS.clear)  # the groups die with the case's world
 
 
 def _groups(ctx: RunContext, dp: int, pp: int) -> dict[str, Any]:
-    """The pipeline group and data-parallel mesh of this rank; made once per process and shape, since every
-    rank must create every subgroup in the same order."""
+    """The pipeline group and data-parallel mesh of this rank; made once per case and shape, since every rank must
+    create every subgroup in the same order."""
     if dp == 1:
         return {"pp": ctx.group, "dp": None}
     key = (dp, pp)

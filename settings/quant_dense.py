@@ -108,6 +108,7 @@ def _reordered_sum(module: Any, x: Any) -> Any:
 class DynamicQuantization(_DenseQuantization):
     """torch.ao quantize_dynamic of every nn.Linear (int8 or fp16 weights) under one quantized engine."""
 
+    tier_axes: ClassVar[tuple[str, ...]] = ("dtype", "engine")
     dtype: str
     engine: str
 

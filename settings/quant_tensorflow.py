@@ -35,6 +35,7 @@ class TensorFlowQuantization(Setting):
 
     scheme: str
     family: ClassVar[str] = "quant"
+    tier_axes: ClassVar[tuple[str, ...]] = ("scheme",)
     reference: ClassVar[str] = TF_REFERENCE
     world_size: int = 1
 

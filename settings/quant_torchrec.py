@@ -41,11 +41,16 @@ class QuantizedEmbeddings(Setting):
     """A DLRM's EmbeddingBagCollections quantized for inference (TorchRec QuantEmbeddingBagCollection)."""
 
     family: ClassVar[str] = "quant"
+    tier_axes: ClassVar[tuple[str, ...]] = ("weights", "output", "sharding")
     weights: str
     output: str
     sharding: str = "unsharded"
     simulated_world: int = 1
     world_size: int = 1  # one process; the sharded world is simulated inside it
+
+    @property
+    def scale(self) -> int:
+        return self.simulated_world
 
     @property
     def name(self) -> str:

@@ -104,6 +104,7 @@ class Repartition(Setting):
     microbatches: int
     moved: bool = True
     family: ClassVar[str] = "repartition"
+    tier_axes: ClassVar[tuple[str, ...]] = ("schedule",)
     deterministic: ClassVar[bool] = True
 
     @property

@@ -63,6 +63,7 @@ class Resume(Setting):
     at_step: int = 3
     mode: str = "restore"  # or "fast-forward"
     family: ClassVar[str] = "resume"
+    tier_axes: ClassVar[tuple[str, ...]] = ("before", "after", "mode")
     world_size: int = 1  # the sweep's process only launches the two phases' own process groups
     reference: ClassVar[str] = RESUME_REFERENCE
 

@@ -40,6 +40,7 @@ class TensorParallel(Setting):
     world_size: int
     sequence_parallel: bool = False
     family: ClassVar[str] = "tp"
+    tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel",)
 
     @property
     def name(self) -> str:

@@ -34,6 +34,7 @@ class TensorFlowStrategy(Setting):
     replicas: int = 1
     world_size: int = 1  # processes: only multi-worker uses more than one
     family: ClassVar[str] = "tensorflow"
+    tier_axes: ClassVar[tuple[str, ...]] = ("strategy",)
     reference: ClassVar[str] = TF_REFERENCE
 
     @property
@@ -50,6 +51,10 @@ class TensorFlowStrategy(Setting):
         if self.strategy == "multi-worker":
             return f"MultiWorkerMirroredStrategy, {self.world_size} worker processes on 127.0.0.1"
         return f"{self.strategy} strategy over {self.replicas} logical CPU devices"
+
+    @property
+    def scale(self) -> int:
+        return self.world_size * self.replicas
 
     @property
     def process_affinity(self) -> str:

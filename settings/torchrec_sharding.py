@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from difftest.errors import Unsupported
-from difftest.registry import register_settings
+from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import assemble, gather_to_rank0, record_training, to_numpy
 
@@ -35,6 +35,7 @@ class TorchRecSharding(Setting):
     """TorchRec DMP with an explicit per-table sharding plan (EmbeddingBagCollectionSharder)."""
 
     family: ClassVar[str] = "torchrec"
+    tier_axes: ClassVar[tuple[str, ...]] = ("sharding",)
     sharding: str
     world_size: int
     plan_seed: int = 0  # mixed plans only
@@ -290,3 +291,16 @@ register_settings(
     + [TorchRecSharding(sharding="planner", world_size=ws) for ws in WORLD_SIZES]
     + [TorchRecSharding(sharding="mixed", world_size=ws, plan_seed=seed) for ws in WORLD_SIZES for seed in (0, 1)]
 )
+
+
+@register_world_reset
+def _forget_torchrec_node_groups() -> None:
+    """TorchRec creates its intra-/cross-node groups once per process (`torchrec.distributed.comm`); they belong
+    to the case's world and are destroyed with it."""
+    import sys
+
+    comm = sys.modules.get("torchrec.distributed.comm")
+    if comm is not None:
+        for name in ("_INTRA_PG", "_CROSS_PG", "_INTRA_PG_2D", "_CROSS_PG_2D", "_NODE_GROUP_SIZE_2D"):
+            if hasattr(comm, name):
+                setattr(comm, name, None)

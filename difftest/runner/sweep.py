@@ -20,6 +20,7 @@ from difftest.store import CaseRecord, Store
 @dataclass(frozen=True)
 class SweepOptions:
     settings: str | None = None  # comma-separated globs over setting names
+    tier: str | None = None  # default | full; None: `default` without globs, `full` with them
     models: str | None = None  # comma-separated globs over model ids
     jobs: int = 1  # worker groups (of different world sizes) running at once
     timeout_s: float = 120.0
@@ -62,7 +63,7 @@ def list_models(run_dir: Path) -> list[tuple[Path, ModelSpec]]:
 def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
     import fnmatch
 
-    settings = select_settings(options.settings)
+    settings = select_settings(options.settings, options.tier)
     if options.twice:
         names = {s.name for s in settings}
         settings += [get_setting(f"rerun/{s.name}") for s in list(settings)
@@ -90,7 +91,7 @@ def run_sweep(
     run_dir: Path,
     options: SweepOptions,
     on_result: Callable[[Case, CaseRecord], None] | None = None,
-    on_planned: Callable[[int], None] | None = None,
+    on_planned: Callable[[list[Case]], None] | None = None,
 ) -> SweepReport:
     config = RunConfig.load(run_dir / "run.json")
     plugins = load_plugins(config.plugins + options.plugins)
@@ -124,7 +125,7 @@ def run_sweep(
             else:
                 pending[(case.setting.world_size, case.setting.process_affinity)].append(case)
         if on_planned is not None:
-            on_planned(report.total - report.skipped_done)
+            on_planned([case for case, _ in refused] + [case for bucket in pending.values() for case in bucket])
         for case, reason in refused:
             record(case, CaseRecord(case.model_id, case.setting.name, "unsupported", reason), None)
 

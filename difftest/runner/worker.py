@@ -66,6 +66,11 @@ _INITIAL_QENGINE = ""
 def main(config: WorkerConfig, conn: Any) -> None:
     global _INITIAL_QENGINE
     _redirect_output(config.log_path)
+    # daemonic so the parent's exit takes the ranks along; but a setting may start processes of its own (a resume's
+    # new process group) and multiprocessing refuses children to a daemon: this process waits for its children itself
+    import multiprocessing
+
+    multiprocessing.current_process().daemon = False
     os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)
     os.environ["LOCAL_RANK"] = str(config.rank % config.local_world_size)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -191,12 +196,15 @@ def _close_world(failed: bool, store_port: int) -> None:
 
     import torch.distributed as dist
 
+    from difftest.registry import reset_world_state
+
     if failed and dist.is_initialized():
         if dist.get_backend() == "nccl":
             dist.distributed_c10d._abort_process_group()
         _shut_down_sockets(_open_sockets() - _SOCKETS_BEFORE_WORLD, store_port)
     if dist.is_initialized():
         dist.destroy_process_group()
+    reset_world_state()
     gc.collect()
     # what survives a case (lazily imported modules, mostly) is never garbage: keeping it out of later
     # collections makes the next case's collection cost milliseconds instead of a third of a second

@@ -97,7 +97,7 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
         report = run_sweep(
             out, options,
             on_result=lambda case, record: progress.result(record.setting, record.status),
-            on_planned=lambda cases: progress.planned([c.setting.name for c in cases]),
+            on_planned=lambda cases, refused: progress.planned([c.setting.name for c in cases], refused),
         )
     console.print(
         f"sweep: {report.total} cases, {report.skipped_done} already done, ran {sum(report.statuses.values())} "

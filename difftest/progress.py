@@ -39,6 +39,8 @@ class SweepProgress:
         self.total = 0
         self.done = 0
         self.started = time.perf_counter()
+        self.refused = 0
+        self.running_since: float | None = None
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
 
@@ -59,8 +61,10 @@ class SweepProgress:
         elif self.total:
             self._line()
 
-    def planned(self, setting_names: list[str]) -> None:
+    def planned(self, setting_names: list[str], refused: int = 0) -> None:
+        """`refused`: how many of them (the first ones) are refused without running; the ETA ignores them."""
         self.total = len(setting_names)
+        self.refused = refused
         self.family_totals = Counter(family_of(n) for n in setting_names)
         if self.every is None:
             self.every = max(10, self.total // 20)
@@ -76,8 +80,10 @@ class SweepProgress:
         return " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
 
     def _eta(self) -> float | None:
-        elapsed = time.perf_counter() - self.started
-        return elapsed / self.done * (self.total - self.done) if self.done else None
+        ran = self.done - self.refused
+        if self.running_since is None or ran <= 0:
+            return None
+        return (time.perf_counter() - self.running_since) / ran * (self.total - self.done)
 
     def _line(self) -> None:
         elapsed = time.perf_counter() - self.started
@@ -90,6 +96,10 @@ class SweepProgress:
 
     def result(self, setting_name: str, status: str) -> None:
         self.done += 1
+        if self.done == self.refused:
+            self.running_since = time.perf_counter()
+        elif self.running_since is None and self.done > self.refused:
+            self.running_since = self.started
         self.counts[status] += 1
         family = family_of(setting_name)
         self.per_family[(family, status)] += 1

@@ -34,6 +34,7 @@ class CaseResult:
     rank: int | None = None
     wall_s: float = 0.0
     reusable: bool = True  # False: the group must be replaced before the next case
+    compute_s: float = 0.0  # the slowest rank's time inside the setting: what the case costs without the engine
 
 
 def simulated_local_size(world_size: int) -> int:
@@ -203,6 +204,7 @@ class WorkerGroup:
 
     def _combine(self, replies: dict[int, tuple], started: float, reusable: bool = True) -> CaseResult:
         wall = time.perf_counter() - started
+        compute = max(reply[4] for reply in replies.values())
         # every rank answered: the ranks are back in their serving loop, and each opens a fresh world before the
         # next case, so a failed case leaves nothing behind (`_await_ready` proves it or replaces the group)
         reusable = reusable and len(replies) == self.world_size
@@ -211,11 +213,13 @@ class WorkerGroup:
             if failed:
                 # the rank that failed first is the cause; later ones were cut off by it (a closed connection)
                 rank = min(failed, key=lambda r: (replies[r][5] or 0.0, r))
-                return CaseResult(status, message=replies[rank][3], rank=rank, wall_s=wall, reusable=reusable)
+                return CaseResult(status, message=replies[rank][3], rank=rank, wall_s=wall, reusable=reusable,
+                                  compute_s=compute)
         outputs = replies[0][2]
         if outputs is None:
-            return CaseResult("error", message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=reusable)
-        return CaseResult("ok", outputs=outputs, message=replies[0][3], wall_s=wall)
+            return CaseResult("error", message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=reusable,
+                              compute_s=compute)
+        return CaseResult("ok", outputs=outputs, message=replies[0][3], wall_s=wall, compute_s=compute)
 
     @property
     def alive(self) -> bool:

@@ -91,7 +91,7 @@ def run_sweep(
     run_dir: Path,
     options: SweepOptions,
     on_result: Callable[[Case, CaseRecord], None] | None = None,
-    on_planned: Callable[[list[Case]], None] | None = None,
+    on_planned: Callable[[list[Case], int], None] | None = None,
 ) -> SweepReport:
     config = RunConfig.load(run_dir / "run.json")
     plugins = load_plugins(config.plugins + options.plugins)
@@ -125,7 +125,9 @@ def run_sweep(
             else:
                 pending[(case.setting.world_size, case.setting.process_affinity)].append(case)
         if on_planned is not None:
-            on_planned([case for case, _ in refused] + [case for bucket in pending.values() for case in bucket])
+            # refused cases first: they are recorded at once, before any case runs
+            on_planned([case for case, _ in refused] + [case for bucket in pending.values() for case in bucket],
+                       len(refused))
         for case, reason in refused:
             record(case, CaseRecord(case.model_id, case.setting.name, "unsupported", reason), None)
 

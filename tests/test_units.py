@@ -13,7 +13,7 @@ import pytest
 from difftest.artifacts import load_arrays
 from difftest.errors import UserError
 from difftest.oracle import Tolerance, compare, compare_tensor
-from difftest.registry import all_settings, load_plugins, select_settings, with_references
+from difftest.registry import tier, all_settings, load_plugins, select_settings, with_references
 from difftest.store import CaseRecord, Store
 from generators.dlrm import DlrmGenerator
 
@@ -108,6 +108,34 @@ def test_registry_names_are_paths_and_globs_select_families() -> None:
         select_settings("nothing/*")
 
 
+def test_the_default_tier_covers_every_class_and_every_tier_axis_value_at_the_smallest_distributed_scale() -> None:
+    load_plugins()
+    full, default = tier("full"), tier("default")
+    assert full == all_settings() and len(default) < len(full) / 3
+    assert select_settings(None) == default and select_settings(None, "full") == full
+    assert {type(s) for s in default} == {type(s) for s in full}
+    chosen = {s.name for s in default}
+    for cls in {type(s) for s in full}:
+        members = [s for s in full if type(s) is cls]
+        for axis in cls.tier_axes:
+            wanted = {repr(s.params[axis]) for s in members}
+            assert wanted == {repr(s.params[axis]) for s in members if s.name in chosen}, (cls.__name__, axis)
+    # each sharding type, schedule and quantization scheme once, at 2 ranks where 2 is enough
+    assert {s.name for s in select_settings("torchrec/*", "default")} == {
+        f"torchrec/ebc/{t}/ws2" for t in ("table_wise", "row_wise", "column_wise", "table_row_wise",
+                                          "table_column_wise", "data_parallel", "grid_shard", "mixed-s0", "planner")}
+    pipelines = [s for s in default if s.family == "pipeline"]
+    assert {s.params["schedule"] for s in pipelines} == {s.params["schedule"] for s in full if s.family == "pipeline"}
+    assert {s.world_size for s in pipelines if s.params["data_parallel"] == 1} == {2}
+    assert "tf/mirrored/r2" in chosen and "tf/mirrored/r1" not in chosen  # one replica is not distributed
+    # simulators and one-rank judges come in as references only
+    assert not any(s.judge_only for s in default if not any(t.reference == s.name for t in default))
+    # a glob means what it matches, unless a tier is asked for
+    assert len(select_settings("ddp/*")) == 18 and len(select_settings("ddp/*", "default")) == 6
+    with pytest.raises(UserError, match="unknown tier"):
+        tier("huge")
+
+
 def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None:
     load_plugins()
     chosen = [s.name for s in with_references(select_settings("rerun/repartition/gpipe/ws2/mb2/moved"))]
@@ -125,6 +153,42 @@ def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None
         "repartition/gpipe/ws2/mb2/uninterrupted"
 
 
+def test_settings_list_names_gives_one_full_name_per_line_per_tier() -> None:
+    def lines(*command: str) -> list[str]:
+        result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.splitlines()
+
+    # the registry as a fresh process sees it: this test process may have loaded a test plugin
+    registry = "from difftest.registry import load_plugins, tier; load_plugins(); print(*(s.name for s in tier({!r})), sep=chr(10))"
+    for name in ("full", "default"):
+        assert lines("-m", "difftest.cli", "settings", "list", "--names", "--tier", name) == \
+            lines("-c", registry.format(name))
+    assert lines("-m", "difftest.cli", "settings", "list", "--names") == lines("-c", registry.format("full"))
+
+
+def test_progress_off_a_terminal_prints_plain_lines_with_counts_and_an_eta() -> None:
+    import io
+
+    from rich.console import Console
+
+    from difftest.progress import SweepProgress, family_of
+
+    stream = io.StringIO()
+    names = ["reference"] * 5 + ["torchrec/ebc/row_wise/ws2"] * 20
+    with SweepProgress(Console(file=stream, width=200), every=10) as progress:
+        progress.planned(names, refused=5)
+        for name in names:
+            progress.result(name, "unsupported" if name == "reference" else "ok")
+    lines = stream.getvalue().splitlines()
+    assert "\x1b" not in stream.getvalue()
+    assert lines[0] == "sweep: 25 cases to run (2 families)"
+    assert lines[1].startswith("sweep 10/25 (40%) ok=5 unsupported=5 elapsed") and " eta " in lines[1]
+    assert lines[-1].startswith("sweep 25/25 (100%) ok=20 unsupported=5")
+    assert len(lines) == 4
+    assert family_of("rerun/ddp/default/ws2") == "rerun/ddp" and family_of("quant/dynamic/qint8/x86") == "quant"
+
+
 def test_unreadable_tensor_file_is_a_user_error(tmp_path: Path) -> None:
     bad = tmp_path / "init.safetensors"
     bad.write_bytes(b"not safetensors")
@@ -140,6 +204,7 @@ def test_unreadable_tensor_file_is_a_user_error(tmp_path: Path) -> None:
         (["run", "--out", "{tmp}", "--settings", "nothing/*"], "matches no registered setting"),
         (["generate", "--out", "{tmp}", "--batch-size", "13"], "multiple of 12"),
         (["generate", "--out", "{tmp}", "--kind", "bogus"], "unknown model kind"),
+        (["run", "--out", "{tmp}", "--tier", "huge"], "unknown tier"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], needle: str) -> None:

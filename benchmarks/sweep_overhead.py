@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import statistics
 import tempfile
 import time
@@ -42,9 +43,11 @@ def main() -> None:
     settings = select_settings(args.settings or FAMILIES.format(w=args.world_size))
     runnable = [(str(d), s.name) for d in models for s in settings
                 if s.world_size == args.world_size and s.supports(load_spec(d)) is None and s.available() is None]
-    # interleave families and models, so a short run still spans them
+    # interleave families, and draw each family's cases in a seeded order, so a short run still spans its variants
     by_family = itertools.groupby(sorted(runnable, key=lambda c: c[1].split("/")[0]), key=lambda c: c[1].split("/")[0])
     queues = [list(group) for _, group in by_family]
+    for queue in queues:
+        random.Random(0).shuffle(queue)
     mixed = [c for round_ in itertools.zip_longest(*queues) for c in round_ if c is not None]
     requests = [CaseRequest(m, s, steps=1, lr=0.1, seed=0) for m, s in mixed[: args.cases]]
 

@@ -39,6 +39,9 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nc
 AtolOpt = Annotated[float, typer.Option("--atol", min=0, help="Absolute tolerance of the allclose verdict.")]
 RtolOpt = Annotated[float, typer.Option("--rtol", min=0, help="Relative tolerance of the allclose verdict.")]
 FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 when any case is inconsistent, errored, crashed or timed out.")]
+# the built-in kinds, written out so that --help needs no import of torch (a test keeps the list in step)
+BUILTIN_KINDS = ("dlrm", "sequential")
+KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the [tf] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
 TierOpt = Annotated[Optional[str], typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
 ModelsFilterOpt = Annotated[Optional[str], typer.Option("--models-filter", help="Comma-separated globs over model ids to sweep.")]
 
@@ -137,7 +140,7 @@ def run(
     out: Annotated[Path, typer.Option("--out", help="Run folder; an existing one is resumed.")] = DEFAULT_OUT,
     models: Annotated[int, typer.Option("--models", min=1, help="Models per kind.")] = 2,
     seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
-    kind: Annotated[str, typer.Option("--kind", help="Model kind to generate, or 'all'.")] = "all",
+    kind: KindOpt = "all",
     settings: SettingsOpt = None,
     tier: TierOpt = None,
     jobs: JobsOpt = 1,
@@ -167,7 +170,7 @@ def generate(
     out: Annotated[Path, typer.Option("--out", help="Run folder to create.")] = DEFAULT_OUT,
     models: Annotated[int, typer.Option("--models", min=1, help="Models per kind.")] = 2,
     seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
-    kind: Annotated[str, typer.Option("--kind", help="Model kind to generate, or 'all'.")] = "all",
+    kind: KindOpt = "all",
     steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per case.")] = 1,
     lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.1,
     batch_size: Annotated[int, typer.Option("--batch-size", min=12, help="Global batch (a multiple of 12).")] = 24,

@@ -235,3 +235,30 @@ def test_without_the_tf_extra_the_keras_kind_is_refused_with_the_install_hint(tm
     listing = subprocess.run([sys.executable, "-m", "difftest.cli", "settings", "list"], capture_output=True,
                              text=True, timeout=120, env={**env, "COLUMNS": "400"})
     assert listing.returncode == 0 and "[tf]" in listing.stdout
+
+
+@pytest.mark.parametrize("active", [None, "other-venv"])
+def test_install_sh_installs_into_dot_venv_whatever_virtualenv_is_active(tmp_path: Path, active: str | None) -> None:
+    import os
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    if active:
+        env["VIRTUAL_ENV"] = str(tmp_path / active)
+    result = subprocess.run(["bash", str(root / "install.sh")], env={**env, "DIFFTEST_INSTALL_PLAN": "1"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert result.stdout.strip() == str(root / ".venv" / "bin" / "python")  # where the README's commands look
+    assert ("not the active virtualenv" in result.stderr) == bool(active)
+
+
+def test_help_lists_the_model_kinds() -> None:
+    from difftest.cli import BUILTIN_KINDS
+    from difftest.registry import generator_kinds
+
+    load_plugins()
+    assert set(BUILTIN_KINDS) == set(generator_kinds())
+    for command in ("generate", "run"):
+        result = subprocess.run([sys.executable, "-m", "difftest.cli", command, "--help"], capture_output=True,
+                                text=True, timeout=60, env={**__import__("os").environ, "COLUMNS": "200"})
+        assert all(kind in result.stdout for kind in BUILTIN_KINDS), result.stdout

@@ -1,0 +1,108 @@
+"""Resident memory of the driver and of every worker rank over a sweep: does anything grow with the cases run?
+
+    python benchmarks/memory.py [--models 10] [--tier default] [--settings GLOBS] [--out DIR]
+
+Generates `--models` models of each available kind, sweeps them, and samples the RSS of the driver and of each of
+its descendant processes (warm ranks, fork servers, phase processes) once a second from /proc. For every process
+that lives through at least half of the sweep it prints the RSS once warm (a quarter into its life), at its end,
+and the largest; a leak shows as growth from the first to the second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from difftest.generate import generate
+from difftest.registry import generator_kinds, get_generator, load_plugins
+from difftest.runner.sweep import SweepOptions, run_sweep
+from difftest.spec import RunConfig
+
+
+def _rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry))
+    found, stack = {}, [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
+            except OSError:
+                continue
+            found[child] = cmdline
+            stack.append(child)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=int, default=10, help="models per kind")
+    parser.add_argument("--tier", default="default")
+    parser.add_argument("--settings", default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    load_plugins()
+    run_dir = args.out or Path(tempfile.mkdtemp(prefix="difftest-memory-")) / "run"
+    kinds = tuple(k for k in generator_kinds() if getattr(get_generator(k), "available", lambda: None)() is None)
+    if not (run_dir / "run.json").exists():
+        generate(run_dir, RunConfig(seed=0, models=args.models, kinds=kinds))
+    samples: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    names: dict[int, str] = {}
+    done = threading.Event()
+    me = os.getpid()
+
+    def sample() -> None:
+        while not done.is_set():
+            now = time.perf_counter()
+            for pid, cmdline in {me: "driver", **_descendants(me)}.items():
+                rss = _rss_mib(pid)
+                if rss is not None:
+                    samples[pid].append((now, rss))
+                    names.setdefault(pid, cmdline)
+            done.wait(1.0)
+
+    cases = [0]
+    sampler = threading.Thread(target=sample, daemon=True)
+    started = time.perf_counter()
+    sampler.start()
+    report = run_sweep(run_dir, SweepOptions(settings=args.settings, tier=args.tier, timeout_s=120),
+                       on_result=lambda case, record: cases.__setitem__(0, cases[0] + 1))
+    done.set()
+    sampler.join()
+    total = time.perf_counter() - started
+    print(f"{len(kinds) * args.models} models, {report.total} cases ({dict(report.statuses)}), "
+          f"{report.groups_started} worker groups, {total:.0f} s")
+    print(f"{'process':<48} {'lived s':>8} {'RSS warm':>9} {'RSS end':>8} {'max':>8} {'growth':>8}  (MiB)")
+    for pid, series in sorted(samples.items(), key=lambda item: item[1][0][0]):
+        lived = series[-1][0] - series[0][0]
+        if lived < total / 2:
+            continue
+        warm = series[len(series) // 4][1]
+        end, peak = series[-1][1], max(r for _, r in series)
+        print(f"{names[pid][:40] + f' {pid}':<48} {lived:8.0f} {warm:9.0f} {end:8.0f} {peak:8.0f} {end - warm:+8.0f}")
+
+
+if __name__ == "__main__":
+    main()

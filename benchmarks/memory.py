@@ -4,7 +4,7 @@
 
 Generates `--models` models of each available kind, sweeps them, and samples the RSS of the driver and of each of
 its descendant processes (warm ranks, fork servers, phase processes) once a second from /proc. For every process
-that lives through at least half of the sweep it prints the RSS once warm (a quarter into its life), at its end,
+that lives at least `--min-life` seconds (the driver, each worker group's ranks, fork servers) it prints the RSS once warm (a quarter into its life), at its end,
 and the largest; a leak shows as growth from the first to the second.
 """
 
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--tier", default="default")
     parser.add_argument("--settings", default=None)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--min-life", type=float, default=60.0, help="report processes that lived this long (s)")
     args = parser.parse_args()
 
     load_plugins()
@@ -97,7 +98,7 @@ def main() -> None:
     print(f"{'process':<48} {'lived s':>8} {'RSS warm':>9} {'RSS end':>8} {'max':>8} {'growth':>8}  (MiB)")
     for pid, series in sorted(samples.items(), key=lambda item: item[1][0][0]):
         lived = series[-1][0] - series[0][0]
-        if lived < total / 2:
+        if lived < args.min_life:
             continue
         warm = series[len(series) // 4][1]
         end, peak = series[-1][1], max(r for _, r in series)

@@ -9,6 +9,15 @@ from difftest.setting import Outputs, RunContext, Setting
 from difftest.spec import ModelSpec
 
 __all__ = [
-    "ModelSpec", "Outputs", "RunContext", "Setting", "Unsupported", "UserError",
-    "register_generator", "register_setting", "register_settings",
+    "ModelSpec", "Outputs", "Reproduction", "RunContext", "Setting", "Unsupported", "UserError",
+    "register_generator", "register_setting", "register_settings", "reproduce",
 ]
+
+
+def __getattr__(name: str):
+    # `reproduce` runs cases (pandas, the runner): imported when asked for, not with every setting module
+    if name in ("reproduce", "Reproduction"):
+        from difftest import repro
+
+        return getattr(repro, name)
+    raise AttributeError(f"module 'difftest' has no attribute {name!r}")

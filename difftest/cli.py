@@ -111,28 +111,44 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
 def _analyze(out: Path, atol: float, rtol: float, fail: bool) -> None:
     from difftest.analysis import analyze
     from difftest.oracle import Tolerance
-
     from difftest.spec import RunConfig
+    from difftest.triage import triage
 
     analysis = analyze(out, Tolerance(atol=atol, rtol=rtol), RunConfig.load(out / "run.json").plugins)
-    for title, frame in (("per setting", analysis.by_setting), ("per model kind", analysis.by_kind)):
-        table = Table(title=f"{title} (allclose atol={atol:g}, rtol={rtol:g})")
-        table.add_column(frame.index.name or "")
-        for column in frame.columns:
-            table.add_column(str(column), justify="right")
-        for index, row in frame.iterrows():
-            cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row]
-            style = "red" if any(row.get(s, 0) for s in FINDINGS) else None
-            table.add_row(str(index), *cells, style=style)
-        out_console.print(table)
+    frame = analysis.by_kind
+    table = Table(title=f"per model kind (allclose atol={atol:g}, rtol={rtol:g}; per setting: {out / 'summary.csv'})")
+    table.add_column(frame.index.name or "")
+    for column in frame.columns:
+        table.add_column(str(column), justify="right")
+    for index, row in frame.iterrows():
+        cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row]
+        style = "red" if any(row.get(s, 0) for s in FINDINGS) else None
+        table.add_row(str(index), *cells, style=style)
+    out_console.print(table)
     findings = {s: analysis.count(s) for s in FINDINGS + ("unsupported",)}
     out_console.print(
         f"{len(analysis.cases)} cases: " + ", ".join(f"{k} {v}" for k, v in findings.items())
         + f"\n{out / 'inconsistencies.csv'} ({len(analysis.inconsistencies)} rows), {out / 'comparisons.csv'} ({len(analysis.comparisons)} rows), "
         f"{out / 'by_feature.csv'} (verdicts per layer kind × setting)"
     )
+    _print_findings(out, triage(out, analysis))
     if fail and any(findings[s] for s in FINDINGS):
         raise typer.Exit(1)
+
+
+def _print_findings(out: Path, findings: list) -> None:
+    if not findings:
+        out_console.print("no findings: every case that ran agreed with its reference")
+        return
+    table = Table(title=f"{len(findings)} distinct findings ({out / 'findings.md'}; each has findings/<id>/repro.py)")
+    for column, justify in (("id", "left"), ("cases", "right"), ("settings", "right"), ("models", "right"),
+                            ("finding", "left")):
+        table.add_column(column, justify=justify, no_wrap=column != "finding")
+    for f in findings:
+        title = f.title if len(f.title) <= 110 else f.title[:109] + "…"
+        table.add_row(f.id, str(len(f.rows)), str(f.rows["setting"].nunique()), str(f.rows["model"].nunique()),
+                      escape(title))
+    out_console.print(table)
 
 
 @app.command()
@@ -237,6 +253,39 @@ def analyze(
 ) -> None:
     """Judge stored outputs against the reference; write inconsistencies.csv and comparisons.csv."""
     _analyze(run_dir, atol, rtol, fail_on_inconsistency)
+
+
+@app.command(name="triage")
+def triage_command(
+    run_dir: Annotated[Path, typer.Argument(help="A swept run folder.")],
+    atol: AtolOpt = 5e-4,
+    rtol: RtolOpt = 1e-4,
+) -> None:
+    """Group every case that is not ok into distinct findings: findings.csv, findings.md, findings/<id>/repro.py."""
+    _analyze(run_dir, atol, rtol, False)
+
+
+@app.command()
+def repro(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder (or a finding's run/ copy).")],
+    model: Annotated[str, typer.Argument(help="Model id, e.g. dlrm-s0-i0.")],
+    setting: Annotated[str, typer.Argument(help="Setting name, e.g. torchrec/ebc/grid_shard/ws2.")],
+    timeout: TimeoutOpt = 120.0,
+    device: DeviceOpt = "cpu",
+    plugin: PluginOpt = None,
+) -> None:
+    """Rerun one case alone (with what it is judged against); exit 1 while it is not ok."""
+    from difftest.registry import get_setting, load_plugins
+    from difftest.repro import reproduce
+
+    load_plugins(tuple(plugin or ()))
+    if not (run_dir / "run.json").is_file():
+        raise UserError(f"{run_dir}: no run.json; give a run folder made by `difftest generate` or `difftest run`")
+    get_setting(setting)  # an unknown name fails here with the hint
+    result = reproduce(run_dir, model, setting, timeout_s=timeout, device=device, plugins=tuple(plugin or ()))
+    out_console.print(escape(result.describe()), highlight=False)
+    if result.reproduces:
+        raise typer.Exit(1)
 
 
 @settings_app.command("list")

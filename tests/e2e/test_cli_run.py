@@ -77,6 +77,12 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert set(oracles[oracles["unsupported"] > 0].index) == {"tf-resume/uninterrupted", "tf-resume/k3"}  # DLRMs
     comparisons = pd.read_csv(out / "comparisons.csv")
     assert (comparisons.status == "ok").sum() > 1000
+    # triage: every case that is not ok belongs to exactly one finding, far fewer findings than cases
+    findings = pd.read_csv(out / "findings.csv")
+    not_ok = int(cases[["inconsistent", "nondeterministic", "error", "crash", "timeout"]].sum().sum())
+    assert findings["cases"].sum() == not_ok and len(findings) < not_ok
+    assert all((out / "findings" / fid / "repro.py").is_file() for fid in findings["id"])
+    assert "distinct findings" in result.stdout
     return rows
 
 

@@ -1,0 +1,127 @@
+"""Run one (model, setting) case alone, with what it is judged against, and say whether it still disagrees.
+
+`difftest repro RUN MODEL SETTING` and every `findings/<id>/repro.py` call `reproduce`: the model's folder (spec,
+initial weights, inputs) and the run's options are copied into a private run, the setting and its references run
+through the same engine as a sweep, and the verdict comes from the same oracle.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from difftest.errors import UserError
+
+NOT_OK = ("inconsistent", "nondeterministic", "error", "crash", "timeout")
+
+
+@dataclass
+class Reproduction:
+    model: str
+    setting: str
+    verdict: str
+    message: str
+    worst: pd.Series | None  # the comparison row with the largest error, when the case was compared
+    reference_value: float | None = None  # at the worst element
+    setting_value: float | None = None
+
+    @property
+    def reproduces(self) -> bool:
+        return self.verdict in NOT_OK
+
+    def describe(self) -> str:
+        lines = [f"{self.model} × {self.setting}: {self.verdict}"]
+        if self.worst is not None and not (isinstance(self.worst["linf"], float) and math.isnan(self.worst["linf"])):
+            w = self.worst
+            lines.append(f"  worst tensor {w['phase']}/{w['tensor']} (against {w['reference']}): "
+                         f"L∞ {w['linf']:.6g}, {int(w['mismatches'])} of {int(w['numel'])} elements beyond tolerance")
+            if self.reference_value is not None:
+                lines.append(f"  at its worst element: reference {self.reference_value!r}, setting {self.setting_value!r}")
+        if self.message and self.verdict != "ok":
+            lines.append(f"  {self.message[:600]}")
+        return "\n".join(lines)
+
+
+def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None = None, timeout_s: float = 120.0,
+              device: str = "cpu", plugins: tuple[str, ...] = ()) -> Reproduction:
+    """Run `setting` on `model` of `run_dir` (a run folder, or a finding's copy of one) in a fresh private run."""
+    from difftest.analysis import analyze
+    from difftest.registry import load_plugins
+    from difftest.runner.sweep import SweepOptions, run_sweep
+    from difftest.spec import RunConfig
+    from difftest.store import Store
+
+    run_dir = Path(run_dir)
+    source = run_dir / "models" / model
+    if not (source / "spec.json").is_file():
+        raise UserError(f"{source}: no such model in the run; `ls {run_dir / 'models'}` lists them")
+    config = RunConfig.load(run_dir / "run.json")
+    load_plugins(config.plugins + plugins)
+    private = Path(tempfile.mkdtemp(prefix="difftest-repro-", dir=workdir)) / "run"
+    (private / "models").mkdir(parents=True)
+    shutil.copy(run_dir / "run.json", private / "run.json")
+    shutil.copytree(source, private / "models" / model)
+    run_sweep(private, SweepOptions(settings=setting, models=model, timeout_s=timeout_s, device=device,
+                                    plugins=plugins))
+    analysis = analyze(private, plugins=config.plugins + plugins)
+    case = analysis.cases[(analysis.cases["model"] == model) & (analysis.cases["setting"] == setting)].iloc[0]
+    rows = analysis.comparisons[(analysis.comparisons["model"] == model)
+                                & (analysis.comparisons["setting"] == setting)]
+    compared = rows.dropna(subset=["linf"])
+    worst = compared.loc[compared["linf"].idxmax()] if not compared.empty else (rows.iloc[0] if not rows.empty else None)
+    failed = rows[rows["status"] != "ok"]
+    result = Reproduction(model, setting, case["verdict"], str(failed.iloc[0]["message"]) if not failed.empty else "",
+                          worst)
+    if worst is not None and not compared.empty:
+        store = Store(private)
+        try:
+            records = {r.setting: r for r in store.records()}
+            name = f"{worst['phase']}/{worst['tensor']}"
+            mine = store.load_outputs(records[setting]).get(name)
+            theirs = store.load_outputs(records[worst["reference"]]).get(name)
+        finally:
+            store.close()
+        if mine is not None and theirs is not None and mine.shape == theirs.shape and mine.size:
+            where = np.unravel_index(np.argmax(np.abs(mine.astype(np.float64) - theirs.astype(np.float64))), mine.shape)
+            result.reference_value, result.setting_value = theirs[where].item(), mine[where].item()
+    shutil.rmtree(private.parent, ignore_errors=True)
+    return result
+
+
+REPRO_SCRIPT = '''"""Finding {finding_id}: {title}
+
+Runs `{setting}` on model `{model}` (its spec, initial weights and inputs are in ./run) alone, against what it is
+judged against, through difftest's public API; prints both sides and the verdict; exits 1 while the finding is
+present, 0 once it is gone.
+
+    python {script}
+"""
+
+import sys
+from pathlib import Path
+
+from difftest import reproduce
+
+if __name__ == "__main__":  # the ranks are spawned processes that import this file again
+    result = reproduce(Path(__file__).resolve().parent / "run", {model!r}, {setting!r})
+    print(result.describe())
+    sys.exit(1 if result.reproduces else 0)
+'''
+
+
+def write_reproducer(run_dir: Path, target: Path, finding_id: str, title: str, model: str, setting: str) -> Path:
+    """`target/run/{run.json, models/<model>}` and `target/repro.py`: a finding that travels on its own."""
+    shutil.rmtree(target, ignore_errors=True)
+    (target / "run" / "models").mkdir(parents=True)
+    shutil.copy(run_dir / "run.json", target / "run" / "run.json")
+    shutil.copytree(run_dir / "models" / model, target / "run" / "models" / model)
+    script = target / "repro.py"
+    script.write_text(REPRO_SCRIPT.format(finding_id=finding_id, title=title.replace('"""', "'''"), model=model,
+                                          setting=setting, script=script))
+    return script

@@ -1,0 +1,274 @@
+"""`difftest triage`: from rows to findings — every case that is not ok belongs to exactly one finding.
+
+A finding is what a maintainer would call one bug:
+- a failure (`error`, `crash`, `timeout`): its status, exception type, message with numbers, shapes, paths and
+  addresses removed, and the innermost frame inside the library under test (not our harness), whatever setting
+  or model it happened under;
+- a disagreement (`inconsistent`, `nondeterministic`): its setting family (the setting's name without world sizes,
+  micro-batch and stage counts) and where it first diverges, in the order the model computes (eval before training;
+  within a step, embeddings, then the dense part, then the over-arch and the prediction; parameters in module order).
+For each finding the contrast with the passing cases of the same settings names what its cases share that the
+passing ones mostly lack (a model kind, a world size, a layer feature). Ids are hashes of the signature: the same
+run triaged again gives the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from difftest.analysis import Analysis
+from difftest.errors import UserError
+from difftest.registry import get_generator, get_setting
+from difftest.repro import write_reproducer
+from difftest.runner.sweep import list_models
+
+FAILURES = ("error", "crash", "timeout")
+DISAGREEMENTS = ("inconsistent", "nondeterministic")
+FINDINGS_COLUMNS = ["id", "status", "title", "signature", "cases", "models", "settings", "worst_linf",
+                    "worst_bound_ratio", "first_divergence", "distinguishing", "example_model", "example_setting",
+                    "example_message", "reproducer"]
+
+_PHASE = re.compile(r"^(eval_before|train_step|param_after_step|eval_after_step)(\d*)$")
+_PHASE_RANK = {"eval_before": 0, "train_step": 1, "param_after_step": 2, "eval_after_step": 3}
+# where a tensor sits in a model's computation, by the words its name holds (DLRM: tables, dense arch, interaction,
+# over arch, prediction; Keras: layers by their position in the name, l<k>_...)
+_STAGE_WORDS = (("pooled", 0), ("embedding", 0), ("ebc", 0), ("sparse", 0), ("dense", 1), ("bottom", 1),
+                ("interaction", 2), ("over", 3), ("top", 3), ("prediction", 4), ("logits", 4), ("loss", 5))
+
+
+@dataclass
+class Finding:
+    id: str
+    status: str
+    title: str
+    signature: str
+    rows: pd.DataFrame  # the failing cases: one row each (model, setting, message, first divergence, …)
+    first_divergence: str = ""
+    distinguishing: list[str] = field(default_factory=list)
+
+    @property
+    def example(self) -> pd.Series:
+        return self.rows.iloc[0]
+
+
+def normalise_message(message: str) -> str:
+    """The part of a failure message that stays the same across models, ranks, shapes and runs."""
+    text = str(message).split(" || ")[0].split("; log:")[0]
+    text = re.sub(r"0x[0-9a-fA-F]+", "ADDR", text)
+    text = re.sub(r"(/[\w.\-]+)+/([\w.\-]+)", r"\2", text)  # paths → file names
+    text = re.sub(r"torch\.Size\(\[[^\]]*\]\)|\[[\d,\s]+\]|\(\d+(, \d+)+\)", "SHAPE", text)
+    text = re.sub(r"\b\d+(\.\d+)?(e[-+]?\d+)?\b", "N", text)
+    return re.sub(r"\s+", " ", text).strip()[:240]
+
+
+def innermost_library_frame(message: str) -> str:
+    """`torch/distributed/pipelining/schedules.py:_perform_action` for the deepest frame outside our code."""
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', str(message))
+    for path, function in reversed(frames):
+        if "site-packages/" in path:
+            return f"{path.split('site-packages/', 1)[1]}:{function}"
+    return ""
+
+
+def exception_type(message: str) -> str:
+    match = re.match(r"^([A-Za-z_][\w.]*(Error|Exception|Failed|Violated|Interrupt|Exit)\w*):", str(message))
+    return match.group(1) if match else ""
+
+
+def setting_family(setting: str) -> str:
+    """A setting's name without its sizes: `pipeline/gpipe/ws2/stages2/mb4/balanced` → `pipeline/gpipe/balanced`."""
+    parts = [p for p in setting.split("/") if not re.fullmatch(r"(sim-)?ws\d+|stages\d+|mb\d+|r\d+|k\d+|pp\d+", p)]
+    return "/".join(parts)
+
+
+def computation_order(phase: str, tensor: str) -> tuple:
+    match = _PHASE.match(phase or "")
+    kind, step = (match.group(1), int(match.group(2) or 0)) if match else ("", 0)
+    layer = re.match(r"l(\d+)_", tensor)  # a Keras layer is named l<position>_<kind>: its position orders it
+    if layer:
+        stage, position = 1, int(layer.group(1))
+    else:
+        lowered = tensor.lower()
+        stage, position = min((rank for word, rank in _STAGE_WORDS if word in lowered), default=6), 0
+    return (step if kind != "eval_before" else -1, _PHASE_RANK.get(kind, 9), stage, position, tensor)
+
+
+def tensor_class(tensor: str) -> str:
+    """The kind of tensor a divergence starts in, without the instance: `pooled.f3` → `pooled`, `l2_dense/kernel`
+    → `dense/kernel`, `over.0.weight` → `over.weight`."""
+    text = re.sub(r"^l\d+_", "", tensor)
+    text = re.sub(r"\.[a-z]{0,3}\d+\b|_\d+\b", "", text)
+    return text
+
+
+def first_divergences(analysis: Analysis) -> pd.DataFrame:
+    """Per disagreeing case, the earliest differing tensor in computation order: model, setting, phase, tensor."""
+    rows = analysis.comparisons
+    bad = rows[rows["status"].isin(DISAGREEMENTS) & (rows["tensor"] != "")]
+    if bad.empty:
+        return pd.DataFrame(columns=["model", "setting", "phase", "tensor"])
+    order = bad.apply(lambda r: computation_order(r["phase"], r["tensor"]), axis=1)
+    ordered = bad.assign(_order=order).sort_values("_order", kind="stable")
+    return ordered.groupby(["model", "setting"], as_index=False).first()[["model", "setting", "phase", "tensor"]]
+
+
+def _features(run_dir: Path) -> dict[str, set[str]]:
+    features: dict[str, set[str]] = {}
+    for _, spec in list_models(run_dir):
+        generator = get_generator(spec.kind)
+        layer_kinds = set(generator.features(spec)) if hasattr(generator, "features") else set()
+        features[spec.model_id] = {f"kind={spec.kind}"} | {f"has {f}" for f in layer_kinds}
+    return features
+
+
+def _distinguishing(failing: pd.DataFrame, cases: pd.DataFrame, features: dict[str, set[str]]) -> list[str]:
+    """What every failing case has and at most half of the passing cases of the same setting families have."""
+    families = set(failing["setting"].map(setting_family))
+    passing = cases[cases["setting"].map(setting_family).isin(families) & (cases["verdict"] == "ok")]
+    if passing.empty:
+        return []
+
+    def traits(model: str, setting: str) -> set[str]:
+        sizes = re.findall(r"(?:^|/)(ws\d+|sim-ws\d+|stages\d+|mb\d+)(?=/|$)", setting)
+        return features.get(model, set()) | set(sizes)
+
+    shared = set.intersection(*(traits(r.model, r.setting) for r in failing.itertuples()))
+    counts = Counter(t for r in passing.itertuples() for t in traits(r.model, r.setting))
+    return sorted(t for t in shared if counts[t] <= len(passing) / 2)[:4]
+
+
+_SIZE_PARAMETERS = {"world_size", "simulated_world", "microbatches", "stages_simulated", "replicas", "steps",
+                    "plan_seed", "simulated_replicas", "at_step"}
+
+
+def _parameters(setting_name: str) -> tuple[str, dict]:
+    """(class name, the parameters that are not sizes) of a setting; ("", {}) for one no plugin registers now."""
+    try:
+        setting = get_setting(setting_name)
+    except UserError:
+        return "", {}
+    params = {k: repr(v) for k, v in setting.params.items() if k not in _SIZE_PARAMETERS}
+    return type(setting).__name__, params
+
+
+def _separating_values(cases: pd.DataFrame) -> dict[str, set[tuple[str, str]]]:
+    """Per setting class, the parameter values under which most cases disagree and elsewhere few do
+    (`sharding='row_wise'` for the quantized row-wise MEAN bags): the values a bug follows."""
+    judged = cases[cases["verdict"].isin(("ok",) + DISAGREEMENTS)]  # what ran and was compared
+    table = [(cls, key, value, verdict in DISAGREEMENTS) for setting, verdict in zip(judged["setting"], judged["verdict"])
+             for cls, params in [_parameters(setting)] for key, value in params.items()]
+    if not table:
+        return {}
+    frame = pd.DataFrame(table, columns=["cls", "key", "value", "bad"])
+    separating: dict[str, set[tuple[str, str]]] = {}
+    for (cls, key), group in frame.groupby(["cls", "key"]):
+        rates = group.groupby("value")["bad"].mean()
+        for value, rate in rates.items():
+            elsewhere = group[group["value"] != value]["bad"].mean() if (group["value"] != value).any() else 0.0
+            if rate >= 0.5 and elsewhere <= rate / 2:
+                separating.setdefault(cls, set()).add((key, value))
+    return separating
+
+
+def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
+    """Group every not-ok case of `analysis` into findings; write findings.csv and findings.md into `run_dir`."""
+    cases = analysis.cases
+    failed = cases[cases["verdict"].isin(FAILURES + DISAGREEMENTS)]
+    messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
+    divergence = first_divergences(analysis).set_index(["model", "setting"])
+    features = _features(run_dir)
+    separating = _separating_values(cases)
+    keyed: dict[str, list[dict]] = {}
+    titles: dict[str, str] = {}
+    for case in failed.itertuples():
+        message = str(messages.get((case.model, case.setting), "") or "")
+        row = {"model": case.model, "setting": case.setting, "status": case.verdict, "kind": case.kind,
+               "worst_linf": case.worst_linf, "message": message, "first_divergence": ""}
+        if case.verdict in FAILURES:
+            frame = innermost_library_frame(message)
+            kind = exception_type(message)
+            text = normalise_message(message)
+            signature = f"{case.verdict} | {kind} | {text} | {frame}"
+            title = f"{case.verdict}: {text[:120]}" + (f" (in {frame})" if frame else "")
+        else:
+            where = divergence.loc[(case.model, case.setting)] if (case.model, case.setting) in divergence.index else None
+            row["first_divergence"] = f"{where['phase']}/{where['tensor']}" if where is not None else ""
+            start = re.sub(r"\d+$", "", where["phase"]) + "/" + tensor_class(where["tensor"]) if where is not None else "?"
+            cls, params = _parameters(case.setting)
+            follows = sorted(set(params.items()) & separating.get(cls, set()))
+            if follows:  # the bug follows these parameter values whatever the others are: one finding
+                what = f"{case.setting.split('/')[0]} [{', '.join(f'{k}={v}' for k, v in follows)}]"
+            else:
+                what = setting_family(case.setting)
+            signature = f"{case.verdict} | {cls} | {what} | first diverges in {start}"
+            title = f"{case.verdict}: {what} first diverges in {start}"
+        keyed.setdefault(signature, []).append(row)
+        titles[signature] = title
+    bounds = _worst_bound_ratios(analysis)
+    findings = []
+    for signature, rows in keyed.items():
+        frame = pd.DataFrame(rows).sort_values(["model", "setting"])
+        frame = frame.assign(bound_ratio=[bounds.get((m, s), float("nan")) for m, s in zip(frame["model"], frame["setting"])])
+        finding = Finding(id=f"F{hashlib.sha1(signature.encode()).hexdigest()[:8]}", status=frame.iloc[0]["status"],
+                          title=titles[signature], signature=signature, rows=frame)
+        finding.first_divergence = next((d for d in frame["first_divergence"] if d), "")
+        finding.distinguishing = _distinguishing(frame, cases, features)
+        findings.append(finding)
+    findings.sort(key=lambda f: (-len(f.rows), f.id))
+    _write(run_dir, findings)
+    return findings
+
+
+def _worst_bound_ratios(analysis: Analysis) -> dict[tuple[str, str], float]:
+    rows = analysis.comparisons.dropna(subset=["bound_ratio"])
+    return rows.groupby(["model", "setting"])["bound_ratio"].max().to_dict()
+
+
+def _reproducer(run_dir: Path, finding: Finding) -> str:
+    return str(run_dir / "findings" / finding.id / "repro.py")
+
+
+def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict]:
+    return [{
+        "id": f.id, "status": f.status, "title": f.title, "signature": f.signature, "cases": len(f.rows),
+        "models": f.rows["model"].nunique(), "settings": f.rows["setting"].nunique(),
+        "worst_linf": f.rows["worst_linf"].max(), "worst_bound_ratio": f.rows["bound_ratio"].max(),
+        "first_divergence": f.first_divergence, "distinguishing": "; ".join(f.distinguishing),
+        "example_model": f.example["model"], "example_setting": f.example["setting"],
+        "example_message": str(f.example["message"])[:300], "reproducer": _reproducer(run_dir, f),
+    } for f in findings]
+
+
+def _write(run_dir: Path, findings: list[Finding]) -> None:
+    shutil.rmtree(run_dir / "findings", ignore_errors=True)  # ids of findings gone since the last triage go too
+    for f in findings:
+        write_reproducer(run_dir, run_dir / "findings" / f.id, f.id, f.title, f.example["model"], f.example["setting"])
+    pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
+                                                                                      index=False)
+    cases = sum(len(f.rows) for f in findings)
+    lines = [f"# Findings in {run_dir}", "",
+             f"{len(findings)} distinct findings cover the {cases} cases that are not ok "
+             "(every such case belongs to exactly one).", ""]
+    for f in findings:
+        settings = sorted(f.rows["setting"].unique())
+        lines += [f"## {f.id}: {f.title}", "",
+                  f"- **{f.status}**, {len(f.rows)} case(s) on {f.rows['model'].nunique()} model(s) under "
+                  f"{len(settings)} setting(s): {', '.join(settings[:8])}{' …' if len(settings) > 8 else ''}"]
+        if f.first_divergence:
+            lines.append(f"- first diverges at `{f.first_divergence}`; worst L∞ {f.rows['worst_linf'].max():.3g}")
+        if f.distinguishing:
+            lines.append(f"- what its cases share and passing cases of the same settings mostly lack: "
+                         f"{', '.join(f.distinguishing)}")
+        lines += [f"- example: `{f.example['model']}` × `{f.example['setting']}`",
+                  f"- message: `{str(f.example['message'])[:300].replace('`', chr(39))}`" if f.example["message"]
+                  else "- message: (none)",
+                  f"- reproduce alone: `python {_reproducer(run_dir, f)}` (exits 1 while present), or "
+                  f"`difftest repro {run_dir} {f.example['model']} {f.example['setting']}`", ""]
+    (run_dir / "findings.md").write_text("\n".join(lines))

@@ -1,0 +1,86 @@
+"""Triage: failures and disagreements grouped into findings, first divergence in computation order, reproducers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from difftest.analysis import analyze
+from difftest.runner.sweep import SweepOptions, run_sweep
+from difftest.triage import (computation_order, innermost_library_frame, normalise_message, setting_family,
+                             tensor_class, triage)
+from tests.conftest import PLANTED
+
+ZBV = ("AssertionError: can't steal_bwd_input if this stage doesn't have backward || File \"/x/.venv/lib/python3.11/"
+       "site-packages/torch/distributed/pipelining/schedules.py\", line 2853, in _perform_action |     stage."
+       "get_local_bwd_output(mb_index), mb_index |   File \"/x/.venv/lib/python3.11/site-packages/torch/distributed/"
+       "pipelining/stage.py\", line 745, in get_local_bwd_output")
+
+
+def test_signature_parts_drop_what_varies_between_cases() -> None:
+    assert innermost_library_frame(ZBV) == "torch/distributed/pipelining/stage.py:get_local_bwd_output"
+    assert innermost_library_frame('File "/work/main/settings/pipeline.py", line 3, in run') == ""  # our harness
+    a = normalise_message("RuntimeError: size of tensor a (16) must match b (8) at 0x7f00b4 in /tmp/x/y.py || tail")
+    b = normalise_message("RuntimeError: size of tensor a (32) must match b (4) at 0x7faa11 in /var/z/y.py || other")
+    assert a == b == "RuntimeError: size of tensor a (N) must match b (N) at ADDR in y.py"
+    assert normalise_message("rank 1 killed by SIGFPE (exit -8); log: [rank 1] starting, pid 4") == \
+        "rank N killed by SIGFPE (exit -N)"
+    assert setting_family("pipeline/gpipe/ws2/stages2/mb4/balanced") == "pipeline/gpipe/balanced"
+    assert setting_family("quant/torchrec/int8/out-fp16/row_wise/sim-ws3") == "quant/torchrec/int8/out-fp16/row_wise"
+    assert tensor_class("pooled.tf3") == "pooled" and tensor_class("l2_dense/kernel") == "dense/kernel"
+    assert tensor_class("over.0.weight") == "over.weight"
+
+
+def test_computation_order_puts_eval_before_training_and_embeddings_before_the_prediction() -> None:
+    names = [("param_after_step1", "over.0.weight"), ("eval_after_step1", "pooled.f0"),
+             ("eval_before", "prediction"), ("train_step1", "loss"), ("param_after_step1", "sparse.ebc.t0.weight"),
+             ("eval_before", "pooled.f2"), ("param_after_step2", "dense.0.weight"), ("eval_before", "l3_dense/out"),
+             ("eval_before", "l1_conv/out")]
+    ordered = sorted(names, key=lambda n: computation_order(*n))
+    assert ordered == [("eval_before", "pooled.f2"), ("eval_before", "l1_conv/out"), ("eval_before", "l3_dense/out"),
+                       ("eval_before", "prediction"), ("train_step1", "loss"),
+                       ("param_after_step1", "sparse.ebc.t0.weight"), ("param_after_step1", "over.0.weight"),
+                       ("eval_after_step1", "pooled.f0"), ("param_after_step2", "dense.0.weight")]
+
+
+def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reproducer(fresh_run: Path) -> None:
+    selection = ("faults/shard_off_by_one_row/ws2,faults/raises/ws2,torchrec/ebc/grid_shard/ws2,"
+                 "torchrec/ebc/grid_shard/ws3,torchrec/ebc/table_wise/ws2,pipeline/zbv-zero-bubble/ws2/stages4/mb2/*")
+    run_sweep(fresh_run, SweepOptions(settings=selection, plugins=(PLANTED,), timeout_s=60))
+    analysis = analyze(fresh_run, plugins=(PLANTED,))
+    findings = triage(fresh_run, analysis)
+    failing = analysis.cases[analysis.cases["verdict"].isin(["inconsistent", "error", "crash", "timeout"])]
+    grouped = pd.concat([f.rows for f in findings])
+    assert sorted(zip(grouped["model"], grouped["setting"])) == sorted(zip(failing["model"], failing["setting"]))
+    by_title = {f.title: f for f in findings}
+    # one finding per bug: grid_shard at two world sizes, ZBV under two splits, on both models
+    grid = next(f for t, f in by_title.items() if "grid_shard" in t)
+    assert set(grid.rows["setting"]) == {"torchrec/ebc/grid_shard/ws2", "torchrec/ebc/grid_shard/ws3"}
+    assert grid.first_divergence.startswith("eval_before/pooled.")  # the embedding, before the prediction
+    zbv = next(f for t, f in by_title.items() if "steal_bwd_input" in t)
+    assert len(zbv.rows) == 4 and "torch/distributed/pipelining/stage.py:get_local_bwd_output" in zbv.signature
+    raised = next(f for t, f in by_title.items() if "planted failure" in t)
+    assert raised.status == "error" and len(raised.rows) == 2
+    shifted = next(f for t, f in by_title.items() if "shard_off_by_one_row" in t or "faults" in t and f is not raised)
+    assert shifted.status == "inconsistent"
+    assert len(findings) == 4
+    # the same run triaged again: the same ids; the files say the same
+    assert [f.id for f in triage(fresh_run, analysis)] == [f.id for f in findings]
+    table = pd.read_csv(fresh_run / "findings.csv")
+    assert list(table["id"]) == [f.id for f in findings] and table["cases"].sum() == len(failing)
+    assert all(f"## {f.id}: " in (fresh_run / "findings.md").read_text() for f in findings)
+    # a finding's reproducer runs its case alone through the public API and fails while the bug is there
+    script = fresh_run / "findings" / grid.id / "repro.py"
+    root = Path(__file__).resolve().parents[1]  # the run names the test plugin: it must be importable
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "torchrec/ebc/grid_shard" in result.stdout and ": inconsistent" in result.stdout
+    assert "reference" in result.stdout and "setting" in result.stdout
+    clean = subprocess.run([sys.executable, "-m", "difftest.cli", "repro", str(fresh_run), grid.example["model"],
+                            "torchrec/ebc/table_wise/ws2"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert clean.returncode == 0 and ": ok" in clean.stdout, clean.stderr[-2000:]

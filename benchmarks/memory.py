@@ -34,6 +34,17 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
+def _label(pid: int, cmdline: str) -> str:
+    """A rank says which it is through the log its stdout goes to (`ws2-<stamp>-rank0.log`)."""
+    try:
+        stdout = os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return cmdline
+    if stdout.endswith(".log"):
+        return Path(stdout).name[: -len(".log")]
+    return "fork server" if "forkserver" in cmdline else cmdline
+
+
 def _descendants(root: int) -> dict[int, str]:
     children: dict[int, list[int]] = defaultdict(list)
     for entry in os.listdir("/proc"):
@@ -81,7 +92,8 @@ def main() -> None:
                 rss = _rss_mib(pid)
                 if rss is not None:
                     samples[pid].append((now, rss))
-                    names.setdefault(pid, cmdline)
+                    if pid not in names or names[pid] == cmdline:
+                        names[pid] = _label(pid, cmdline) if pid != me else "driver"
             done.wait(1.0)
 
     cases = [0]
@@ -95,14 +107,16 @@ def main() -> None:
     total = time.perf_counter() - started
     print(f"{len(kinds) * args.models} models, {report.total} cases ({dict(report.statuses)}), "
           f"{report.groups_started} worker groups, {total:.0f} s")
-    print(f"{'process':<48} {'lived s':>8} {'RSS warm':>9} {'RSS end':>8} {'max':>8} {'growth':>8}  (MiB)")
+    print(f"{'process':<40} {'lived s':>8} {'RSS at 25%':>10} {'50%':>6} {'75%':>6} {'end':>6} {'max':>6} "
+          f"{'25%→end':>8}  (MiB)")
     for pid, series in sorted(samples.items(), key=lambda item: item[1][0][0]):
         lived = series[-1][0] - series[0][0]
         if lived < args.min_life:
             continue
-        warm = series[len(series) // 4][1]
+        at = [series[min(len(series) - 1, len(series) * q // 4)][1] for q in (1, 2, 3)]
         end, peak = series[-1][1], max(r for _, r in series)
-        print(f"{names[pid][:40] + f' {pid}':<48} {lived:8.0f} {warm:9.0f} {end:8.0f} {peak:8.0f} {end - warm:+8.0f}")
+        print(f"{names[pid][:32] + f' {pid}':<40} {lived:8.0f} {at[0]:10.0f} {at[1]:6.0f} {at[2]:6.0f} {end:6.0f} "
+              f"{peak:6.0f} {end - at[0]:+8.0f}")
 
 
 if __name__ == "__main__":

@@ -305,6 +305,13 @@ def settings_list(
         for setting in shown:
             print(setting.name)
         return
+    if not out_console.is_terminal:  # a pipe or a file: full names, tab-separated, one setting per line
+        print("setting\ttier\tfamily\tranks\truns\there")
+        for setting in shown:
+            reason = setting.available()
+            print("\t".join((setting.name, "default" if setting.name in default else "full", setting.family,
+                             str(setting.world_size), setting.describe(), "yes" if reason is None else f"no: {reason}")))
+        return
     table = Table()
     for column in ("setting", "tier", "family", "ranks", "runs", "here"):
         table.add_column(column, overflow="fold")

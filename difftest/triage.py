@@ -23,7 +23,11 @@ from pathlib import Path
 
 import pandas as pd
 
+import numpy as np
+
 from difftest.analysis import Analysis
+from difftest.oracle import Tolerance
+from difftest.store import Store
 from difftest.errors import UserError
 from difftest.registry import get_generator, get_setting
 from difftest.repro import write_reproducer
@@ -52,6 +56,9 @@ class Finding:
     rows: pd.DataFrame  # the failing cases: one row each (model, setting, message, first divergence, …)
     first_divergence: str = ""
     distinguishing: list[str] = field(default_factory=list)
+    # D3's pairwise view on the example model, at the first divergence: which other settings side with the
+    # reference, which with the failing setting, which with neither ("the reference is wrong" vs "this setting is")
+    pairwise: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def example(self) -> pd.Series:
@@ -222,8 +229,61 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         finding.distinguishing = _distinguishing(frame, cases, features)
         findings.append(finding)
     findings.sort(key=lambda f: (-len(f.rows), f.id))
+    _pairwise(run_dir, findings)
     _write(run_dir, findings)
     return findings
+
+
+def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance()) -> None:
+    """For each disagreement, every peer of the failing setting on the example model (judged against the same
+    reference, by the plain tolerance), compared at the first divergence with the reference and with it."""
+    store = Store(run_dir)
+    try:
+        records = store.records()
+        for finding in findings:
+            if finding.status not in DISAGREEMENTS or not finding.first_divergence:
+                continue
+            example = finding.rows[finding.rows["first_divergence"] != ""].iloc[0]
+            model, failing, tensor = example["model"], example["setting"], example["first_divergence"]
+            failing_setting = _registered(failing)
+            if failing_setting is None:
+                continue
+            by_setting = {r.setting: r for r in records if r.model == model and r.status == "ok" and r.outputs}
+
+            def value(setting: str):
+                try:
+                    return store.load_outputs(by_setting[setting]).get(tensor)
+                except (KeyError, UserError):
+                    return None
+
+            reference, bad = value(failing_setting.reference), value(failing)
+            if reference is None or bad is None:
+                continue
+            sides: dict[str, list[str]] = {"agree with the reference": [], "agree with the failing setting": [],
+                                           "agree with neither": []}
+            for name in sorted(by_setting):
+                other = _registered(name)
+                if (name in (failing, failing_setting.reference) or other is None or other.tolerance(tol) != tol
+                        or other.reference != failing_setting.reference):  # peers: judged against the same run
+                    continue
+                mine = value(name)
+                if mine is None or mine.shape != reference.shape:
+                    continue
+                with_reference = np.allclose(mine, reference, atol=tol.atol, rtol=tol.rtol)
+                with_failing = np.allclose(mine, bad, atol=tol.atol, rtol=tol.rtol)
+                side = ("agree with the reference" if with_reference else
+                        "agree with the failing setting" if with_failing else "agree with neither")
+                sides[side].append(name)
+            finding.pairwise = {"model": [model], "tensor": [tensor], "failing": [failing], **sides}
+    finally:
+        store.close()
+
+
+def _registered(name: str):
+    try:
+        return get_setting(name)
+    except UserError:
+        return None
 
 
 def _worst_bound_ratios(analysis: Analysis) -> dict[tuple[str, str], float]:
@@ -263,6 +323,12 @@ def _write(run_dir: Path, findings: list[Finding]) -> None:
                   f"{len(settings)} setting(s): {', '.join(settings[:8])}{' …' if len(settings) > 8 else ''}"]
         if f.first_divergence:
             lines.append(f"- first diverges at `{f.first_divergence}`; worst L∞ {f.rows['worst_linf'].max():.3g}")
+        if f.pairwise:
+            sides = {k: v for k, v in f.pairwise.items() if k.startswith("agree")}
+            lines.append(f"- pairwise on `{f.pairwise['model'][0]}` at `{f.pairwise['tensor'][0]}`: "
+                         + "; ".join(f"{len(v)} {k}" + (f" ({', '.join(v[:6])}{' …' if len(v) > 6 else ''})"
+                                                         if v and k != "agree with the reference" else "")
+                                     for k, v in sides.items()))
         if f.distinguishing:
             lines.append(f"- what its cases share and passing cases of the same settings mostly lack: "
                          f"{', '.join(f.distinguishing)}")

@@ -165,6 +165,10 @@ def test_settings_list_names_gives_one_full_name_per_line_per_tier() -> None:
         assert lines("-m", "difftest.cli", "settings", "list", "--names", "--tier", name) == \
             lines("-c", registry.format(name))
     assert lines("-m", "difftest.cli", "settings", "list", "--names") == lines("-c", registry.format("full"))
+    piped = lines("-m", "difftest.cli", "settings", "list")  # not a terminal: one tab-separated line per setting
+    assert piped[0].split("\t")[:3] == ["setting", "tier", "family"]
+    assert [line.split("\t")[0] for line in piped[1:]] == lines("-c", registry.format("full"))
+    assert {line.split("\t")[1] for line in piped[1:]} == {"default", "full"}
 
 
 def test_progress_off_a_terminal_prints_plain_lines_with_counts_and_an_eta() -> None:

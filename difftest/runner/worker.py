@@ -209,12 +209,17 @@ def _close_world(failed: bool, store_port: int) -> None:
         dist.destroy_process_group()
     reset_world_state()
     gc.collect()
-    # what survives a case (lazily imported modules, mostly) is never garbage: keeping it out of later
-    # collections makes the next case's collection cost milliseconds instead of a third of a second
-    gc.freeze()
+    global _FROZEN
+    if not _FROZEN:
+        # what survives the first case (the imports, the lazy ones too) is never garbage: keeping it out of later
+        # collections makes a case's collection cost milliseconds instead of a third of a second. Only once: a
+        # frozen object is never collected, so freezing after every case would keep each model's cycles forever
+        gc.freeze()
+        _FROZEN = True
 
 
 _SOCKETS_BEFORE_WORLD: set[int] = set()
+_FROZEN = False
 
 
 def _open_sockets() -> set[int]:

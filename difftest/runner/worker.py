@@ -209,17 +209,13 @@ def _close_world(failed: bool, store_port: int) -> None:
         dist.destroy_process_group()
     reset_world_state()
     gc.collect()
-    global _FROZEN
-    if not _FROZEN:
-        # what survives the first case (the imports, the lazy ones too) is never garbage: keeping it out of later
-        # collections makes a case's collection cost milliseconds instead of a third of a second. Only once: a
-        # frozen object is never collected, so freezing after every case would keep each model's cycles forever
-        gc.freeze()
-        _FROZEN = True
+    # what survives a case (imports, lazy ones too; the cached model) is not garbage yet: keeping it out of later
+    # collections makes the next case's collection cost milliseconds instead of a third of a second. A frozen object
+    # is never collected, so `_cached_model` unfreezes everything when it lets a model go.
+    gc.freeze()
 
 
 _SOCKETS_BEFORE_WORLD: set[int] = set()
-_FROZEN = False
 
 
 def _open_sockets() -> set[int]:
@@ -259,6 +255,9 @@ def _shut_down_sockets(fds: set[int], store_port: int) -> None:
 def _cached_model(model_dir: str, loader: Any) -> Any:
     # cases are streamed model by model, so one cached model saves re-reading it for every setting
     if model_dir not in _CACHED_MODELS:
+        import gc
+
         _CACHED_MODELS.clear()
+        gc.unfreeze()  # the model let go, and whatever else became garbage since, can be collected again
         _CACHED_MODELS[model_dir] = loader(Path(model_dir))
     return _CACHED_MODELS[model_dir]

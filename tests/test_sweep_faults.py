@@ -208,3 +208,19 @@ def test_after_a_crash_the_next_case_runs_on_a_replacement_and_gives_a_fresh_gro
         _assert_same_bytes(first, store.load_outputs(record))
     finally:
         store.close()
+
+
+def test_a_group_is_recycled_after_its_case_budget_and_the_results_do_not_change(fresh_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    selection = "torchrec/ebc/table_wise/ws2,torchrec/ebc/row_wise/ws2"
+    twin = tmp_path / "twin"
+    shutil.copytree(fresh_run, twin)
+    recycled = run_sweep(fresh_run, SweepOptions(settings=selection, recycle_after=2))
+    assert recycled.statuses == {"ok": 6} and recycled.groups_started == 3  # ws1; ws2, recycled after 2 of 4 cases
+    kept = run_sweep(twin, SweepOptions(settings=selection))
+    assert kept.groups_started == 2
+    first, second = _outputs(fresh_run), _outputs(twin)
+    assert first.keys() == second.keys()
+    for key in first:
+        _assert_same_bytes(first[key], second[key])

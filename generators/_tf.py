@@ -75,7 +75,6 @@ def import_tensorflow() -> tuple[Any, Any]:
         except RuntimeError:
             pass  # the runtime is already initialised (someone imported TF before us): keep its devices
         tf.config.experimental.enable_op_determinism()
-        tf.constant(0.0)  # starts the runtime, whose start-up lines come here rather than later
         import keras
 
     _MODULES = (tf, keras)

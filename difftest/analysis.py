@@ -50,7 +50,8 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
             key = (model, reference)
             if key not in reference_outputs:
                 ref = by_model.get(key)
-                reference_outputs[key] = store.load_outputs(ref) if ref is not None and ref.status == "ok" else None
+                loaded = _load(store, ref) if ref is not None and ref.status == "ok" else None
+                reference_outputs[key] = loaded if isinstance(loaded, dict) else None
             return reference_outputs[key]
 
         rows: list[dict] = []
@@ -73,12 +74,15 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
                 why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
                 verdict = "error"
                 rows.append(_case_row(base, "error", f"cannot judge: the reference case {why}"))
+            elif isinstance(actual := _load(store, record), str):
+                verdict = "error"  # a finding of its own in triage, not a traceback that ends the analysis
+                rows.append(_case_row(base, "error", f"outputs unreadable: {actual}"))
             else:
                 expected = outputs_of_reference(record.model, reference) or {}
                 if setting is not None:
                     expected = {k: v for k, v in expected.items() if setting.judges(k)}
                 judged_by = setting.tolerance(tol) if setting is not None else tol
-                comparisons = compare(store.load_outputs(record), expected, judged_by)
+                comparisons = compare(actual, expected, judged_by)
                 mismatch = setting.mismatch_status if setting is not None else "inconsistent"
                 for c in comparisons:
                     rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
@@ -100,6 +104,14 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
     analysis.by_setting.to_csv(run_dir / "summary.csv")
     analysis.by_feature.to_csv(run_dir / "by_feature.csv", index=False)
     return analysis
+
+
+def _load(store: Store, record) -> dict | str:
+    """A case's stored outputs, or why they cannot be read (truncated, corrupted, deleted)."""
+    try:
+        return store.load_outputs(record)
+    except (UserError, OSError) as exc:
+        return str(exc)
 
 
 def _case_row(base: dict, status: str, message: str) -> dict:

@@ -88,3 +88,14 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     clean = subprocess.run([sys.executable, "-m", "difftest.cli", "repro", str(fresh_run), grid.example["model"],
                             "torchrec/ebc/table_wise/ws2"], capture_output=True, text=True, timeout=300, cwd=root)
     assert clean.returncode == 0 and ": ok" in clean.stdout, clean.stderr[-2000:]
+
+
+def test_unreadable_outputs_and_a_run_with_nothing_wrong(fresh_run: Path) -> None:
+    run_sweep(fresh_run, SweepOptions(settings="torchrec/ebc/table_wise/ws2"))
+    assert triage(fresh_run, analyze(fresh_run)) == []  # nothing wrong: no finding, and the CSV has its header
+    assert list(pd.read_csv(fresh_run / "findings.csv").columns)[:3] == ["id", "status", "title"]
+    broken = next((fresh_run / "outputs").rglob("*table_wise*"))
+    broken.write_bytes(b"truncated")
+    findings = triage(fresh_run, analyze(fresh_run))
+    assert len(findings) == 1 and findings[0].status == "error"
+    assert findings[0].title.startswith("error: outputs unreadable") and len(findings[0].rows) == 1

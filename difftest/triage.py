@@ -189,7 +189,9 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     cases = analysis.cases
     failed = cases[cases["verdict"].isin(FAILURES + DISAGREEMENTS)]
     messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
-    divergence = first_divergences(analysis).set_index(["model", "setting"])
+    earliest = first_divergences(analysis)
+    earliest.to_csv(run_dir / "first_divergence.csv", index=False)  # per disagreeing case
+    divergence = earliest.set_index(["model", "setting"])
     features = _features(run_dir)
     separating = _separating_values(cases)
     keyed: dict[str, list[dict]] = {}

@@ -76,6 +76,9 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     assert [f.id for f in triage(fresh_run, analysis)] == [f.id for f in findings]
     table = pd.read_csv(fresh_run / "findings.csv")
     assert list(table["id"]) == [f.id for f in findings] and table["cases"].sum() == len(failing)
+    earliest = pd.read_csv(fresh_run / "first_divergence.csv")
+    assert set(earliest["setting"]) == {"torchrec/ebc/grid_shard/ws2", "torchrec/ebc/grid_shard/ws3",
+                                        "faults/shard_off_by_one_row/ws2"}
     assert all(f"## {f.id}: " in (fresh_run / "findings.md").read_text() for f in findings)
     # a finding's reproducer runs its case alone through the public API and fails while the bug is there
     script = fresh_run / "findings" / grid.id / "repro.py"

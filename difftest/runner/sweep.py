@@ -264,7 +264,10 @@ def _run_bucket(
                 result.outputs,
             )
             served += 1
-            if not result.reusable:
+            # a setting with per-process state (a TF strategy and its servers) that failed may have left that state
+            # broken, and the case's sockets were cut: its processes are not trusted with the next case
+            kept_state_broken = case.setting.process_affinity and result.status not in ("ok", "unsupported")
+            if not result.reusable or kept_state_broken:
                 group.kill()
                 group, broken_before = None, True
             elif served >= options.recycle_after and queue:

@@ -239,6 +239,8 @@ def _shut_down_sockets(fds: set[int], store_port: int) -> None:
     for fd in fds:
         try:
             with socket.socket(fileno=os.dup(fd)) as duplicate:
+                if duplicate.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue  # gloo's pairs are TCP; local sockets (a fork server's) are not the case's to cut
                 # a listening socket's owner (gloo's listener thread) aborts the process when accept fails
                 if duplicate.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,51 +159,34 @@ def run_sweep(
 
 class _GroupSupply:
     """Warm groups of one world size for one bucket: the group in use, and, once a group of this bucket has had to
-    be replaced (a crash, a hang, a rank stuck outside a collective), a spare started in the background so the next
-    replacement is already warm. A bucket that never breaks its group never pays for a spare."""
+    be replaced (a crash, a hang, a rank stuck outside a collective, its case budget spent), a spare started in the
+    background so the next replacement is already warm. A bucket that never replaces its group pays for no spare."""
 
     def __init__(self, make: Callable[[], WorkerGroup]) -> None:
         self._make = make
-        self._spare: threading.Thread | None = None
-        self._spare_result: list[WorkerGroup | Exception] = []
+        self._starter = ThreadPoolExecutor(max_workers=1)
+        self._spare: Future | None = None
         self.started = 0
-
-    def _start_spare(self) -> None:
-        result: list[WorkerGroup | Exception] = []
-
-        def start() -> None:
-            try:
-                result.append(self._make())
-            except GroupStartError as exc:
-                result.append(exc)
-
-        self._spare_result = result
-        self._spare = threading.Thread(target=start, daemon=True)
-        self._spare.start()
 
     def first(self) -> WorkerGroup:
         self.started += 1
         return self._make()
 
     def replacement(self) -> WorkerGroup:
+        """The spare if one is starting (raises its GroupStartError), else a new group; then a new spare starts."""
         if self._spare is None:
             group = self.first()
         else:
-            self._spare.join()
-            self._spare = None
+            spare, self._spare = self._spare, None
             self.started += 1
-            made = self._spare_result[0]
-            if isinstance(made, Exception):
-                raise made
-            group = made
-        self._start_spare()
+            group = spare.result()
+        self._spare = self._starter.submit(self._make)
         return group
 
     def close(self) -> None:
-        if self._spare is not None:
-            self._spare.join()
-            if self._spare_result and isinstance(self._spare_result[0], WorkerGroup):
-                self._spare_result[0].close()
+        if self._spare is not None and self._spare.exception() is None:
+            self._spare.result().close()
+        self._starter.shutdown()
 
 
 def _run_bucket(

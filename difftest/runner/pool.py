@@ -208,13 +208,13 @@ class WorkerGroup:
         # every rank answered: the ranks are back in their serving loop, and each opens a fresh world before the
         # next case, so a failed case leaves nothing behind (`_await_ready` proves it or replaces the group)
         reusable = reusable and len(replies) == self.world_size
-        for status in ("error", "inconsistent", "unsupported"):  # "inconsistent": a setting's invariant broke
-            failed = [r for r, reply in replies.items() if reply[1] == status]
-            if failed:
-                # the rank that failed first is the cause; later ones were cut off by it (a closed connection)
-                rank = min(failed, key=lambda r: (replies[r][5] or 0.0, r))
-                return CaseResult(status, message=replies[rank][3], rank=rank, wall_s=wall, reusable=reusable,
-                                  compute_s=compute)
+        failed = [r for r, reply in replies.items() if reply[1] != "ok"]  # error, unsupported, inconsistent (invariant)
+        if failed:
+            # the rank that failed first is the cause, whatever its status; later ones were cut off by it (a closed
+            # connection), so a refusal on one rank is not reported as the read error it left its peer
+            rank = min(failed, key=lambda r: (replies[r][5] or 0.0, r))
+            return CaseResult(replies[rank][1], message=replies[rank][3], rank=rank, wall_s=wall, reusable=reusable,
+                              compute_s=compute)
         outputs = replies[0][2]
         if outputs is None:
             return CaseResult("error", message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=reusable,

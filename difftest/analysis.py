@@ -27,6 +27,9 @@ class Analysis:
     by_setting: pd.DataFrame
     by_kind: pd.DataFrame
     by_feature: pd.DataFrame  # per (model feature, setting), e.g. (Conv1D, convert/onnx2torch/eval)
+    # a sweep was still committing cases when the store was read: this is the snapshot of what it had committed
+    # (one read transaction), and a case whose reference is still to run is `pending`, not an error
+    sweep_running: bool = False
 
     @property
     def inconsistencies(self) -> pd.DataFrame:
@@ -40,6 +43,7 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
     """Judge each case against its setting's reference (`Setting.reference`) on the tensors it `judges`."""
     load_plugins(plugins)
     specs = {spec.model_id: spec for _, spec in list_models(run_dir)}
+    running = sweep_in_progress(run_dir)
     store = Store(run_dir)
     try:
         records = store.records()
@@ -69,6 +73,8 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
                 rows.append(_case_row(base, record.status, record.message))
             elif record.setting == reference:
                 verdict = "ok"
+            elif running and (record.model, reference) not in by_model:
+                verdict = "pending"  # judged once the sweep has run its reference
             elif outputs_of_reference(record.model, reference) is None:
                 ref = by_model.get((record.model, reference))
                 why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
@@ -98,12 +104,28 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
     comparisons_df = pd.DataFrame(rows, columns=CSV_COLUMNS)
     cases_df = pd.DataFrame(verdicts, columns=["model", "kind", "setting", "verdict", "worst_linf", "wall_s"])
     analysis = Analysis(comparisons_df, cases_df, _summarise(cases_df, "setting"), _summarise(cases_df, "kind"),
-                        _by_feature(cases_df, specs))
+                        _by_feature(cases_df, specs), sweep_running=running)
     comparisons_df.to_csv(run_dir / "comparisons.csv", index=False)
     analysis.inconsistencies.to_csv(run_dir / "inconsistencies.csv", index=False)
     analysis.by_setting.to_csv(run_dir / "summary.csv")
     analysis.by_feature.to_csv(run_dir / "by_feature.csv", index=False)
     return analysis
+
+
+def sweep_in_progress(run_dir: Path) -> bool:
+    """Whether a live process holds the run's sweep marker (`difftest.runner.sweep.SWEEP_MARKER`)."""
+    import os
+
+    from difftest.runner.sweep import SWEEP_MARKER
+
+    try:
+        pid = int((run_dir / SWEEP_MARKER).read_text().split()[0])
+        os.kill(pid, 0)
+    except (FileNotFoundError, ValueError, IndexError, ProcessLookupError):
+        return False  # no sweep, or one that was killed before it could remove its marker
+    except PermissionError:
+        return True
+    return True
 
 
 def _load(store: Store, record) -> dict | str:
@@ -154,7 +176,8 @@ def _generator(kind: str):
 
 
 def _summarise(cases: pd.DataFrame, key: str) -> pd.DataFrame:
-    table = pd.crosstab(cases[key], cases["verdict"]).reindex(columns=list(STATUSES), fill_value=0)
+    pending = ["pending"] if (cases["verdict"] == "pending").any() else []  # a snapshot of a running sweep
+    table = pd.crosstab(cases[key], cases["verdict"]).reindex(columns=list(STATUSES) + pending, fill_value=0)
     table.insert(0, "cases", table.sum(axis=1))
     table["worst_linf"] = cases.groupby(key)["worst_linf"].max()
     return table

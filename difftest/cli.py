@@ -43,6 +43,7 @@ FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 w
 BUILTIN_KINDS = ("dlrm", "sequential")
 KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the [tf] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
 TierOpt = Annotated[Optional[str], typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
+MinimizeOpt = Annotated[float, typer.Option("--minimize-budget", min=0, help="Seconds per finding to shrink its example case (fewer tables, layers, rows, ranks) while it still fails the same way; 0: no minimisation.")]
 ModelsFilterOpt = Annotated[Optional[str], typer.Option("--models-filter", help="Comma-separated globs over model ids to sweep.")]
 
 
@@ -108,12 +109,14 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
     )
 
 
-def _analyze(out: Path, atol: float, rtol: float, fail: bool) -> None:
+def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: float = 0.0, timeout: float = 120.0,
+             device: str = "cpu") -> None:
     from difftest.analysis import analyze
     from difftest.oracle import Tolerance
     from difftest.spec import RunConfig
     from difftest.triage import triage
 
+    started = time.perf_counter()
     analysis = analyze(out, Tolerance(atol=atol, rtol=rtol), RunConfig.load(out / "run.json").plugins)
     frame = analysis.by_kind
     table = Table(title=f"per model kind (allclose atol={atol:g}, rtol={rtol:g}; per setting: {out / 'summary.csv'})")
@@ -131,24 +134,61 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool) -> None:
         + f"\n{out / 'inconsistencies.csv'} ({len(analysis.inconsistencies)} rows), {out / 'comparisons.csv'} ({len(analysis.comparisons)} rows), "
         f"{out / 'by_feature.csv'} (verdicts per layer kind × setting)"
     )
-    _print_findings(out, triage(out, analysis))
+    if analysis.sweep_running:
+        out_console.print(f"a sweep is still writing {out}: this is a snapshot of the {len(analysis.cases)} cases it "
+                          "has committed so far", style="yellow")
+    found = triage(out, analysis)
+    console.print(f"triage: {len(found)} findings in {time.perf_counter() - started:.1f}s", highlight=False)
+    minimised = _minimize(out, found, analysis, minimize_budget, timeout, device) if found else []
+    from difftest.report import write_report
+
+    report = write_report(out, analysis, found, minimised)
+    _print_findings(out, found, minimised, report)
     if fail and any(findings[s] for s in FINDINGS):
         raise typer.Exit(1)
 
 
-def _print_findings(out: Path, findings: list) -> None:
+def _minimize(out: Path, found: list, analysis, budget: float, timeout: float, device: str) -> list:
+    from difftest.minimize import minimize
+    from difftest.spec import RunConfig
+
+    if budget <= 0 or analysis.sweep_running:
+        return []
+    started = time.perf_counter()
+
+    def on_round(number: int, work: list, seconds: float, built: float, cases: int) -> None:
+        active = sum(m.active for m in work)
+        console.print(f"minimise round {number}: {cases} cases in {seconds:.1f}s; {active} of {len(work)} findings "
+                      "still shrinking", highlight=False)
+
+    console.print(f"minimising {len(found)} findings (at most {budget:g}s each; --minimize-budget 0 skips this)",
+                  highlight=False)
+    done = minimize(out, found, analysis, budget_s=budget, timeout_s=timeout, device=device,
+                    plugins=RunConfig.load(out / "run.json").plugins, on_round=on_round)
+    console.print(f"minimised in {time.perf_counter() - started:.1f}s", highlight=False)
+    return done
+
+
+def _print_findings(out: Path, findings: list, minimised: list, report: Path) -> None:
     if not findings:
-        out_console.print("no findings: every case that ran agreed with its reference")
+        out_console.print(f"no findings: every case that ran agreed with its reference. Report: {report}")
         return
-    table = Table(title=f"{len(findings)} distinct findings ({out / 'findings.md'}; each has findings/<id>/repro.py)")
-    for column, justify in (("id", "left"), ("cases", "right"), ("settings", "right"), ("models", "right"),
-                            ("finding", "left")):
-        table.add_column(column, justify=justify, no_wrap=column != "finding")
-    for f in findings:
+    smallest = {m.finding_id: m for m in minimised}
+    shown = findings[:30]
+    out_console.print(f"{len(findings)} distinct findings, most severe first ({out / 'findings.md'}):", highlight=False)
+    for f in shown:
+        m = smallest.get(f.id)
+        minimal = ""
+        if m is not None and m.best is not m.original:
+            size = m.size()
+            minimal = " — minimal: " + ", ".join(f"{k} {v}" for k, v in size.items() if k not in ("parameters",))
         title = f.title if len(f.title) <= 110 else f.title[:109] + "…"
-        table.add_row(f.id, str(len(f.rows)), str(f.rows["setting"].nunique()), str(f.rows["model"].nunique()),
-                      escape(title))
-    out_console.print(table)
+        out_console.print(f"  {f.id} {f.status:<12} {len(f.rows):>3} case(s)  {escape(title)}{minimal}",
+                          highlight=False, soft_wrap=True)
+    if len(findings) > len(shown):
+        out_console.print(f"  … and {len(findings) - len(shown)} more in {out / 'findings.csv'}")
+    out_console.print(f"reproduce one alone: python {out / 'findings' / '<id>' / 'repro.py'}\nreport: {report}",
+                      highlight=False)
 
 
 @app.command()
@@ -169,8 +209,10 @@ def run(
     device: DeviceOpt = "cpu",
     plugin: PluginOpt = None,
     fail_on_inconsistency: FailOpt = False,
+    minimize_budget: MinimizeOpt = 20.0,
 ) -> None:
-    """Generate models, sweep every setting, and analyse: the whole job on a small default."""
+    """Generate models, sweep the default tier, analyse, group what is not ok into findings and shrink each one's
+    example: the whole job on a small default."""
     from difftest.registry import load_plugins, select_settings
 
     plugins = tuple(plugin or ())
@@ -178,7 +220,7 @@ def run(
     select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
     _generate(out, models, seed, kind, steps, lr, batch_size, plugins)
     _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier)
-    _analyze(out, atol, rtol, fail_on_inconsistency)
+    _analyze(out, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device)
 
 
 @app.command()
@@ -207,9 +249,13 @@ def sweep(
     device: DeviceOpt = "cpu",
     plugin: PluginOpt = None,
     twice: Annotated[bool, typer.Option("--twice", help="Also run every selected setting a second time (rerun/<name>), judged bitwise against the first: differences are `nondeterministic`.")] = False,
+    atol: AtolOpt = 5e-4,
+    rtol: RtolOpt = 1e-4,
+    minimize_budget: MinimizeOpt = 20.0,
 ) -> None:
-    """Run every (model, setting) case not yet committed in RUN_DIR; a rerun resumes."""
+    """Run every (model, setting) case not yet committed in RUN_DIR (a rerun resumes), then analyse and triage."""
     _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier)
+    _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device)
 
 
 QUANT_SETTINGS = "quant/*"
@@ -226,6 +272,7 @@ def quant(
     device: DeviceOpt = "cpu",
     plugin: PluginOpt = None,
     fail_on_inconsistency: FailOpt = False,
+    minimize_budget: MinimizeOpt = 20.0,
 ) -> None:
     """The quantization sweep: every quantized setting on RUN_DIR's models, single process, then analyse.
 
@@ -241,7 +288,7 @@ def quant(
         raise UserError(f"{run_dir}: no run.json; make the run first with `difftest generate --out {run_dir}`")
     load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
     _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, 1, timeout, device, plugins)
-    _analyze(run_dir, atol, rtol, fail_on_inconsistency)
+    _analyze(run_dir, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device)
 
 
 @app.command()
@@ -250,9 +297,13 @@ def analyze(
     atol: AtolOpt = 5e-4,
     rtol: RtolOpt = 1e-4,
     fail_on_inconsistency: FailOpt = False,
+    minimize_budget: MinimizeOpt = 20.0,
+    timeout: TimeoutOpt = 120.0,
+    device: DeviceOpt = "cpu",
 ) -> None:
-    """Judge stored outputs against the reference; write inconsistencies.csv and comparisons.csv."""
-    _analyze(run_dir, atol, rtol, fail_on_inconsistency)
+    """Judge stored outputs against the reference (inconsistencies.csv, comparisons.csv), group what is not ok into
+    findings and shrink each one's example (findings.csv, findings/<id>/repro.py), and write report.html."""
+    _analyze(run_dir, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device)
 
 
 @app.command(name="triage")
@@ -260,9 +311,14 @@ def triage_command(
     run_dir: Annotated[Path, typer.Argument(help="A swept run folder.")],
     atol: AtolOpt = 5e-4,
     rtol: RtolOpt = 1e-4,
+    minimize_budget: MinimizeOpt = 20.0,
+    timeout: TimeoutOpt = 120.0,
+    device: DeviceOpt = "cpu",
 ) -> None:
-    """Group every case that is not ok into distinct findings: findings.csv, findings.md, findings/<id>/repro.py."""
-    _analyze(run_dir, atol, rtol, False)
+    """Group every case that is not ok into distinct findings and shrink each one's example: findings.csv,
+    findings.md, findings/<id>/{repro.py, minimize.json, run/}, report.html. A run whose sweep is still going is
+    triaged as far as it has got (not minimised)."""
+    _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device)
 
 
 @app.command()

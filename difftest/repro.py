@@ -30,6 +30,11 @@ class Reproduction:
     worst: pd.Series | None  # the comparison row with the largest error, when the case was compared
     reference_value: float | None = None  # at the worst element
     setting_value: float | None = None
+    signature: str = ""  # `difftest.triage.case_signature` of the case, when it is not ok
+
+    def matches(self, signature: str) -> bool:
+        """Whether the case fails the way a finding does: same status, same place, same message pattern."""
+        return self.reproduces and self.signature == signature
 
     @property
     def reproduces(self) -> bool:
@@ -45,12 +50,18 @@ class Reproduction:
                 lines.append(f"  at its worst element: reference {self.reference_value!r}, setting {self.setting_value!r}")
         if self.message and self.verdict != "ok":
             lines.append(f"  {self.message[:600]}")
+        if self.signature:
+            lines.append(f"  signature: {self.signature}")
         return "\n".join(lines)
 
 
 def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None = None, timeout_s: float = 120.0,
-              device: str = "cpu", plugins: tuple[str, ...] = ()) -> Reproduction:
-    """Run `setting` on `model` of `run_dir` (a run folder, or a finding's copy of one) in a fresh private run."""
+              device: str = "cpu", plugins: tuple[str, ...] = (),
+              contrast: dict[str, set[tuple[str, str]]] | None = None) -> Reproduction:
+    """Run `setting` on `model` of `run_dir` (a run folder, or a finding's copy of one) in a fresh private run.
+
+    `contrast`: the parameter values the original run found a bug to follow (`difftest.triage.contrast_of`), so the
+    case is signed as it was there; without it the signature names the setting's family."""
     from difftest.analysis import analyze
     from difftest.registry import load_plugins
     from difftest.runner.sweep import SweepOptions, run_sweep
@@ -76,8 +87,10 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
     compared = rows.dropna(subset=["linf"])
     worst = compared.loc[compared["linf"].idxmax()] if not compared.empty else (rows.iloc[0] if not rows.empty else None)
     failed = rows[rows["status"] != "ok"]
+    from difftest.triage import signatures
+
     result = Reproduction(model, setting, case["verdict"], str(failed.iloc[0]["message"]) if not failed.empty else "",
-                          worst)
+                          worst, signature=signatures(analysis, contrast or {}).get((model, setting), ""))
     if worst is not None and not compared.empty:
         store = Store(private)
         try:
@@ -97,8 +110,9 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
 REPRO_SCRIPT = '''"""Finding {finding_id}: {title}
 
 Runs `{setting}` on model `{model}` (its spec, initial weights and inputs are in ./run) alone, against what it is
-judged against, through difftest's public API; prints both sides and the verdict; exits 1 while the finding is
-present, 0 once it is gone.
+judged against, through difftest's public API; prints both sides, the verdict and the case's signature. Exits 1
+while the finding is present (the case fails with the finding's signature), 0 once the case is ok, 3 if it fails in
+another way.
 
     python {script}
 """
@@ -108,20 +122,31 @@ from pathlib import Path
 
 from difftest import reproduce
 
+SIGNATURE = {signature!r}
+CONTRAST = {contrast!r}  # the parameter values the run found this bug to follow
+
 if __name__ == "__main__":  # the ranks are spawned processes that import this file again
-    result = reproduce(Path(__file__).resolve().parent / "run", {model!r}, {setting!r})
+    result = reproduce(Path(__file__).resolve().parent / "run", {model!r}, {setting!r}, contrast=CONTRAST)
     print(result.describe())
-    sys.exit(1 if result.reproduces else 0)
+    if result.matches(SIGNATURE):
+        print("the finding reproduces: same signature")
+        sys.exit(1)
+    if result.reproduces:
+        print(f"fails, but not as the finding did: its signature was\\n  {{SIGNATURE}}")
+        sys.exit(3)
+    sys.exit(0)
 '''
 
 
-def write_reproducer(run_dir: Path, target: Path, finding_id: str, title: str, model: str, setting: str) -> Path:
+def write_reproducer(run_dir: Path, target: Path, finding_id: str, title: str, model: str, setting: str, *,
+                     signature: str = "", contrast: dict | None = None) -> Path:
     """`target/run/{run.json, models/<model>}` and `target/repro.py`: a finding that travels on its own."""
-    shutil.rmtree(target, ignore_errors=True)
+    shutil.rmtree(target / "run", ignore_errors=True)
     (target / "run" / "models").mkdir(parents=True)
     shutil.copy(run_dir / "run.json", target / "run" / "run.json")
     shutil.copytree(run_dir / "models" / model, target / "run" / "models" / model)
     script = target / "repro.py"
     script.write_text(REPRO_SCRIPT.format(finding_id=finding_id, title=title.replace('"""', "'''"), model=model,
-                                          setting=setting, script=script))
+                                          setting=setting, script=script, signature=signature,
+                                          contrast={k: sorted(v) for k, v in (contrast or {}).items()}))
     return script

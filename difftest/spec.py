@@ -21,11 +21,14 @@ class ModelSpec:
     params: dict[str, Any]
     frozen: tuple[str, ...] = ()
     input_seed: int = 0
+    # set on a model derived from a generated one (a minimised finding's `min`, a minimiser's trial `c3`): it keeps
+    # the weights' and inputs' seeds and differs only by what its params leave out
+    variant: str = ""
 
     @property
     def model_id(self) -> str:
         suffix = "-frozen" if self.frozen else ""
-        return f"{self.kind}-s{self.seed}-i{self.index}{suffix}"
+        return f"{self.kind}-s{self.seed}-i{self.index}{suffix}" + (f"-{self.variant}" if self.variant else "")
 
     @property
     def input_id(self) -> str:

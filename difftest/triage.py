@@ -35,6 +35,8 @@ from difftest.runner.sweep import list_models
 
 FAILURES = ("error", "crash", "timeout")
 DISAGREEMENTS = ("inconsistent", "nondeterministic")
+# most severe first: a wrong number nobody sees, then a run that dies, then one that refuses with an error
+SEVERITY = ("inconsistent", "nondeterministic", "crash", "timeout", "error")
 FINDINGS_COLUMNS = ["id", "status", "title", "signature", "cases", "models", "settings", "worst_linf",
                     "worst_bound_ratio", "first_divergence", "distinguishing", "example_model", "example_setting",
                     "example_message", "reproducer"]
@@ -59,6 +61,8 @@ class Finding:
     # D3's pairwise view on the example model, at the first divergence: which other settings side with the
     # reference, which with the failing setting, which with neither ("the reference is wrong" vs "this setting is")
     pairwise: dict[str, list[str]] = field(default_factory=dict)
+    # the parameter values of the run's contrast that sign this finding's cases (its reproducer signs with them too)
+    contrast: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
 
     @property
     def example(self) -> pd.Series:
@@ -184,6 +188,48 @@ def _separating_values(cases: pd.DataFrame) -> dict[str, set[tuple[str, str]]]:
     return separating
 
 
+def case_signature(verdict: str, setting: str, message: str, first_divergence: str,
+                   separating: dict[str, set[tuple[str, str]]]) -> tuple[str, str]:
+    """(signature, title) of one case that is not ok; `separating` is what `_separating_values` learned over its run
+    (a case rerun alone, as the minimiser does, is signed with its run's contrast)."""
+    if verdict in FAILURES:
+        frame = innermost_library_frame(message)
+        text = normalise_message(message)
+        signature = f"{verdict} | {exception_type(message)} | {text} | {frame}"
+        return signature, f"{verdict}: {text[:120]}" + (f" (in {frame})" if frame else "")
+    if first_divergence:
+        phase, tensor = first_divergence.split("/", 1)
+        start = re.sub(r"\d+$", "", phase) + "/" + tensor_class(tensor)
+    else:
+        start = "?"
+    cls, params = _parameters(setting)
+    follows = sorted(set(params.items()) & set(map(tuple, separating.get(cls, ()))))
+    if follows:  # the bug follows these parameter values whatever the others are: one finding
+        what = f"{setting.split('/')[0]} [{', '.join(f'{k}={v}' for k, v in follows)}]"
+    else:
+        what = setting_family(setting)
+    return (f"{verdict} | {cls} | {what} | first diverges in {start}",
+            f"{verdict}: {what} first diverges in {start}")
+
+
+def signatures(analysis: Analysis, separating: dict[str, set[tuple[str, str]]]) -> dict[tuple[str, str], str]:
+    """(model, setting) → signature of each case of `analysis` that is not ok, signed with `separating`."""
+    messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
+    earliest = {(r.model, r.setting): f"{r.phase}/{r.tensor}" for r in first_divergences(analysis).itertuples()}
+    signed = {}
+    for case in analysis.cases[analysis.cases["verdict"].isin(FAILURES + DISAGREEMENTS)].itertuples():
+        key = (case.model, case.setting)
+        message = str(messages.get(key, "") or "")
+        signed[key] = case_signature(case.verdict, case.setting, message, earliest.get(key, ""), separating)[0]
+    return signed
+
+
+def contrast_of(setting: str, separating: dict[str, set[tuple[str, str]]]) -> dict[str, set[tuple[str, str]]]:
+    """The part of a run's contrast that signs cases of `setting`'s class: what a finding's reproducer carries."""
+    cls, _ = _parameters(setting)
+    return {cls: separating[cls]} if cls in separating else {}
+
+
 def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     """Group every not-ok case of `analysis` into findings; write findings.csv and findings.md into `run_dir`."""
     cases = analysis.cases
@@ -200,24 +246,10 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         message = str(messages.get((case.model, case.setting), "") or "")
         row = {"model": case.model, "setting": case.setting, "status": case.verdict, "kind": case.kind,
                "worst_linf": case.worst_linf, "message": message, "first_divergence": ""}
-        if case.verdict in FAILURES:
-            frame = innermost_library_frame(message)
-            kind = exception_type(message)
-            text = normalise_message(message)
-            signature = f"{case.verdict} | {kind} | {text} | {frame}"
-            title = f"{case.verdict}: {text[:120]}" + (f" (in {frame})" if frame else "")
-        else:
-            where = divergence.loc[(case.model, case.setting)] if (case.model, case.setting) in divergence.index else None
-            row["first_divergence"] = f"{where['phase']}/{where['tensor']}" if where is not None else ""
-            start = re.sub(r"\d+$", "", where["phase"]) + "/" + tensor_class(where["tensor"]) if where is not None else "?"
-            cls, params = _parameters(case.setting)
-            follows = sorted(set(params.items()) & separating.get(cls, set()))
-            if follows:  # the bug follows these parameter values whatever the others are: one finding
-                what = f"{case.setting.split('/')[0]} [{', '.join(f'{k}={v}' for k, v in follows)}]"
-            else:
-                what = setting_family(case.setting)
-            signature = f"{case.verdict} | {cls} | {what} | first diverges in {start}"
-            title = f"{case.verdict}: {what} first diverges in {start}"
+        where = divergence.loc[(case.model, case.setting)] if (case.model, case.setting) in divergence.index else None
+        if where is not None:
+            row["first_divergence"] = f"{where['phase']}/{where['tensor']}"
+        signature, title = case_signature(case.verdict, case.setting, message, row["first_divergence"], separating)
         keyed.setdefault(signature, []).append(row)
         titles[signature] = title
     bounds = _worst_bound_ratios(analysis)
@@ -229,8 +261,9 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
                           title=titles[signature], signature=signature, rows=frame)
         finding.first_divergence = next((d for d in frame["first_divergence"] if d), "")
         finding.distinguishing = _distinguishing(frame, cases, features)
+        finding.contrast = contrast_of(finding.example["setting"], separating)
         findings.append(finding)
-    findings.sort(key=lambda f: (-len(f.rows), f.id))
+    findings.sort(key=lambda f: (SEVERITY.index(f.status), -len(f.rows), f.id))
     _pairwise(run_dir, findings)
     _write(run_dir, findings)
     return findings
@@ -311,7 +344,8 @@ def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict]:
 def _write(run_dir: Path, findings: list[Finding]) -> None:
     shutil.rmtree(run_dir / "findings", ignore_errors=True)  # ids of findings gone since the last triage go too
     for f in findings:
-        write_reproducer(run_dir, run_dir / "findings" / f.id, f.id, f.title, f.example["model"], f.example["setting"])
+        write_reproducer(run_dir, run_dir / "findings" / f.id, f.id, f.title, f.example["model"], f.example["setting"],
+                         signature=f.signature, contrast=f.contrast)
     pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
                                                                                       index=False)
     cases = sum(len(f.rows) for f in findings)

@@ -115,6 +115,54 @@ class DlrmGenerator:
             batches[split] = Batch(labels=labels, dense=dense, sparse=sparse)
         return batches
 
+    # --- minimisation: smaller models of the same structure, most removed first -----------------
+    def size(self, spec: ModelSpec) -> dict[str, int]:
+        p = spec.params
+        return {"tables": len(p["tables"]), "features": sum(len(t["features"]) for t in p["tables"]),
+                "layers": len(p["dense_arch"]) + len(p["over_arch"]),
+                "rows": sum(t["num_embeddings"] for t in p["tables"]),
+                "parameters": sum(int(np.prod(s)) for s in self.parameter_shapes(p).values())}
+
+    def reductions(self, spec: ModelSpec) -> list[tuple[str, dict[str, Any]]]:
+        """(what it removes, params) for each one-step-smaller model; each collection keeps one table, each arch
+        one layer. A frozen parameter the smaller model no longer has is dropped from `frozen` by the minimiser."""
+        p = spec.params
+        tables = p["tables"]
+        out: list[tuple[str, dict[str, Any]]] = []
+
+        def with_tables(kept: list[dict[str, Any]]) -> dict[str, Any]:
+            return {**p, "tables": kept}
+
+        for weighted in (False, True):
+            mine = [t for t in tables if t["weighted"] == weighted]
+            if len(mine) > 1:
+                for table in mine:
+                    kept = [t for t in tables if t["weighted"] != weighted or t is table]
+                    out.append((f"keep only table {table['name']} of its collection", with_tables(kept)))
+                for table in mine:
+                    out.append((f"drop table {table['name']}", with_tables([t for t in tables if t is not table])))
+        for table in tables:
+            if len(table["features"]) > 1:
+                out.append((f"table {table['name']} serves one feature",
+                            with_tables([{**t, "features": t["features"][:1]} if t is table else t for t in tables])))
+        for label, key, floor in (("rows", "num_embeddings", 1), ("embedding dims", "embedding_dim", 4)):
+            if any(t[key] > floor for t in tables):
+                out.append((f"every table {label} to {floor}", with_tables([{**t, key: floor} for t in tables])))
+                if any(t[key] > 2 * floor for t in tables):
+                    halved = [{**t, key: max(floor, (t[key] // 2) // floor * floor)} for t in tables]
+                    out.append((f"every table's {label} halved", with_tables(halved)))
+        if len(p["dense_arch"]) > 1:
+            out.append(("one dense layer", {**p, "dense_arch": p["dense_arch"][-1:]}))
+        if len(p["over_arch"]) > 1:
+            out.append(("one over-arch layer", {**p, "over_arch": p["over_arch"][-1:]}))
+        if any(w > 1 for w in p["dense_arch"] + p["over_arch"]):
+            out.append(("every layer 1 wide", {**p, "dense_arch": [1] * len(p["dense_arch"]),
+                                                "over_arch": [1] * len(p["over_arch"])}))
+        for key in ("dense_in", "max_bag"):
+            if p[key] > 1:
+                out.append((f"{key} 1", {**p, key: 1}))
+        return out
+
     # --- torch side (workers only) -------------------------------------------------------------
     def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
         import torch

@@ -275,6 +275,33 @@ class SequentialGenerator:
         frozen = tuple(f"{layer}/" for layer in spec.frozen)
         return [n for n in state if not n.startswith(frozen) and not n.endswith(("moving_mean", "moving_variance"))]
 
+    # --- minimisation: smaller models of the same structure, most removed first -----------------------------
+    def size(self, spec: ModelSpec) -> dict[str, int]:
+        layers = spec.params["layers"]
+        widths = [l.get("units") or l.get("filters") or 0 for l in layers]
+        return {"layers": len(layers), "input": math.prod(spec.params["input"]["shape"]), "width": sum(widths)}
+
+    def reductions(self, spec: ModelSpec) -> list[tuple[str, dict[str, Any]]]:
+        """(what it removes, params) for each one-step-smaller model: a layer dropped (never the logits), a layer
+        narrowed, the input shrunk. Some break the shapes of later layers; Keras refuses those, and the minimiser
+        drops a candidate it cannot build."""
+        p = spec.params
+        layers = p["layers"]
+        first = 1 if p["input"]["form"] == "tokens" else 0  # the Embedding turns token ids into floats
+        out: list[tuple[str, dict[str, Any]]] = []
+        for i in range(first, len(layers) - 1):
+            out.append((f"drop layer {layers[i]['name']}", {**p, "layers": layers[:i] + layers[i + 1:]}))
+        for i, layer in enumerate(layers[:-1]):
+            for key in ("units", "filters"):
+                if layer.get(key, 0) > 2:
+                    narrowed = {**layer, key: 2}
+                    out.append((f"layer {layer['name']} 2 wide", {**p, "layers": layers[:i] + [narrowed] + layers[i + 1:]}))
+        shape = p["input"]["shape"]
+        if p["input"]["form"] != "tokens" and shape[0] > 2:
+            smaller = [max(2, shape[0] // 2)] + (shape[1:2] if p["input"]["form"] == "sequence" else [max(2, shape[1] // 2)]) + shape[2:]
+            out.append(("input halved", {**p, "input": {**p["input"], "shape": smaller}}))
+        return out
+
     # --- PyTorch side (workers only) ----------------------------------------------------------------------
     def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None,
               converter: str | None = None) -> Any:

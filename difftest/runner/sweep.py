@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter, defaultdict
@@ -18,6 +19,9 @@ from difftest.spec import ModelSpec, RunConfig
 from difftest.store import CaseRecord, Store
 
 
+SWEEP_MARKER = "sweep.pid"  # present, naming a live process, while a sweep commits cases to the run
+
+
 @dataclass(frozen=True)
 class SweepOptions:
     settings: str | None = None  # comma-separated globs over setting names
@@ -32,6 +36,8 @@ class SweepOptions:
     # a warm group is replaced after this many cases: libraries that keep what every case built (legacy FSDP's
     # FlatParameter cycles, pytorch#183211; ~0.4 MB a case here, ~0.26 MB for TorchRec DMP) cannot grow a rank forever
     recycle_after: int = 2000
+    # exactly these (model id, setting name) cases and what they are judged against, instead of globs × globs
+    pairs: tuple[tuple[str, str], ...] | None = None
 
     @property
     def resolved_backend(self) -> str:
@@ -67,6 +73,8 @@ def list_models(run_dir: Path) -> list[tuple[Path, ModelSpec]]:
 def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
     import fnmatch
 
+    if options.pairs is not None:
+        return _plan_pairs(run_dir, options.pairs)
     settings = select_settings(options.settings, options.tier)
     if options.twice:
         names = {s.name for s in settings}
@@ -80,6 +88,18 @@ def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
     return [Case(spec.model_id, d, spec, setting) for d, spec in models for setting in settings]
 
 
+def _plan_pairs(run_dir: Path, pairs: tuple[tuple[str, str], ...]) -> list[Case]:
+    models = {spec.model_id: (d, spec) for d, spec in list_models(run_dir)}
+    cases: dict[tuple[str, str], Case] = {}
+    for model_id, name in pairs:
+        if model_id not in models:
+            raise UserError(f"{run_dir / 'models'}: no model {model_id}")
+        model_dir, spec = models[model_id]
+        for setting in with_references([get_setting(name)]):
+            cases.setdefault((model_id, setting.name), Case(model_id, model_dir, spec, setting))
+    return list(cases.values())
+
+
 def _device_refusal(options: SweepOptions, world_size: int) -> str | None:
     if options.device != "cuda":
         return None
@@ -91,11 +111,37 @@ def _device_refusal(options: SweepOptions, world_size: int) -> str | None:
     return None
 
 
+class WarmGroups:
+    """Worker groups kept warm from one sweep to the next (the minimiser's rounds: many small sweeps in a row): a
+    bucket starts on the idle group of its kind, if there is one, and leaves its group here, healthy, when done."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple, WorkerGroup] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple) -> WorkerGroup | None:
+        with self._lock:
+            return self._idle.pop(key, None)
+
+    def give(self, key: tuple, group: WorkerGroup) -> None:
+        with self._lock:
+            previous, self._idle[key] = self._idle.get(key), group
+        if previous is not None:
+            previous.close()
+
+    def close(self) -> None:
+        with self._lock:
+            groups, self._idle = list(self._idle.values()), {}
+        for group in groups:
+            group.close()
+
+
 def run_sweep(
     run_dir: Path,
     options: SweepOptions,
     on_result: Callable[[Case, CaseRecord], None] | None = None,
     on_planned: Callable[[list[Case], int], None] | None = None,
+    warm: WarmGroups | None = None,
 ) -> SweepReport:
     config = RunConfig.load(run_dir / "run.json")
     plugins = load_plugins(config.plugins + options.plugins)
@@ -103,6 +149,8 @@ def run_sweep(
     store = Store(run_dir)
     report = SweepReport(total=len(cases))
     lock = threading.Lock()
+    marker = run_dir / SWEEP_MARKER
+    marker.write_text(f"{os.getpid()}\n")
 
     def record(case: Case, record: CaseRecord, outputs: dict | None) -> None:
         store.commit(record, outputs)
@@ -144,7 +192,7 @@ def run_sweep(
 
         def drain() -> None:
             while (bucket := next_bucket()) is not None:
-                _run_bucket(run_dir, config, options, plugins, bucket[0][0], bucket[1], record, report, lock)
+                _run_bucket(run_dir, config, options, plugins, bucket[0], bucket[1], record, report, lock, warm)
 
         threads = [threading.Thread(target=drain, daemon=True) for _ in range(max(1, options.jobs))]
         for thread in threads:
@@ -154,6 +202,7 @@ def run_sweep(
                 thread.join(0.5)  # short joins keep Ctrl-C responsive
     finally:
         store.close()
+        marker.unlink(missing_ok=True)
     return report
 
 
@@ -194,12 +243,15 @@ def _run_bucket(
     config: RunConfig,
     options: SweepOptions,
     plugins: tuple[str, ...],
-    world_size: int,
+    bucket: tuple[int, str],
     cases: list[Case],
     record: Callable[[Case, CaseRecord, dict | None], None],
     report: SweepReport,
     lock: threading.Lock,
+    warm: WarmGroups | None = None,
 ) -> None:
+    world_size = bucket[0]
+    warm_key = (*bucket, options.device, options.resolved_backend, plugins, options.timeout_s)
     supply = _GroupSupply(
         lambda: WorkerGroup(
             world_size,
@@ -210,7 +262,8 @@ def _run_bucket(
             collective_timeout_s=options.timeout_s,
         )
     )
-    group: WorkerGroup | None = None
+    group: WorkerGroup | None = warm.take(warm_key) if warm is not None else None
+    completed = False  # a group given back to `warm` has finished its last case
     served = 0  # cases the current group has run
     broken_before = False  # a group of this bucket was replaced: the next one comes from the spare
     start_failure: str | None = None
@@ -259,8 +312,11 @@ def _run_bucket(
                 group, broken_before = None, True  # the replacement comes warm from the spare after the first
             if group is None:
                 served = 0
+        completed = True
     finally:
-        if group is not None:
+        if group is not None and warm is not None and completed:
+            warm.give(warm_key, group)
+        elif group is not None:
             group.close()
         supply.close()
         with lock:

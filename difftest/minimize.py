@@ -1,0 +1,333 @@
+"""Shrink each finding's example case while its signature still reproduces: the smallest program that shows it.
+
+Delta debugging over the case, greedy and batched: a round proposes, for every finding still shrinking, smaller
+cases one step away from its smallest so far (a table, feature or layer dropped, rows/dims/widths cut, a smaller
+batch, the same setting at a smaller world size — the generator of the model's kind says what can go); all
+proposals of all findings run as one sweep over a private run (one worker group per world size for the whole
+round, a model shared by two findings built once), and a finding moves to its smallest proposal whose case is
+signed as the finding is (`difftest.triage.case_signature`, with the original run's contrast). The changes that
+succeeded are tried together first in the next round. A finding stops when no proposal one step away reproduces,
+or when its time budget is spent: it keeps the smallest case found so far and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+
+from difftest.analysis import Analysis, analyze
+from difftest.artifacts import load_spec, save_model
+from difftest.errors import UserError
+from difftest.registry import all_settings, get_generator, get_setting
+from difftest.spec import ModelSpec, RunConfig
+
+PER_FINDING_PER_ROUND = 8  # proposals a finding runs per round: a round's time is what every finding is charged
+MIN_BATCH = 12  # splits over 1, 2, 3 and 4 ranks
+ALONE = "(the example, alone)"
+FIRST_TRY_COST_S = {"crash": 4.0, "timeout": 120.0}  # measured here: a crash's group restart is 3-4 s
+
+
+@dataclass(frozen=True)
+class Trial:
+    spec: ModelSpec
+    setting: str
+    batch_size: int
+    change: str = ""  # what this one-step-smaller case removed
+
+    @property
+    def model_id(self) -> str:
+        return self.spec.model_id
+
+    def key(self) -> str:  # two findings proposing the same model share its folder and its reference run
+        return json.dumps([self.spec.kind, self.spec.seed, self.spec.index, self.spec.params, list(self.spec.frozen),
+                           self.batch_size], sort_keys=True)
+
+
+@dataclass
+class Minimisation:
+    """How one finding's example shrank."""
+
+    finding_id: str
+    signature: str
+    original: Trial
+    best: Trial
+    changes: list[str] = field(default_factory=list)
+    tries: int = 0
+    rounds: int = 0
+    seconds: float = 0.0
+    outcome: str = ""  # why it stopped
+    status: str = ""
+    pending: list[Trial] = field(default_factory=list)
+    composite: list[str] = field(default_factory=list)  # changes that succeeded last round, to try together
+    active: bool = True
+
+    def size(self, trial: Trial | None = None) -> dict[str, int]:
+        trial = trial or self.best
+        return {**_generator_size(trial.spec), "world_size": get_setting(trial.setting).world_size,
+                "batch": trial.batch_size}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"finding": self.finding_id, "signature": self.signature, "outcome": self.outcome,
+                "original": {"model": self.original.model_id, "setting": self.original.setting,
+                             "size": self.size(self.original)},
+                "minimal": {"model": self.best.model_id, "setting": self.best.setting, "size": self.size()},
+                "changes": self.changes, "tries": self.tries, "rounds": self.rounds, "seconds": round(self.seconds, 1)}
+
+
+def _generator_size(spec: ModelSpec) -> dict[str, int]:
+    generator = get_generator(spec.kind)
+    return dict(generator.size(spec)) if hasattr(generator, "size") else {}
+
+
+def _order(m: Minimisation, trial: Trial) -> tuple:
+    """Smaller first: structure (tables, features, layers, …, parameters), then world size, then batch."""
+    size = m.size(trial)
+    return (*_generator_size(trial.spec).values(), size["world_size"], size["batch"])
+
+
+def _smaller_settings(name: str) -> list[str]:
+    """The same setting class with the same non-size parameters at a smaller world size."""
+    from difftest.triage import _parameters
+
+    setting = get_setting(name)
+    cls, params = _parameters(name)
+    return sorted((s.name for s in all_settings()
+                   if type(s) is type(setting) and s.world_size < setting.world_size
+                   and _parameters(s.name) == (cls, params)),
+                  key=lambda n: get_setting(n).world_size)
+
+
+def _proposals(m: Minimisation, serial: Callable[[], str]) -> list[Trial]:
+    """Every case one step smaller than `m.best`, the changes that succeeded last round applied together first."""
+    best = m.best
+    generator = get_generator(best.spec.kind)
+    steps: list[tuple[str, ModelSpec, str, int]] = []
+    if hasattr(generator, "reductions"):
+        for change, params in generator.reductions(best.spec):
+            steps.append((change, _with_params(best.spec, params), best.setting, best.batch_size))
+    if best.batch_size > MIN_BATCH:
+        steps.append((f"batch {MIN_BATCH}", best.spec, best.setting, MIN_BATCH))
+    for name in _smaller_settings(best.setting):
+        steps.append((f"world size {get_setting(name).world_size}", best.spec, name, best.batch_size))
+    if best.spec.frozen:
+        steps.append(("nothing frozen", dataclasses.replace(best.spec, frozen=()), best.setting, best.batch_size))
+    trials = [Trial(dataclasses.replace(spec, variant=serial()), setting, batch, change)
+              for change, spec, setting, batch in steps]
+    together = _compose(best, m.composite, serial)
+    return ([together] if together is not None else []) + trials
+
+
+def _compose(best: Trial, changes: list[str], serial: Callable[[], str]) -> Trial | None:
+    """`best` with each of `changes` applied in turn, by name, where it still applies (two or more of them)."""
+    if len(changes) < 2:
+        return None
+    current, applied = best, []
+    for change in changes:
+        for trial in _proposals(Minimisation("", "", current, current), lambda: current.spec.variant):
+            if trial.change == change:
+                current, applied = trial, applied + [change]
+                break
+    if len(applied) < 2:
+        return None
+    return Trial(dataclasses.replace(current.spec, variant=serial()), current.setting, current.batch_size,
+                 " + ".join(applied))
+
+
+def _with_params(spec: ModelSpec, params: dict[str, Any]) -> ModelSpec:
+    """`spec` with `params`; a frozen parameter or layer the smaller model no longer has is no longer frozen."""
+    smaller = dataclasses.replace(spec, params=params)
+    generator = get_generator(spec.kind)
+    if hasattr(generator, "parameter_shapes"):
+        have = set(generator.parameter_shapes(params))
+    else:
+        have = {layer["name"] for layer in params.get("layers", [])}
+    return dataclasses.replace(smaller, frozen=tuple(f for f in spec.frozen if f in have))
+
+
+def _materialise(trial: Trial, models_dir: Path) -> bool:
+    """Write the trial's model folder (spec, weights, inputs); False if its generator cannot build it."""
+    target = models_dir / trial.model_id
+    if (target / "spec.json").exists():
+        return True
+    generator = get_generator(trial.spec.kind)
+    try:
+        state = generator.init_state(trial.spec)
+        extra = generator.artifacts(trial.spec, state) if hasattr(generator, "artifacts") else None
+        save_model(target, trial.spec, state, generator.inputs(trial.spec, trial.batch_size), extra)
+    except UserError:
+        raise
+    except Exception:  # a shape the smaller model cannot have (Keras refuses it): not a candidate
+        shutil.rmtree(target, ignore_errors=True)
+        return False
+    return True
+
+
+def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: float = 60.0, timeout_s: float = 120.0,
+             device: str = "cpu", plugins: tuple[str, ...] = (),
+             on_round: Callable[[int, list[Minimisation], float], None] | None = None) -> list[Minimisation]:
+    """Shrink every finding's example within `budget_s` seconds of rounds each; write each finding's minimal case to
+    `findings/<id>/` (model folder, repro.py, minimize.json). Returns the minimisations in the order of `findings`."""
+    from difftest.runner.sweep import SweepOptions, WarmGroups, run_sweep
+    from difftest.triage import _separating_values, signatures
+
+    config = RunConfig.load(run_dir / "run.json")
+    separating = _separating_values(analysis.cases)
+    work: list[Minimisation] = []
+    for finding in findings:
+        spec = load_spec(run_dir / "models" / finding.example["model"])
+        original = Trial(spec, finding.example["setting"], _batch_of(run_dir / "models" / spec.model_id))
+        m = Minimisation(finding.id, finding.signature, original, original, status=finding.status)
+        if finding.status == "timeout" and budget_s < 2 * timeout_s:
+            m.active, m.outcome = False, (f"not minimised: each try waits for the {timeout_s:g} s timeout; "
+                                          f"a --minimize-budget of {2 * timeout_s:g} s or more tries")
+        work.append(m)
+    scratch = Path(tempfile.mkdtemp(prefix=".minimize-", dir=run_dir))
+    warm = WarmGroups()
+    counter = iter(range(1, 10**9))
+    try:
+        round_no = 0
+        while any(m.active for m in work):
+            round_no += 1
+            private = scratch / f"round{round_no}"
+            (private / "models").mkdir(parents=True)
+            (private / "run.json").write_text(config.to_json())
+            started = time.perf_counter()
+            planned: dict[str, list[Trial]] = {}
+            by_key: dict[str, Trial] = {}
+            for m in work:
+                if not m.active:
+                    continue
+                if round_no == 1:  # the example alone first: a case that only fails beside others is no minimum
+                    m.pending = [dataclasses.replace(m.original, spec=dataclasses.replace(
+                        m.original.spec, variant=f"m{next(counter)}"), change=ALONE)]
+                    m.pending += _proposals(m, lambda: f"m{next(counter)}")
+                elif not m.pending:
+                    m.pending = _proposals(m, lambda: f"m{next(counter)}")
+                chosen: list[Trial] = []
+                # as many tries as the rest of its budget affords at what a try has cost it so far (a crash
+                # costs a worker group's restart): a round ends about when the budget does
+                per_try = m.seconds / m.tries if m.tries else FIRST_TRY_COST_S.get(m.status, 1.0)
+                room = max(1, min(PER_FINDING_PER_ROUND, int((budget_s - m.seconds) / per_try)))
+                while m.pending and len(chosen) < room + (round_no == 1):
+                    trial = m.pending.pop(0)
+                    shared = by_key.get(trial.key())
+                    if shared is not None:
+                        trial = dataclasses.replace(trial, spec=shared.spec)
+                    elif _materialise(trial, private / "models"):
+                        by_key[trial.key()] = trial
+                    else:
+                        continue
+                    chosen.append(trial)
+                planned[m.finding_id] = chosen
+            built = time.perf_counter() - started
+            pairs = tuple(dict.fromkeys((t.model_id, t.setting) for ts in planned.values() for t in ts))
+            cost: dict[tuple[str, str], float] = {}  # per case: the time since the case before it in its bucket
+            clocks: dict[int, float] = {}
+            sweep_start = time.perf_counter()
+
+            def charge(case: Any, record: Any) -> None:
+                now, thread = time.perf_counter(), threading.get_ident()
+                cost[(case.model_id, case.setting.name)] = now - clocks.get(thread, sweep_start)
+                clocks[thread] = now
+
+            if pairs:
+                run_sweep(private, SweepOptions(pairs=pairs, timeout_s=timeout_s, device=device, plugins=plugins,
+                                                jobs=2), on_result=charge, warm=warm)
+                signed = signatures(analyze(private, plugins=config.plugins + plugins), separating)
+            else:
+                signed = {}
+            elapsed = time.perf_counter() - started
+            tried = {(t.model_id, t.setting) for ts in planned.values() for t in ts}
+            references: dict[str, float] = {}
+            for (model, setting), seconds in cost.items():
+                if (model, setting) not in tried:
+                    references[model] = references.get(model, 0.0) + seconds
+            users = Counter(model for ts in planned.values() for model in {t.model_id for t in ts})
+            for m in work:
+                if not m.active:
+                    continue
+                chosen = planned.get(m.finding_id, [])
+                # a finding pays for its own cases (a crash: its restart too) and its share of the round's set-up
+                own = sum(cost.get((t.model_id, t.setting), 0.0) for t in chosen)
+                for model in {t.model_id for t in chosen}:  # its references, shared with who else used the model
+                    own += references.get(model, 0.0) / users[model]
+                shared = max(0.0, built) / max(1, sum(x.active for x in work))
+                m.rounds, m.tries, m.seconds = m.rounds + 1, m.tries + len(chosen), m.seconds + own + shared
+                won = [t for t in chosen if signed.get((t.model_id, t.setting)) == m.signature]
+                if round_no == 1:
+                    alone = next((t for t in chosen if t.change == ALONE), None)
+                    if alone is None or alone not in won:
+                        got = signed.get((alone.model_id, alone.setting), "ok") if alone else "not built"
+                        m.active, m.outcome = False, f"not minimised: the example alone does not reproduce ({got})"
+                        continue
+                    won.remove(alone)
+                if won:
+                    smallest = min(won, key=lambda t: _order(m, t))
+                    m.best = smallest
+                    m.changes.append(smallest.change)
+                    m.composite = [t.change for t in won if " + " not in t.change] if len(won) > 1 else []
+                    m.pending = []  # the next round proposes from the new smallest
+                elif not m.pending:
+                    m.active, m.outcome = False, "minimal: no case one step smaller reproduces"
+                    continue
+                if m.seconds >= budget_s:
+                    m.active = False
+                    m.outcome = (f"budget of {budget_s:g} s spent after {m.rounds} rounds: "
+                                 "the smallest case found so far is kept")
+            if on_round is not None:
+                on_round(round_no, work, elapsed, built, len(pairs))
+            # the minimal models are copied out at the end; a round's folder is not needed past its verdicts
+            shutil.rmtree(private / "outputs", ignore_errors=True)
+        for finding, m in zip(findings, work):
+            _write(run_dir, finding, m, config, scratch)
+    finally:
+        warm.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return work
+
+
+def _batch_of(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "inputs.safetensors"), framework="numpy") as handle:
+        return int(handle.get_slice("train.labels").get_shape()[0])
+
+
+def _write(run_dir: Path, finding: Any, m: Minimisation, config: RunConfig, scratch: Path) -> None:
+    from difftest.repro import write_reproducer
+
+    target = run_dir / "findings" / finding.id
+    if m.best is not m.original:
+        minimal = dataclasses.replace(m.best, spec=dataclasses.replace(m.best.spec, variant="min"))
+        staging = scratch / "minimal"
+        (staging / "models").mkdir(parents=True, exist_ok=True)
+        _materialise(minimal, staging / "models")
+        (staging / "run.json").write_text(dataclasses.replace(config, batch_size=minimal.batch_size).to_json())
+        write_reproducer(staging, target, finding.id, finding.title, minimal.model_id, minimal.setting,
+                         signature=m.signature, contrast=finding.contrast)
+        m.best = minimal
+    (target / "minimize.json").write_text(json.dumps(m.to_json(), indent=1))
+
+
+def summary(minimisations: list[Minimisation]) -> pd.DataFrame:
+    """One row a finding: original and minimal sizes, what went, how long it took, why it stopped."""
+    rows = []
+    for m in minimisations:
+        before, after = m.size(m.original), m.size()
+        rows.append({"finding": m.finding_id,
+                     "original": ", ".join(f"{k} {v}" for k, v in before.items() if k != "parameters"),
+                     "minimal": ", ".join(f"{k} {v}" for k, v in after.items() if k != "parameters"),
+                     "parameters": f"{before.get('parameters', '')} → {after.get('parameters', '')}",
+                     "tries": m.tries, "seconds": round(m.seconds, 1), "outcome": m.outcome,
+                     "minimal_setting": m.best.setting, "changes": "; ".join(m.changes)})
+    return pd.DataFrame(rows)

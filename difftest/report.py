@@ -23,7 +23,8 @@ EXACT = 1e-12  # where an error of exactly 0 is drawn on a log axis
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #1d1d1f; }
-table { border-collapse: collapse; font-size: 13px; } td, th { border: 1px solid #ddd; padding: 4px 6px; }
+table { border-collapse: collapse; font-size: 13px; } td, th { border: 1px solid #ddd; padding: 4px 6px; vertical-align: top; }
+#findings { width: 100%; } #findings td.repro code { font-size: 11px; color: #555; word-break: break-all; }
 th { background: #f3f4f6; text-align: left; } td.num { text-align: right; } code { font-size: 12px; }
 .status-inconsistent, .status-nondeterministic { color: #b3261e; font-weight: 600; }
 .status-crash, .status-timeout, .status-error { color: #8a5300; font-weight: 600; }
@@ -76,8 +77,8 @@ def _size(m: Any, which: str) -> str:
 def _findings_table(run_dir: Path, findings: list, smallest: dict) -> str:
     if not findings:
         return "<h2>Findings</h2><p>No findings: every case that ran agreed with its reference.</p>"
-    head = ("<tr><th>id</th><th>status</th><th>finding</th><th>cases</th><th>settings</th><th>models</th>"
-            "<th>first divergence</th><th>worst L∞</th><th>minimal case</th><th>reproduce</th></tr>")
+    head = ("<tr><th>id</th><th>status</th><th>finding (and its reproducer)</th><th>cases</th><th>settings</th>"
+            "<th>models</th><th>first divergence</th><th>worst L∞</th><th>minimal case</th></tr>")
     rows = []
     for f in findings:
         m = smallest.get(f.id)
@@ -85,11 +86,11 @@ def _findings_table(run_dir: Path, findings: list, smallest: dict) -> str:
         worst = f.rows["worst_linf"].max()
         rows.append(
             f"<tr><td><a href='#{f.id}'>{f.id}</a></td><td class='status-{f.status}'>{f.status}</td>"
-            f"<td>{html.escape(f.title)}</td><td class='num'>{len(f.rows)}</td>"
+            f"<td class='repro'>{html.escape(f.title)}<br><code>python "
+            f"{html.escape(str(run_dir / 'findings' / f.id / 'repro.py'))}</code></td><td class='num'>{len(f.rows)}</td>"
             f"<td class='num'>{f.rows['setting'].nunique()}</td><td class='num'>{f.rows['model'].nunique()}</td>"
             f"<td><code>{html.escape(f.first_divergence)}</code></td>"
-            f"<td class='num'>{'' if pd.isna(worst) else f'{worst:.3g}'}</td><td>{minimal}</td>"
-            f"<td><code>python {html.escape(str(run_dir / 'findings' / f.id / 'repro.py'))}</code></td></tr>")
+            f"<td class='num'>{'' if pd.isna(worst) else f'{worst:.3g}'}</td><td>{minimal}</td></tr>")
     return (f"<h2>Findings</h2><p>{len(findings)} distinct findings cover the "
             f"{sum(len(f.rows) for f in findings)} cases that are not ok; each case belongs to exactly one.</p>"
             f"<table id='findings'><thead>{head}</thead><tbody>{''.join(rows)}</tbody></table>")

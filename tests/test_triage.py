@@ -102,3 +102,59 @@ def test_unreadable_outputs_and_a_run_with_nothing_wrong(fresh_run: Path) -> Non
     findings = triage(fresh_run, analyze(fresh_run))
     assert len(findings) == 1 and findings[0].status == "error"
     assert findings[0].title.startswith("error: outputs unreadable") and len(findings[0].rows) == 1
+
+
+def test_minimisation_shrinks_each_example_while_it_fails_the_same_way(fresh_run: Path) -> None:
+    from difftest.minimize import minimize
+
+    run_sweep(fresh_run, SweepOptions(settings="faults/shard_off_by_one_row/ws2,faults/raises/ws2,"
+                                               "torchrec/ebc/table_wise/ws2", plugins=(PLANTED,), timeout_s=60))
+    analysis = analyze(fresh_run, plugins=(PLANTED,))
+    findings = triage(fresh_run, analysis)
+    shifted = next(f for f in findings if f.status == "inconsistent")
+    raised = next(f for f in findings if f.status == "error")
+    done = {m.finding_id: m for m in minimize(fresh_run, findings, analysis, budget_s=90, plugins=(PLANTED,))}
+    for finding in (shifted, raised):
+        m = done[finding.id]
+        before, after = m.size(m.original), m.size()
+        assert after["tables"] < before["tables"] and after["parameters"] < before["parameters"], m.to_json()
+        assert m.changes and m.outcome, m.to_json()
+        saved = fresh_run / "findings" / finding.id
+        assert (saved / "run" / "models" / m.best.model_id / "spec.json").is_file()
+        assert f'"{m.best.model_id}"' in (saved / "minimize.json").read_text()
+    # the minimal case reruns alone through its repro.py and fails with the finding's own signature
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(fresh_run / "findings" / shifted.id / "repro.py")], capture_output=True,
+                            text=True, timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 1 and "the finding reproduces: same signature" in result.stdout, result.stdout
+    assert shifted.signature in result.stdout
+    # a budget too small for a second round keeps the smallest case found in the first, and says so
+    hurried = minimize(fresh_run, [shifted], analysis, budget_s=0.5, plugins=(PLANTED,))[0]
+    assert hurried.outcome.startswith("budget of 0.5 s spent") and hurried.rounds == 1
+    assert hurried.size()["parameters"] <= hurried.size(hurried.original)["parameters"]
+
+
+def test_a_running_sweep_is_triaged_as_a_snapshot(fresh_run: Path) -> None:
+    import threading
+    import time
+
+    from difftest.analysis import sweep_in_progress
+
+    options = SweepOptions(settings="reference,torchrec/ebc/table_wise/ws2,torchrec/ebc/row_wise/ws2,"
+                                    "faults/raises/ws2", plugins=(PLANTED,), timeout_s=60)
+    sweeping = threading.Thread(target=run_sweep, args=(fresh_run, options))
+    sweeping.start()
+    snapshots = []
+    while sweeping.is_alive():
+        if sweep_in_progress(fresh_run):
+            analysis = analyze(fresh_run, plugins=(PLANTED,))
+            triage(fresh_run, analysis)  # never a traceback, never a finding for a case whose reference is to come
+            snapshots.append(analysis)
+            assert not analysis.cases["verdict"].isin(["error"]).any() or \
+                set(analysis.cases[analysis.cases["verdict"] == "error"]["setting"]) == {"faults/raises/ws2"}
+        time.sleep(0.3)
+    sweeping.join()
+    assert any(a.sweep_running for a in snapshots) and not sweep_in_progress(fresh_run)
+    final = analyze(fresh_run, plugins=(PLANTED,))
+    assert not final.sweep_running and len(final.cases) == 8
+    assert all(len(a.cases) <= len(final.cases) for a in snapshots)

@@ -1,0 +1,65 @@
+"""report.html in a real headless browser: Debian's Chromium, driven by Playwright."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from difftest.analysis import analyze
+from difftest.report import write_report
+from difftest.runner.sweep import SweepOptions, run_sweep
+from difftest.triage import triage
+from tests.conftest import PLANTED
+
+SCREENSHOT = Path(__file__).resolve().parents[1] / "results" / "report-test.png"
+
+
+def _chromium() -> str:
+    """The system's Chromium; installed from Debian's packages when this machine can (root with apt-get)."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None and shutil.which("apt-get") and os.geteuid() == 0:
+        for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+            subprocess.run(command, capture_output=True, timeout=900, env={**os.environ,
+                                                                           "DEBIAN_FRONTEND": "noninteractive"})
+        found = shutil.which("chromium")
+    if found is None:
+        pytest.skip("no Chromium here and it cannot be installed (needs root and apt-get): report.html not opened")
+    return found
+
+
+def test_report_loads_in_a_browser_without_errors_and_lists_every_finding(fresh_run: Path) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright missing: install the [test] extra")
+    browser_path = _chromium()
+    run_sweep(fresh_run, SweepOptions(settings="faults/shard_off_by_one_row/ws2,faults/raises/ws2,"
+                                               "torchrec/ebc/table_wise/ws2,torchrec/ebc/grid_shard/ws2",
+                                      plugins=(PLANTED,), timeout_s=60))
+    analysis = analyze(fresh_run, plugins=(PLANTED,))
+    findings = triage(fresh_run, analysis)
+    page_path = write_report(fresh_run, analysis, findings)
+    expected = pd.read_csv(fresh_run / "findings.csv")
+    assert len(expected) == len(findings) >= 3
+    problems: list[str] = []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.on("request", lambda r: None if r.url.startswith(("file:", "data:", "blob:"))
+                else problems.append(f"network request: {r.url}"))  # self-contained: nothing fetched
+        page.goto(page_path.as_uri(), wait_until="load")
+        page.wait_for_selector(".js-plotly-plot .main-svg")  # plotly ran and drew
+        ids = page.locator("#findings tbody tr td:first-child").all_inner_texts()
+        plots = page.locator(".js-plotly-plot").count()
+        sections = page.locator("section.finding").count()
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
+        browser.close()
+    assert problems == []
+    assert ids == list(expected["id"])
+    assert plots == 2 and sections == len(findings)
+    assert SCREENSHOT.stat().st_size > 10_000

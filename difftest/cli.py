@@ -149,11 +149,11 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: f
 
 
 def _minimize(out: Path, found: list, analysis, budget: float, timeout: float, device: str) -> list:
-    from difftest.minimize import minimize
+    from difftest.minimize import load_previous, minimize
     from difftest.spec import RunConfig
 
-    if budget <= 0 or analysis.sweep_running:
-        return []
+    if budget <= 0 or analysis.sweep_running:  # what earlier triages minimised still holds
+        return [m for f in found if (m := load_previous(out, f, 0.0)) is not None]
     started = time.perf_counter()
 
     def on_round(number: int, work: list, seconds: float, built: float, cases: int) -> None:
@@ -161,8 +161,9 @@ def _minimize(out: Path, found: list, analysis, budget: float, timeout: float, d
         console.print(f"minimise round {number}: {cases} cases in {seconds:.1f}s; {active} of {len(work)} findings "
                       "still shrinking", highlight=False)
 
-    console.print(f"minimising {len(found)} findings (at most {budget:g}s each; --minimize-budget 0 skips this)",
-                  highlight=False)
+    fresh = sum(load_previous(out, f, budget) is None for f in found)
+    console.print(f"minimising {fresh} findings (at most {budget:g}s each; --minimize-budget 0 skips this); "
+                  f"{len(found) - fresh} minimised by an earlier triage of this run", highlight=False)
     done = minimize(out, found, analysis, budget_s=budget, timeout_s=timeout, device=device,
                     plugins=RunConfig.load(out / "run.json").plugins, on_round=on_round)
     console.print(f"minimised in {time.perf_counter() - started:.1f}s", highlight=False)

@@ -67,6 +67,7 @@ class Minimisation:
     seconds: float = 0.0
     outcome: str = ""  # why it stopped
     status: str = ""
+    budget_s: float = 0.0
     pending: list[Trial] = field(default_factory=list)
     composite: list[str] = field(default_factory=list)  # changes that succeeded last round, to try together
     active: bool = True
@@ -77,11 +78,35 @@ class Minimisation:
                 "batch": trial.batch_size}
 
     def to_json(self) -> dict[str, Any]:
-        return {"finding": self.finding_id, "signature": self.signature, "outcome": self.outcome,
+        return {"finding": self.finding_id, "signature": self.signature, "outcome": self.outcome, "budget_s": self.budget_s,
                 "original": {"model": self.original.model_id, "setting": self.original.setting,
                              "size": self.size(self.original)},
                 "minimal": {"model": self.best.model_id, "setting": self.best.setting, "size": self.size()},
                 "changes": self.changes, "tries": self.tries, "rounds": self.rounds, "seconds": round(self.seconds, 1)}
+
+
+MINIMIZE_FILE = "minimize.json"
+
+
+def load_previous(run_dir: Path, finding: Any, budget_s: float) -> Minimisation | None:
+    """The finding's minimisation from an earlier triage of this run, if it is still good: same signature, same
+    example, and it either reached a minimum or had at least this budget (a rerun resumes, it does not redo)."""
+    target = run_dir / "findings" / finding.id
+    try:
+        saved = json.loads((target / MINIMIZE_FILE).read_text())
+        original = (saved["original"]["model"], saved["original"]["setting"])
+        best_dir = target / "run" / "models" / saved["minimal"]["model"]
+        if (saved["signature"] != finding.signature or original != (finding.example["model"], finding.example["setting"])
+                or not (saved["outcome"].startswith(("minimal", "not minimised")) or saved["budget_s"] >= budget_s)):
+            return None
+        first = Trial(load_spec(run_dir / "models" / original[0]), original[1], saved["original"]["size"]["batch"])
+        best = Trial(load_spec(best_dir), saved["minimal"]["setting"], saved["minimal"]["size"]["batch"])
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None
+    return Minimisation(finding.id, finding.signature, first, best if best.model_id != first.model_id else first,
+                        changes=list(saved["changes"]), tries=saved["tries"], rounds=saved["rounds"],
+                        seconds=saved["seconds"], outcome=saved["outcome"], status=finding.status,
+                        budget_s=saved["budget_s"], active=False)
 
 
 def _generator_size(spec: ModelSpec) -> dict[str, int]:
@@ -183,10 +208,15 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
     config = RunConfig.load(run_dir / "run.json")
     separating = _separating_values(analysis.cases)
     work: list[Minimisation] = []
+    kept: dict[str, Minimisation] = {}
     for finding in findings:
+        previous = load_previous(run_dir, finding, budget_s)
+        if previous is not None:
+            kept[finding.id] = previous
+            continue
         spec = load_spec(run_dir / "models" / finding.example["model"])
         original = Trial(spec, finding.example["setting"], _batch_of(run_dir / "models" / spec.model_id))
-        m = Minimisation(finding.id, finding.signature, original, original, status=finding.status)
+        m = Minimisation(finding.id, finding.signature, original, original, status=finding.status, budget_s=budget_s)
         if finding.status == "timeout" and budget_s < 2 * timeout_s:
             m.active, m.outcome = False, (f"not minimised: each try waits for the {timeout_s:g} s timeout; "
                                           f"a --minimize-budget of {2 * timeout_s:g} s or more tries")
@@ -288,12 +318,14 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
                 on_round(round_no, work, elapsed, built, len(pairs))
             # the minimal models are copied out at the end; a round's folder is not needed past its verdicts
             shutil.rmtree(private / "outputs", ignore_errors=True)
-        for finding, m in zip(findings, work):
-            _write(run_dir, finding, m, config, scratch)
+        by_id = {m.finding_id: m for m in work}
+        for finding in findings:
+            if finding.id in by_id:
+                _write(run_dir, finding, by_id[finding.id], config, scratch)
     finally:
         warm.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    return work
+    return [kept.get(f.id) or by_id[f.id] for f in findings]
 
 
 def _batch_of(model_dir: Path) -> int:
@@ -309,14 +341,14 @@ def _write(run_dir: Path, finding: Any, m: Minimisation, config: RunConfig, scra
     target = run_dir / "findings" / finding.id
     if m.best is not m.original:
         minimal = dataclasses.replace(m.best, spec=dataclasses.replace(m.best.spec, variant="min"))
-        staging = scratch / "minimal"
+        staging = scratch / "minimal" / finding.id  # two findings may shrink the same model two ways
         (staging / "models").mkdir(parents=True, exist_ok=True)
         _materialise(minimal, staging / "models")
         (staging / "run.json").write_text(dataclasses.replace(config, batch_size=minimal.batch_size).to_json())
         write_reproducer(staging, target, finding.id, finding.title, minimal.model_id, minimal.setting,
                          signature=m.signature, contrast=finding.contrast)
         m.best = minimal
-    (target / "minimize.json").write_text(json.dumps(m.to_json(), indent=1))
+    (target / MINIMIZE_FILE).write_text(json.dumps(m.to_json(), indent=1))
 
 
 def summary(minimisations: list[Minimisation]) -> pd.DataFrame:

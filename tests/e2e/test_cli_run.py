@@ -83,6 +83,17 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert findings["cases"].sum() == not_ok and len(findings) < not_ok
     assert all((out / "findings" / fid / "repro.py").is_file() for fid in findings["id"])
     assert "distinct findings" in result.stdout
+    # each finding's example was shrunk (or it says why not) and the smaller case is what its repro.py runs
+    import json
+
+    for fid in findings["id"]:
+        saved = json.loads((out / "findings" / fid / "minimize.json").read_text())
+        before, after = saved["original"]["size"], saved["minimal"]["size"]
+        assert saved["outcome"] and all(after[k] <= before[k] for k in before), saved
+        assert f"{saved['minimal']['model']!r}" in (out / "findings" / fid / "repro.py").read_text()
+    shrunk = [fid for fid in findings["id"] if "-min" in (out / "findings" / fid / "repro.py").read_text()]
+    assert len(shrunk) >= len(findings) // 2
+    assert (out / "report.html").stat().st_size > 1_000_000  # plotly's JavaScript is in the page
     return rows
 
 

@@ -30,6 +30,7 @@ def convert_onnx(generator: Any, spec: Any, init_state: dict[str, np.ndarray], m
     from generators.sequential import onnx_export
 
     proto = onnx.load_model(str(onnx_export(model_dir)))
+    layers = _expose_layer_outputs(proto, [layer["name"] for layer in spec.params["layers"]])
     try:
         graph = _CONVERT[converter](proto)
     except Exception as exc:
@@ -43,9 +44,30 @@ def convert_onnx(generator: Any, spec: Any, init_state: dict[str, np.ndarray], m
         raise ConversionFailed(f"{converter} module fails to run: {type(exc).__name__}: {str(exc)[:500]}") from None
     wanted = {n: v for n, v in init_state.items() if not n.endswith(("moving_mean", "moving_variance"))}
     frozen = tuple(f"{layer}/" for layer in spec.frozen)
-    converted = ConvertedModel(graph, wanted, frozen, probe)
+    converted = ConvertedModel(graph, wanted, frozen, probe, layers)
     converted.probe = probe
     return converted
+
+
+def _expose_layer_outputs(proto: Any, layer_names: list[str]) -> list[str]:
+    """Make the tensor at each Keras layer boundary (`layer_cuts`) an output of the graph too, so that evaluation
+    records every layer's activation and a finding names the layer it starts in. Returns the layers, in the order
+    of the outputs that follow the logits."""
+    import onnx
+
+    try:
+        cuts = layer_cuts(onnx.shape_inference.infer_shapes(proto))
+    except Exception:  # a graph shape inference cannot type has no cuts to expose: the logits alone are recorded
+        return []
+    exposed: list[str] = []
+    for cut in cuts:
+        onnx_layer = _layer_of(cut)  # "l3_dense_1": Keras may suffix the name inside its function graph
+        matches = [n for n in layer_names if onnx_layer == n or onnx_layer.startswith(f"{n}_")]
+        if not matches or max(matches, key=len) in exposed:
+            continue
+        exposed.append(max(matches, key=len))
+        proto.graph.output.append(onnx.helper.make_tensor_value_info(cut, onnx.TensorProto.FLOAT, None))
+    return exposed
 
 
 def _onnx2pytorch(proto: Any) -> Any:
@@ -110,9 +132,12 @@ def _make_parameter(owner: Any, attr: str) -> Any:
 class ConvertedModel(torch.nn.Module):
     """A converted ONNX graph whose trainable parameters are exactly the mapped Keras weights."""
 
-    def __init__(self, graph: Any, keras_weights: dict[str, np.ndarray], frozen: tuple[str, ...], probe: Any) -> None:
+    def __init__(self, graph: Any, keras_weights: dict[str, np.ndarray], frozen: tuple[str, ...], probe: Any,
+                 layers: list[str] | None = None) -> None:
         super().__init__()
         self.graph = graph
+        self.layers = list(layers or [])  # the Keras layers whose outputs the graph returns after the logits
+        self.captured: dict[str, Any] | None = None  # set by `SequentialGenerator.evaluate` to record them
         self.keras_shapes = {name: weight.shape for name, weight in keras_weights.items()}
         self.mapped: dict[str, _Mapped] = {}
         self.unmapped: dict[str, str] = {}
@@ -128,7 +153,7 @@ class ConvertedModel(torch.nn.Module):
         promoted = {(id(o), a): _make_parameter(o, a) for found in candidates.values() for o, a, _ in found}
         for parameter in promoted.values():
             parameter.requires_grad_(True)
-        reached = graph(probe).float()
+        reached = self.forward(probe).float()
         if reached.requires_grad:  # a graph segment may hold no weight at all
             reached.square().sum().backward()
         for name in keras_weights:
@@ -149,7 +174,12 @@ class ConvertedModel(torch.nn.Module):
             mapped.tensor.requires_grad_(not name.startswith(frozen))
 
     def forward(self, x: Any) -> Any:
-        return self.graph(x)
+        out = self.graph(x)
+        if not isinstance(out, (list, tuple)):
+            return out
+        if self.captured is not None:
+            self.captured.update(zip(self.layers, out[1:]))
+        return out[0]
 
     def keras_parameters(self) -> dict[str, Any]:
         """Keras name → the mapped parameter, viewed in Keras layout."""

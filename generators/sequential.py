@@ -321,7 +321,21 @@ class SequentialGenerator:
         return module(torch.from_numpy(batch.dense).to(device))
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
-        return {"logits": self.forward(module, batch, device)}
+        """The logits, and each layer's output (`l3_dense/act`) where the converted module exposes it, so a finding
+        names the layer it starts in (compared only where both sides recorded it: `difftest.oracle.ACTIVATION`)."""
+        from torch.distributed.tensor import DTensor
+
+        inner = _converted(module)
+        if inner is None:
+            return {"logits": self.forward(module, batch, device)}
+        inner.captured = {}
+        try:
+            logits = self.forward(module, batch, device)
+            layers = {f"{name}/act": v.full_tensor() if isinstance(v, DTensor) else v  # tensor parallel
+                      for name, v in inner.captured.items()}
+        finally:
+            inner.captured = None
+        return {"logits": logits, **layers}
 
     def loss(self, prediction: Any, batch: Batch) -> Any:
         import torch
@@ -388,6 +402,15 @@ def export_onnx(model: Any, spec: ModelSpec) -> bytes:
     function = tf.function(lambda x: model(x, training=False))
     proto, _ = tf2onnx.convert.from_function(function, input_signature=signature, opset=OPSET)
     return proto.SerializeToString()
+
+
+def _converted(module: Any) -> Any:
+    """The ConvertedModel inside DDP/FSDP wrappers (by its own attributes: legacy FSDP forwards lookups inward)."""
+    while "keras_shapes" not in vars(module):
+        module = getattr(module, "module", None) or getattr(module, "_fsdp_wrapped_module", None)
+        if module is None:
+            return None
+    return module
 
 
 def _unwrap(module: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Iterator
 import numpy as np
 
 from difftest.errors import Unsupported
+from difftest.oracle import ACTIVATION
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings import _error_bounds as bounds
@@ -49,12 +50,16 @@ class _DenseQuantization(Setting):
         with self.quantized(ctx, build_for_training(model, ctx.device).eval()) as forward:
             with torch.no_grad():
                 predicted = forward(lambda m: model.evaluate(m, inputs.eval, ctx.device))
-        outputs = {f"eval_before/{name}": to_numpy(value.float()) for name, value in predicted.items()}
+        # the bounds cover the model's outputs; a layer's own activation is not bounded, so it is not recorded
+        outputs = {f"eval_before/{name}": to_numpy(value.float()) for name, value in predicted.items()
+                   if not name.endswith(ACTIVATION)}
         reference = bounds.all_trainable(build_for_training(model, ctx.device).eval())
         perturbations = bounds.Perturbations()
         with perturbations.hooked(self.rounding_sites(reference), self.rounding):
             evaluated = model.evaluate(reference, inputs.eval, ctx.device)
         for name, value in evaluated.items():
+            if name.endswith(ACTIVATION):
+                continue
             bound = bounds.first_order_bound(value, perturbations.sources)
             outputs[f"allowed/eval_before/{name}"] = (bound + self.final_rounding(to_numpy(value))).astype(np.float32)
         return outputs

@@ -67,7 +67,8 @@ def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_
     run_dir = fresh_sequential_run
     clean = ["reference", "tf/reference", "tf/mirrored/r2", "convert/onnxruntime/eval",
              "convert/onnx2pytorch/eval", "convert/onnx2pytorch/train", "ddp/default/ws2"]
-    planted = ["faults/convert_flipped_kernel/eval", "faults/convert_flipped_kernel/train", "faults/tf_local_mean_loss/r2"]
+    planted = ["faults/convert_flipped_kernel/eval", "faults/convert_flipped_kernel/train", "faults/tf_local_mean_loss/r2",
+               "faults/later_kernel_scaled"]
     models = "*-i0,*-i1-frozen,*-i2"
     run_sweep(run_dir, SweepOptions(settings=",".join(clean + planted), models=models, plugins=(PLANTED,), timeout_s=180))
     cases = analyze(run_dir).cases
@@ -77,3 +78,18 @@ def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_
             assert judged[(model, setting)] == "ok", (model, setting)
         for setting in planted:
             assert judged[(model, setting)] == "inconsistent", (model, setting)
+    # converted models record every exposed layer's output: a divergence is traced to the layer it starts in
+    from difftest.artifacts import load_model
+    from difftest.triage import first_divergences
+    from tests.faults.planted import scaled_layer
+
+    earliest = first_divergences(analyze(run_dir))
+    earliest = earliest[earliest["setting"] == "faults/later_kernel_scaled"].set_index("model")
+    for model in ("sequential-s0-i0", "sequential-s0-i1-frozen", "sequential-s0-i2"):
+        loaded, inputs = load_model(run_dir / "models" / model)
+        module = loaded.build("cpu")
+        layer = scaled_layer(module)
+        assert len(loaded.evaluate(module, inputs.eval, "cpu")) == 1 + len(module.layers) >= 3
+        where = earliest.loc[model]
+        expected = f"{layer}/act" if layer in module.layers else "logits"
+        assert (where["phase"], where["tensor"]) == ("eval_before", expected), (model, layer, module.layers)

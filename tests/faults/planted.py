@@ -411,3 +411,40 @@ class DeterminismModeProbe(Setting):
 
 
 register_settings([DeterminismModeProbe()])
+
+
+@dataclass(frozen=True)
+class LaterKernelScaled(Setting):
+    """The reference with the weights of one layer before the logits 1 % too large (`scaled_layer`): every layer
+    before it is exact, so the first divergence must name that layer's activation."""
+
+    world_size: int = 1
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return "faults/later_kernel_scaled"
+
+    def supports(self, spec: Any) -> str | None:
+        return None if spec.kind == "sequential" else "planted on Keras models only"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+
+        from settings._training import build_for_training, train_single_process
+
+        module = build_for_training(model, ctx.device)
+        with torch.no_grad():
+            for name, view in module.keras_parameters().items():
+                if name.startswith(f"{scaled_layer(module)}/"):
+                    view.mul_(1.01)
+        return train_single_process(ctx, model, inputs, module)
+
+
+def scaled_layer(module: Any) -> str:
+    """The layer `LaterKernelScaled` scales: the last but one layer with weights (the last, if it is the only one)."""
+    layers = sorted({name.split("/")[0] for name in module.keras_parameters()}, key=lambda n: int(n[1:n.index("_")]))
+    return layers[-2] if len(layers) > 1 else layers[-1]
+
+
+register_settings([LaterKernelScaled()])

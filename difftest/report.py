@@ -24,7 +24,10 @@ EXACT = 1e-12  # where an error of exactly 0 is drawn on a log axis
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #1d1d1f; }
 table { border-collapse: collapse; font-size: 13px; } td, th { border: 1px solid #ddd; padding: 4px 6px; vertical-align: top; }
-#findings { width: 100%; } #findings td.repro code { font-size: 11px; color: #555; word-break: break-all; }
+#findings { width: 100%; table-layout: fixed; } #findings td { overflow-wrap: anywhere; }
+#findings td code { word-break: break-all; } #findings td.repro code { font-size: 11px; color: #555; }
+#findings th:nth-child(1) { width: 6em; } #findings th:nth-child(2) { width: 7em; } #findings th:nth-child(3) { width: 34%; }
+#findings th:nth-child(4), #findings th:nth-child(5), #findings th:nth-child(6) { width: 4.5em; }
 th { background: #f3f4f6; text-align: left; } td.num { text-align: right; } code { font-size: 12px; }
 .status-inconsistent, .status-nondeterministic { color: #b3261e; font-weight: 600; }
 .status-crash, .status-timeout, .status-error { color: #8a5300; font-weight: 600; }

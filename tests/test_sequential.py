@@ -88,7 +88,7 @@ def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_
     for model in ("sequential-s0-i0", "sequential-s0-i1-frozen", "sequential-s0-i2"):
         loaded, inputs = load_model(run_dir / "models" / model)
         module = loaded.build("cpu")
-        layer = scaled_layer(module)
+        layer = scaled_layer(loaded, module)
         assert len(loaded.evaluate(module, inputs.eval, "cpu")) == 1 + len(module.layers) >= 3
         where = earliest.loc[model]
         expected = f"{layer}/act" if layer in module.layers else "logits"

@@ -436,14 +436,17 @@ class LaterKernelScaled(Setting):
         module = build_for_training(model, ctx.device)
         with torch.no_grad():
             for name, view in module.keras_parameters().items():
-                if name.startswith(f"{scaled_layer(module)}/"):
+                if name.startswith(f"{scaled_layer(model, module)}/"):
                     view.mul_(1.01)
         return train_single_process(ctx, model, inputs, module)
 
 
-def scaled_layer(module: Any) -> str:
-    """The layer `LaterKernelScaled` scales: the last but one layer with weights (the last, if it is the only one)."""
-    layers = sorted({name.split("/")[0] for name in module.keras_parameters()}, key=lambda n: int(n[1:n.index("_")]))
+def scaled_layer(model: Any, module: Any) -> str:
+    """The layer `LaterKernelScaled` scales: the last but one layer with weights, in the spec's layer order (the last,
+    if it is the only one)."""
+    weights = module.keras_parameters()
+    layers = [layer["name"] for layer in model.spec.params["layers"]
+              if any(name.startswith(f"{layer['name']}/") for name in weights)]
     return layers[-2] if len(layers) > 1 else layers[-1]
 
 

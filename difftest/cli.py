@@ -142,7 +142,7 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: f
     minimised = _minimize(out, found, analysis, minimize_budget, timeout, device) if found else []
     from difftest.report import write_report
 
-    report = write_report(out, analysis, found, minimised)
+    report = write_report(out, analysis, found, minimised, Tolerance(atol=atol, rtol=rtol))
     _print_findings(out, found, minimised, report)
     if fail and any(findings[s] for s in FINDINGS):
         raise typer.Exit(1)

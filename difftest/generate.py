@@ -8,7 +8,7 @@ from typing import Callable
 from difftest.artifacts import atomic_write_text, save_model
 from difftest.errors import UserError
 from difftest.registry import get_generator, load_plugins
-from difftest.spec import RunConfig
+from difftest.spec import ModelSpec, RunConfig
 
 RUN_FILE = "run.json"
 
@@ -29,6 +29,17 @@ def prepare_run(run_dir: Path, config: RunConfig) -> RunConfig:
     return config
 
 
+def materialise(spec: ModelSpec, model_dir: Path, batch_size: int) -> None:
+    """Write a model's folder from its spec: initial weights, inputs of `batch_size` samples, its generator's extra
+    files (a Keras model's ONNX export); a folder already complete is left as it is."""
+    if (model_dir / "spec.json").exists():
+        return
+    generator = get_generator(spec.kind)
+    state = generator.init_state(spec)
+    extra = generator.artifacts(spec, state) if hasattr(generator, "artifacts") else None
+    save_model(model_dir, spec, state, generator.inputs(spec, batch_size), extra)
+
+
 def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] | None = None) -> list[str]:
     load_plugins(config.plugins)
     if config.batch_size % 12:
@@ -40,10 +51,7 @@ def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] |
         for index in range(config.models):
             spec = generator.spec(config.seed, index)
             model_dir = run_dir / "models" / spec.model_id
-            if not (model_dir / "spec.json").exists():
-                state = generator.init_state(spec)
-                extra = generator.artifacts(spec, state) if hasattr(generator, "artifacts") else None
-                save_model(model_dir, spec, state, generator.inputs(spec, config.batch_size), extra)
+            materialise(spec, model_dir, config.batch_size)
             ids.append(spec.model_id)
             if on_model is not None:
                 on_model(spec.model_id)

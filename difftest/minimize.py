@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import pandas as pd
 
 from difftest.analysis import Analysis, analyze
-from difftest.artifacts import load_spec, save_model
+from difftest.artifacts import load_spec
 from difftest.errors import UserError
 from difftest.registry import all_settings, get_generator, get_setting
 from difftest.spec import ModelSpec, RunConfig
@@ -181,14 +180,11 @@ def _with_params(spec: ModelSpec, params: dict[str, Any]) -> ModelSpec:
 
 def _materialise(trial: Trial, models_dir: Path) -> bool:
     """Write the trial's model folder (spec, weights, inputs); False if its generator cannot build it."""
+    from difftest.generate import materialise
+
     target = models_dir / trial.model_id
-    if (target / "spec.json").exists():
-        return True
-    generator = get_generator(trial.spec.kind)
     try:
-        state = generator.init_state(trial.spec)
-        extra = generator.artifacts(trial.spec, state) if hasattr(generator, "artifacts") else None
-        save_model(target, trial.spec, state, generator.inputs(trial.spec, trial.batch_size), extra)
+        materialise(trial.spec, target, trial.batch_size)
     except UserError:
         raise
     except Exception:  # a shape the smaller model cannot have (Keras refuses it): not a candidate
@@ -350,16 +346,3 @@ def _write(run_dir: Path, finding: Any, m: Minimisation, config: RunConfig, scra
         m.best = minimal
     (target / MINIMIZE_FILE).write_text(json.dumps(m.to_json(), indent=1))
 
-
-def summary(minimisations: list[Minimisation]) -> pd.DataFrame:
-    """One row a finding: original and minimal sizes, what went, how long it took, why it stopped."""
-    rows = []
-    for m in minimisations:
-        before, after = m.size(m.original), m.size()
-        rows.append({"finding": m.finding_id,
-                     "original": ", ".join(f"{k} {v}" for k, v in before.items() if k != "parameters"),
-                     "minimal": ", ".join(f"{k} {v}" for k, v in after.items() if k != "parameters"),
-                     "parameters": f"{before.get('parameters', '')} → {after.get('parameters', '')}",
-                     "tries": m.tries, "seconds": round(m.seconds, 1), "outcome": m.outcome,
-                     "minimal_setting": m.best.setting, "changes": "; ".join(m.changes)})
-    return pd.DataFrame(rows)

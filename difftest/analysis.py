@@ -9,15 +9,20 @@ from pathlib import Path
 import pandas as pd
 
 from difftest.errors import UserError
+from difftest.envelope import UNIT_ROUNDOFF, Envelope
 from difftest.oracle import Tolerance, compare
-from difftest.registry import get_generator, get_setting, load_plugins
+from difftest.registry import calibrations_of, get_generator, get_setting, load_plugins, root_of
 from difftest.runner.sweep import list_models
 from difftest.store import STATUSES, Store
 
 CSV_COLUMNS = [
     "model", "input", "kind", "setting", "reference", "phase", "tensor",
     "linf", "max_rel", "mismatches", "numel", "oracle", "bound", "bound_ratio", "status", "message",
+    # the calibrated oracle (`difftest.envelope`): distance to the root's float64 result and its ratio to the
+    # envelope; `status` is its verdict where it applies, `d3_status` always the fixed allclose/bound one
+    "calibrated_linf", "calibrated_ratio", "d3_status",
 ]
+CASE_COLUMNS = ["model", "kind", "setting", "verdict", "d3_verdict", "calibrated", "worst_linf", "wall_s"]
 
 
 @dataclass
@@ -39,8 +44,16 @@ class Analysis:
         return int((self.cases["verdict"] == status).sum())
 
 
-def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...] = ()) -> Analysis:
-    """Judge each case against its setting's reference (`Setting.reference`) on the tensors it `judges`."""
+ORACLES = ("calibrated", "d3")
+
+
+def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...] = (),
+            oracle: str = "calibrated") -> Analysis:
+    """Judge each case against its setting's reference (`Setting.reference`) on the tensors it `judges`: by the
+    calibrated oracle where its root was calibrated (`oracle="calibrated"`), else by the fixed D3 one; both verdicts
+    are kept (`verdict`, `d3_verdict`)."""
+    if oracle not in ORACLES:
+        raise UserError(f"unknown oracle {oracle!r}; oracles: {', '.join(ORACLES)}")
     load_plugins(plugins)
     specs = {spec.model_id: spec for _, spec in list_models(run_dir)}
     running = sweep_in_progress(run_dir)
@@ -58,6 +71,24 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
                 reference_outputs[key] = loaded if isinstance(loaded, dict) else None
             return reference_outputs[key]
 
+        envelopes: dict[tuple[str, str, str], tuple[Envelope | None, str]] = {}
+
+        def envelope_of(model: str, setting) -> tuple[Envelope | None, str]:
+            """The envelope judging `setting` on `model`, or why the D3 verdict stands."""
+            if oracle != "calibrated":
+                return None, "d3 oracle chosen"
+            if setting is None or setting.family == "calibration":
+                return None, "a calibration run is what the envelope is made of"
+            if setting.tolerance(tol) == Tolerance(0.0, 0.0):
+                return None, "judged bitwise"
+            if setting.precision not in UNIT_ROUNDOFF:
+                return None, f"{setting.precision} arithmetic: judged by its scheme's bound"
+            root = root_of(setting)
+            key = (model, root.name, setting.precision)
+            if key not in envelopes:
+                envelopes[key] = _measure_envelope(model, root, setting.precision, by_model, outputs_of_reference)
+            return envelopes[key]
+
         rows: list[dict] = []
         verdicts: list[dict] = []
         for record in records:
@@ -68,6 +99,7 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
             reference = setting.reference if setting is not None else "reference"
             base = {"model": record.model, "input": spec.input_id, "kind": spec.kind, "setting": record.setting, "reference": reference}
             worst = math.nan
+            calibrated, d3_verdict = "", ""
             if record.status != "ok":
                 verdict = record.status
                 rows.append(_case_row(base, record.status, record.message))
@@ -87,22 +119,37 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
                 expected = outputs_of_reference(record.model, reference) or {}
                 if setting is not None:
                     expected = {k: v for k, v in expected.items() if setting.judges(k)}
+                    actual = {k: v for k, v in actual.items() if setting.judges(k)}
                 judged_by = setting.tolerance(tol) if setting is not None else tol
                 comparisons = compare(actual, expected, judged_by)
                 mismatch = setting.mismatch_status if setting is not None else "inconsistent"
+                envelope, why_not = envelope_of(record.model, setting)
+                calibrated = "yes" if envelope is not None else f"no: {why_not}"
+                finals, d3 = [], []
                 for c in comparisons:
+                    name = f"{c.phase}/{c.tensor}"
+                    judged = (envelope.judge(name, actual[name])
+                              if envelope is not None and name in actual and c.oracle != "bound" else None)
+                    ok = judged.consistent if judged is not None else c.consistent
+                    finals.append(ok)
+                    d3.append(c.consistent)
                     rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
-                                 "status": "ok" if c.consistent else mismatch,
-                                 "message": c.message or record.message})
+                                 "status": "ok" if ok else mismatch, "message": c.message or record.message,
+                                 "calibrated_linf": judged.linf if judged else math.nan,
+                                 "calibrated_ratio": judged.ratio if judged else math.nan,
+                                 "d3_status": "ok" if c.consistent else mismatch})
                 worst = max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan)
-                verdict = "ok" if all(c.consistent for c in comparisons) else mismatch
+                verdict = "ok" if all(finals) else mismatch
+                d3_verdict = "ok" if all(d3) else mismatch
+            d3_verdict = d3_verdict or verdict  # a case not compared tensor by tensor has one verdict
             verdicts.append({"model": record.model, "kind": spec.kind, "setting": record.setting,
-                             "verdict": verdict, "worst_linf": worst, "wall_s": record.wall_s})
+                             "verdict": verdict, "d3_verdict": d3_verdict, "calibrated": calibrated,
+                             "worst_linf": worst, "wall_s": record.wall_s})
     finally:
         store.close()
 
     comparisons_df = pd.DataFrame(rows, columns=CSV_COLUMNS)
-    cases_df = pd.DataFrame(verdicts, columns=["model", "kind", "setting", "verdict", "worst_linf", "wall_s"])
+    cases_df = pd.DataFrame(verdicts, columns=CASE_COLUMNS)
     analysis = Analysis(comparisons_df, cases_df, _summarise(cases_df, "setting"), _summarise(cases_df, "kind"),
                         _by_feature(cases_df, specs), sweep_running=running)
     comparisons_df.to_csv(run_dir / "comparisons.csv", index=False)
@@ -110,6 +157,21 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
     analysis.by_setting.to_csv(run_dir / "summary.csv")
     analysis.by_feature.to_csv(run_dir / "by_feature.csv", index=False)
     return analysis
+
+
+def _measure_envelope(model: str, root, precision: str, records: dict, outputs_of) -> tuple[Envelope | None, str]:
+    centre_name, run_names = calibrations_of(root, precision)
+    if centre_name is None:
+        return None, f"{root.name} has no float64 calibration"
+    centre = outputs_of(model, centre_name)
+    if centre is None:
+        record = records.get((model, centre_name))
+        why = "never ran" if record is None else f"ended {record.status}: {record.message[:160]}"
+        return None, f"{centre_name} {why}"
+    runs = {name: out for name in run_names if (out := outputs_of(model, name)) is not None}
+    if not runs:
+        return None, f"none of {', '.join(run_names) or 'its runs'} ran ok"
+    return Envelope.measure(centre, runs, UNIT_ROUNDOFF[precision]), ""
 
 
 def sweep_in_progress(run_dir: Path) -> bool:
@@ -139,7 +201,8 @@ def _load(store: Store, record) -> dict | str:
 def _case_row(base: dict, status: str, message: str) -> dict:
     """A comparisons row for a case judged as a whole (it failed, or its reference did)."""
     return {**base, "phase": "", "tensor": "", "linf": math.nan, "max_rel": math.nan, "mismatches": 0, "numel": 0,
-            "oracle": "", "bound": math.nan, "bound_ratio": math.nan, "status": status, "message": message}
+            "oracle": "", "bound": math.nan, "bound_ratio": math.nan, "status": status, "message": message,
+            "calibrated_linf": math.nan, "calibrated_ratio": math.nan, "d3_status": status}
 
 
 def _registered(name: str):

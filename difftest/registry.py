@@ -23,6 +23,10 @@ _LOADED_PLUGINS: set[str] = set()
 # default sweep does not double, and kept apart from _SETTINGS so `all_settings` lists only the base ones
 _DERIVED: dict[str, Callable[[Setting], Setting]] = {}
 _DERIVED_MADE: dict[str, Setting] = {}
+# calibration prefix -> the precisions whose envelope needs it (`difftest.envelope`); every sweep runs them beside
+# the roots its settings are judged down to
+_CALIBRATIONS: dict[str, tuple[str, ...]] = {}
+_CALIBRATION_CENTRE: list[str] = []  # the prefix of the float64 run every envelope is centred on
 
 _WORLD_RESETS: list[Callable[[], None]] = []
 
@@ -47,13 +51,50 @@ def register_derived(prefix: str, factory: Callable[[Setting], Setting]) -> None
     _DERIVED[prefix] = factory
 
 
+def register_calibration(prefix: str, factory: Callable[[Setting], Setting | None], precisions: Iterable[str],
+                         centre: bool = False) -> None:
+    """A derived setting `<prefix>/<root>` that reruns a root (a setting judged against itself) to measure its noise;
+    sweeps add it for every root whose dependants judge at one of `precisions`, unless they are judged bitwise.
+    `factory` returns None for a root the calibration does not apply to. The `centre` one is the exact result
+    (float64) the others are measured from."""
+    register_derived(prefix, factory)
+    _CALIBRATIONS[prefix] = tuple(precisions)
+    if centre:
+        _CALIBRATION_CENTRE[:] = [prefix]
+
+
+def calibration_prefixes(precision: str) -> list[str]:
+    return [p for p, needed in _CALIBRATIONS.items() if precision in needed]
+
+
+def calibrations_of(root: Setting, precision: str) -> tuple[str | None, list[str]]:
+    """(the centre's setting name, the names of the legitimate runs at `precision`) calibrating `root`; the root
+    itself is one of those runs when it computes at that precision."""
+    centre = _CALIBRATION_CENTRE[0] if _CALIBRATION_CENTRE else None
+    runs = [root.name] if root.precision == precision else []
+    runs += [made.name for p in calibration_prefixes(precision) if p != centre
+             and (made := _derived(f"{p}/{root.name}")) is not None]
+    return (f"{centre}/{root.name}" if centre and _derived(f"{centre}/{root.name}") else None), runs
+
+
+def root_of(setting: Setting) -> Setting:
+    """The end of the setting's reference chain: the computation its result should equal."""
+    seen = {setting.name}
+    while setting.reference != setting.name:
+        setting = get_setting(setting.reference)
+        if setting.name in seen:
+            raise ValueError(f"reference chain of {setting.name!r} loops")
+        seen.add(setting.name)
+    return setting
+
+
 def _derived(name: str) -> Setting | None:
     prefix, _, base = name.partition("/")
     if prefix not in _DERIVED or base not in _SETTINGS:
         return None
     if name not in _DERIVED_MADE:
         _DERIVED_MADE[name] = _DERIVED[prefix](_SETTINGS[base])
-    return _DERIVED_MADE[name]
+    return _DERIVED_MADE[name]  # type: ignore[return-value]
 
 
 def register_world_reset(reset: Callable[[], None]) -> Callable[[], None]:
@@ -185,7 +226,21 @@ def with_references(settings: list[Setting]) -> list[Setting]:
         if name not in chosen:
             chosen[name] = get_setting(name)
             pending.append(chosen[name].reference)
+    for setting in list(chosen.values()):
+        if setting.reference == setting.name or setting.family == "calibration" or _bitwise(setting):
+            continue
+        root = root_of(setting)
+        for prefix in calibration_prefixes(setting.precision):
+            calibration = _derived(f"{prefix}/{root.name}")
+            if calibration is not None:  # None: a freedom that root does not have
+                chosen.setdefault(calibration.name, calibration)
     return list(chosen.values())
+
+
+def _bitwise(setting: Setting) -> bool:
+    from difftest.oracle import Tolerance
+
+    return setting.tolerance(Tolerance()) == Tolerance(0.0, 0.0)
 
 
 def get_generator(kind: str) -> Any:

@@ -55,6 +55,13 @@ class Setting(abc.ABC):
     # the parameters whose every value the default tier runs at least once (`difftest.registry.tier`), at the
     # smallest world size that has it; none: one setting of the class represents it
     tier_axes: ClassVar[tuple[str, ...]] = ()
+    # the arithmetic its result is meant to have ("fp32", "bf16"): the calibrated oracle (`difftest.envelope`)
+    # judges it against its root's envelope for that precision
+    precision: ClassVar[str] = "fp32"
+    framework: ClassVar[str] = "torch"  # or "tensorflow"
+    # a root whose result depends on its batches only through sums over all their samples (one full-batch step):
+    # any sample order is as legitimate as the stored one, so its calibration may reorder them
+    sample_order_free: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod

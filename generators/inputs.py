@@ -29,6 +29,13 @@ class JaggedFeature:
         weights = None if self.weights is None else self.weights[picked]
         return JaggedFeature(self.lengths[samples], self.values[picked], weights)
 
+    def shuffled_within_bags(self, rng: np.random.Generator) -> "JaggedFeature":
+        """The same bags, each bag's ids (and weights) in another order: a pooled sum over them is unchanged."""
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        order = np.concatenate([offsets[i] + rng.permutation(int(n)) for i, n in enumerate(self.lengths)]
+                               or [np.zeros(0, np.int64)]).astype(np.int64)
+        return JaggedFeature(self.lengths, self.values[order], None if self.weights is None else self.weights[order])
+
 
 @dataclass
 class Batch:
@@ -51,6 +58,14 @@ class Batch:
         """The samples at positions `samples`, in that order (a data loader's shuffled batch)."""
         dense = None if self.dense is None else self.dense[samples]
         return Batch(self.labels[samples], dense, {name: f.take(samples) for name, f in self.sparse.items()})
+
+    def reordered(self, rng: np.random.Generator) -> tuple["Batch", np.ndarray]:
+        """The samples in another order, and each bag's ids too, with the order taken (sums over either are
+        mathematically unchanged: a legitimate freedom of the arithmetic)."""
+        order = rng.permutation(self.size)
+        taken = self.take(order)
+        taken.sparse = {name: f.shuffled_within_bags(rng) for name, f in taken.sparse.items()}
+        return taken, order
 
     def shard(self, rank: int, world_size: int) -> "Batch":
         """The contiguous share of rank `rank`; the global batch must divide evenly."""

@@ -218,13 +218,19 @@ class SequentialGenerator:
         return ModelSpec(kind=KIND, seed=seed, index=index, params=params, frozen=frozen, input_seed=0)
 
     # --- TensorFlow side ----------------------------------------------------------------------------------
-    def keras_model(self, spec: ModelSpec, state: dict[str, np.ndarray] | None = None) -> Any:
+    def keras_model(self, spec: ModelSpec, state: dict[str, np.ndarray] | None = None, dtype: str = "float32") -> Any:
+        """The Keras model; `dtype` "float64" builds every layer and the input in float64 (a calibration run)."""
         tf, keras = _tf.import_tensorflow()
         source = spec.params["input"]
-        dtype = "int32" if source["form"] == "tokens" else "float32"
-        model = keras.Sequential([keras.Input(tuple(source["shape"]), dtype=dtype)], name="seq")
-        for layer in spec.params["layers"]:
-            model.add(_keras_layer(keras, layer))
+        floatx = keras.config.floatx()
+        keras.config.set_floatx(dtype)  # layers take their variable and compute dtype from it when made
+        try:
+            model = keras.Sequential([keras.Input(tuple(source["shape"]), dtype="int32" if source["form"] == "tokens" else dtype)],
+                                     name="seq")
+            for layer in spec.params["layers"]:
+                model.add(_keras_layer(keras, layer))
+        finally:
+            keras.config.set_floatx(floatx)
         for layer in model.layers:
             if layer.name in spec.frozen:
                 layer.trainable = False

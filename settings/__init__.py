@@ -16,6 +16,7 @@ from settings import fsdp_legacy  # noqa: F401
 from settings import tensor_parallel  # noqa: F401
 from settings import pipeline  # noqa: F401
 from settings import determinism  # noqa: F401
+from settings import calibration  # noqa: F401
 from settings import resume  # noqa: F401
 from settings import repartition  # noqa: F401
 from settings import partial_reduce  # noqa: F401

@@ -28,7 +28,7 @@ import numpy as np
 from difftest.errors import Unsupported
 from difftest.setting import Outputs, RunContext
 from generators.inputs import Batch
-from settings._training import build_for_training, canonical_parameters, gather_to_rank0, to_numpy
+from settings._training import build_for_training, canonical_parameters, gather_to_rank0, loss_record, to_numpy
 
 TOTAL_STEPS = 5
 MOMENTUM = 0.9
@@ -227,7 +227,7 @@ def run_phase(ctx: RunContext, model: Any, inputs: Any, phase: Phase, checkpoint
         losses = gather_to_rank0(ctx, trainer.step())
         params = canonical_parameters(trainer.model, trainer.module)  # collective for DTensors
         if losses is not None:
-            outputs[f"train_step{step}/loss"] = np.array([np.mean(losses)], dtype=np.float32)
+            outputs[f"train_step{step}/loss"] = loss_record(losses)
             outputs.update({f"param_after_step{step}/{k}": v for k, v in params.items()})
     if phase.save:
         assert checkpoint is not None

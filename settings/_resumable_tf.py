@@ -49,7 +49,7 @@ def run_phase(model: Any, inputs: Any, seed: int, lr: float, first: int, last: i
     outputs: Outputs = {} if first else {"eval_before/logits": logits()}
     for step in range(first + 1, last + 1):
         x, y = next(iterator)
-        outputs[f"train_step{step}/loss"] = np.array([float(train_step(x, y))], dtype=np.float32)
+        outputs[f"train_step{step}/loss"] = np.array([float(train_step(x, y))])
         outputs.update({f"param_after_step{step}/{w.path.split('/', 1)[1]}": np.array(w.numpy()) for w in recorded})
     if save:
         assert checkpoint is not None

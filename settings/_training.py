@@ -39,7 +39,7 @@ def to_numpy(tensor: Any) -> np.ndarray:
 
 def assemble(shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], np.ndarray]], name: str) -> np.ndarray:
     """A full tensor from (offsets, block) pieces; every element must be covered exactly once."""
-    full = np.zeros(shape, dtype=np.float32)
+    full = np.zeros(shape, dtype=pieces[0][1].dtype if pieces else np.float32)
     covered = np.zeros(shape, dtype=np.int32)
     for offsets, block in pieces:
         index = tuple(slice(o, o + s) for o, s in zip(offsets, block.shape))
@@ -51,6 +51,11 @@ def assemble(shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], np.ndar
             f"{int((covered > 1).sum())} covered twice"
         )
     return full
+
+
+def loss_record(losses: list[float]) -> np.ndarray:
+    """The global loss from each share's mean loss, kept in float64 (a float64 calibration run's stays exact)."""
+    return np.array([np.mean(losses)], dtype=np.float64)
 
 
 def record_training(
@@ -102,7 +107,7 @@ def record_training(
         params = full_parameters()
         if ctx.rank == 0:
             assert losses is not None and params is not None
-            outputs[f"train_step{step}/loss"] = np.array([np.mean(losses)], dtype=np.float32)
+            outputs[f"train_step{step}/loss"] = loss_record(losses)
             outputs.update({f"param_after_step{step}/{k}": v for k, v in params.items()})
     gathered_predictions(f"eval_after_step{ctx.steps}")
     return outputs if ctx.rank == 0 else None

@@ -27,7 +27,9 @@ from difftest.errors import InvariantViolated, Unsupported
 from difftest.oracle import Tolerance
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
-from settings._training import build_for_training, canonical_parameters, gather_to_rank0, sgd_step, to_numpy
+from settings._training import (
+    build_for_training, canonical_parameters, gather_to_rank0, loss_record, sgd_step, to_numpy,
+)
 from settings.determinism import BITWISE
 
 TOTAL_STEPS = 4
@@ -193,10 +195,10 @@ class PartialReduce(Setting):
             if not self.simulate:
                 gathered = {"loss": [l for g in gathered for l in g["loss"]],
                             "params": [p for g in gathered for p in g["params"]]}
-            outputs[f"train_step{step}/loss"] = np.array([np.mean(gathered["loss"])], dtype=np.float32)
+            outputs[f"train_step{step}/loss"] = loss_record(gathered["loss"])
             for name in gathered["params"][0]:
                 stack = np.stack([p[name] for p in gathered["params"]])
-                outputs[f"param_after_step{step}/{name}"] = stack.mean(0, dtype=np.float64).astype(np.float32)
+                outputs[f"param_after_step{step}/{name}"] = stack.mean(0, dtype=np.float64).astype(stack.dtype)
                 if not self.everyone:
                     outputs.update({f"replica{r}_after_step{step}/{name}": stack[r] for r in range(self.replicas)})
         record_eval(f"eval_after_step{steps}")

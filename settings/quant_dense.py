@@ -38,6 +38,7 @@ class _DenseQuantization(Setting):
     """What the dense quantization settings share: judged on the eval outputs against the float reference."""
 
     family: ClassVar[str] = "quant"
+    precision: ClassVar[str] = "quantized"  # judged by the bounds its scheme's rounding implies, not an envelope
     world_size: int = 1
 
     def judges(self, tensor_name: str) -> bool:

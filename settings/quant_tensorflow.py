@@ -35,6 +35,8 @@ class TensorFlowQuantization(Setting):
 
     scheme: str
     family: ClassVar[str] = "quant"
+    precision: ClassVar[str] = "quantized"  # judged by the bounds its scheme's rounding implies, not an envelope
+    framework: ClassVar[str] = "tensorflow"
     tier_axes: ClassVar[tuple[str, ...]] = ("scheme",)
     reference: ClassVar[str] = TF_REFERENCE
     world_size: int = 1

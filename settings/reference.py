@@ -16,6 +16,7 @@ class Reference(Setting):
 
     family: ClassVar[str] = "reference"
     deterministic: ClassVar[bool] = True
+    sample_order_free: ClassVar[bool] = True
     world_size: int = 1
 
     @property

@@ -40,6 +40,7 @@ class TfUninterrupted(_KerasOnly, Setting):
 
     world_size: int = 1
     family: ClassVar[str] = "tf-resume"
+    framework: ClassVar[str] = "tensorflow"
     reference: ClassVar[str] = TF_RESUME_REFERENCE
 
     @property
@@ -57,6 +58,7 @@ class TfResume(_KerasOnly, Setting):
     at_step: int = 3
     world_size: int = 1
     family: ClassVar[str] = "tf-resume"
+    framework: ClassVar[str] = "tensorflow"
     reference: ClassVar[str] = TF_RESUME_REFERENCE
 
     @property

@@ -34,6 +34,7 @@ class TensorFlowStrategy(Setting):
     replicas: int = 1
     world_size: int = 1  # processes: only multi-worker uses more than one
     family: ClassVar[str] = "tensorflow"
+    framework: ClassVar[str] = "tensorflow"
     tier_axes: ClassVar[tuple[str, ...]] = ("strategy",)
     reference: ClassVar[str] = TF_REFERENCE
 
@@ -51,6 +52,10 @@ class TensorFlowStrategy(Setting):
         if self.strategy == "multi-worker":
             return f"MultiWorkerMirroredStrategy, {self.world_size} worker processes on 127.0.0.1"
         return f"{self.strategy} strategy over {self.replicas} logical CPU devices"
+
+    @property
+    def sample_order_free(self) -> bool:  # type: ignore[override]
+        return self.strategy == "default"
 
     @property
     def scale(self) -> int:
@@ -113,7 +118,7 @@ class TensorFlowStrategy(Setting):
         x, y = distribute(inputs.train.dense), distribute(inputs.train.labels)
         for step in range(1, ctx.steps + 1):
             loss = float(train(x, y).numpy())
-            outputs[f"train_step{step}/loss"] = np.array([loss], dtype=np.float32)
+            outputs[f"train_step{step}/loss"] = np.array([loss])
             for weight in recorded:
                 outputs[f"param_after_step{step}/{weight.path.split('/', 1)[1]}"] = np.array(weight.numpy())
         record_predictions(f"eval_after_step{ctx.steps}")

@@ -1,0 +1,275 @@
+"""The runs the calibrated oracle (`difftest.envelope`) measures a root computation's own noise with.
+
+A root is a setting judged against itself (`reference`, `tf/reference`, an uninterrupted run, a simulator). Each
+calibration runs that root's own code again, unchanged, with one thing changed around it:
+
+* `calib-float64/<root>` — the model, its initial weights and its inputs in float64: the centre every setting
+  judged down to this root is measured from;
+* `calib-order/<root>` — fp32, the samples of every batch and the ids of every embedding bag in another (seeded)
+  order, outputs put back in the original order: the summation order of every batch reduction (loss mean, weight
+  gradients) and of every pooled bag changes;
+* `calib-threads/<root>` — fp32 with 4 intra-op threads instead of 1: the kernels block their sums differently;
+* `calib-bf16-{a,b,c}/<root>` — float64 with Monte Carlo arithmetic at bf16's unit roundoff: every floating tensor a
+  leaf module reads or writes and every gradient gets an independent relative error uniform in ±2⁻⁸ (three seeds):
+  how far a legitimately bf16 computation of the root may land, for the bf16 settings.
+
+The fp32 runs and the root itself give the envelope of legitimate fp32 results; the `bf16` runs the bf16 one. The
+root's code is not told it is being calibrated: the model and inputs it receives are wrapped. A root that builds its
+model somewhere this wrapper cannot reach (a fresh process) does not produce float64 outputs; that is checked, and
+the calibration is then `unsupported` with the reason, so its dependants are judged by the fixed oracle only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
+
+import numpy as np
+
+from difftest.artifacts import Inputs, LoadedModel
+from difftest.errors import Unsupported
+from difftest.registry import register_calibration
+from difftest.setting import Outputs, RunContext, Setting
+from generators.inputs import Batch
+
+BF16_UNIT = 2.0**-8
+THREADS = 4
+EVAL_PHASES = ("eval_",)  # phases whose tensors have one row per eval sample
+
+
+@dataclass(frozen=True)
+class Calibration(Setting):
+    """A root computation again, in float64 or with one legitimate freedom of fp32 arithmetic changed."""
+
+    base: Setting
+    mode: str  # float64 | order | threads | bf16-a | bf16-b | bf16-c
+    family: ClassVar[str] = "calibration"
+    deterministic: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        return f"calib-{self.mode}/{self.base.name}"
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self.base.world_size
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return self.base.name
+
+    @property
+    def process_affinity(self) -> str:
+        return self.base.process_affinity
+
+    @property
+    def precision(self) -> str:  # type: ignore[override]
+        return "float64" if self.float64 else "fp32"
+
+    @property
+    def float64(self) -> bool:
+        return self.mode == "float64" or self.mode.startswith("bf16")
+
+    def judges(self, tensor_name: str) -> bool:
+        # a Monte Carlo bf16 run is meant to be off by bf16's noise: only the oracle's envelope reads it
+        return not self.mode.startswith("bf16")
+
+    def describe(self) -> str:
+        return f"{self.base.name} again, {_DESCRIPTIONS[self.mode.split('-')[0]]}"
+
+    def supports(self, spec: Any) -> str | None:
+        return self.base.supports(spec)
+
+    def available(self) -> str | None:
+        return self.base.available()
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        order = None
+        if self.float64:
+            model, inputs = _Float64Model(model), _cast_inputs(inputs, np.float64)
+        elif self.mode == "order":
+            rng = np.random.default_rng([ctx.seed, 7])
+            (train, _), (evaluated, order) = inputs.train.reordered(rng), inputs.eval.reordered(rng)
+            inputs = Inputs(train, evaluated)
+        with self._arithmetic():
+            outputs = self.base.run(ctx, model, inputs)
+        if outputs is None:
+            return None
+        if self.float64:
+            narrower = sorted(n for n, v in outputs.items() if v.dtype.kind == "f" and v.dtype != np.float64)
+            if narrower:
+                raise Unsupported(f"{self.base.name} does not compute in float64 when its model is (e.g. "
+                                  f"{narrower[0]} is {outputs[narrower[0]].dtype}): it builds its model where the "
+                                  "calibration cannot reach")
+        if order is not None:
+            outputs = {n: _unpermute(v, order, inputs.eval.size) if n.startswith(EVAL_PHASES) else v
+                       for n, v in outputs.items()}
+        return outputs
+
+    @contextlib.contextmanager
+    def _arithmetic(self) -> Iterator[None]:
+        import torch
+
+        if self.mode == "threads":
+            before = torch.get_num_threads()
+            torch.set_num_threads(THREADS)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(before)
+        elif self.mode.startswith("bf16"):
+            with _monte_carlo_rounding(BF16_UNIT, seed=ord(self.mode[-1])):
+                yield
+        else:
+            yield
+
+
+_DESCRIPTIONS = {"float64": "in float64 (the calibrated oracle's centre)",
+                 "order": "fp32 with the samples of every batch in another order",
+                 "threads": f"fp32 with {THREADS} intra-op threads",
+                 "bf16": "float64 with Monte Carlo rounding errors of bf16 size on every module tensor and gradient"}
+
+
+def _unpermute(value: np.ndarray, order: np.ndarray, samples: int) -> np.ndarray:
+    if value.ndim == 0 or value.shape[0] != samples:
+        return value
+    restored = np.empty_like(value)
+    restored[order] = value
+    return restored
+
+
+def _cast_inputs(inputs: Inputs, dtype: Any) -> Inputs:
+    return Inputs(_cast_batch(inputs.train, dtype), _cast_batch(inputs.eval, dtype))
+
+
+def _cast_batch(batch: Batch, dtype: Any) -> Batch:
+    def cast(array: np.ndarray | None) -> np.ndarray | None:
+        return array.astype(dtype) if array is not None and array.dtype.kind == "f" else array
+
+    sparse = {name: dataclasses.replace(f, weights=cast(f.weights)) for name, f in batch.sparse.items()}
+    return Batch(cast(batch.labels), cast(batch.dense), sparse)
+
+
+class _Float64Model(LoadedModel):
+    """The same model, built in float64: PyTorch modules are converted after building, Keras models are built with
+    float64 as their float type."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        super().__init__(model.spec, _Float64Generator(model.generator), model.init_state, model.model_dir)
+
+    def build(self, device: str, **options: Any) -> Any:
+        return _in_float64(super().build(device, **options))
+
+    def chain(self, device: str) -> Any:
+        chain = super().chain(device)
+        for unit in chain.units:
+            _in_float64(unit)
+        return chain
+
+
+def _in_float64(module: Any) -> Any:
+    """`module.double()`, and its TorchRec embedding bag collections pooling in float64: their forward casts the
+    pooled embeddings to float32 (`.float()` in `EmbeddingBagCollection.forward`), which would make the float64
+    centre an fp32 one at every lookup."""
+    module.double()
+    try:
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    except ImportError:
+        return module
+    for sub in module.modules():
+        if isinstance(sub, EmbeddingBagCollection):
+            sub.forward = types.MethodType(_pool_in_own_dtype, sub)
+    return module
+
+
+def _pool_in_own_dtype(collection: Any, features: Any) -> Any:
+    """`EmbeddingBagCollection.forward` without its cast to float32, through the collection's public API."""
+    import torch
+    from torchrec.modules.embedding_modules import get_embedding_names_by_table
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    if features.inverse_indices_or_none() is not None:
+        raise Unsupported("float64 pooling of a KJT with inverse indices (variable batch) is not implemented")
+    configs = collection.embedding_bag_configs()
+    by_feature = features.to_dict()
+    pooled, lengths = [], []
+    for config, bag in zip(configs, collection.embedding_bags.values()):
+        for feature in config.feature_names:
+            f = by_feature[feature]
+            pooled.append(bag(input=f.values(), offsets=f.offsets(),
+                              per_sample_weights=f.weights() if collection.is_weighted() else None))
+            lengths.append(config.embedding_dim)
+    keys = [name for names in get_embedding_names_by_table(configs) for name in names]
+    return KeyedTensor(keys=keys, values=torch.cat(pooled, dim=1), length_per_key=lengths)
+
+
+class _Float64Generator:
+    def __init__(self, generator: Any) -> None:
+        self._generator = generator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._generator, name)
+
+    def keras_model(self, spec: Any, state: dict[str, np.ndarray] | None = None) -> Any:
+        return self._generator.keras_model(spec, state, dtype="float64")
+
+
+@contextlib.contextmanager
+def _monte_carlo_rounding(unit: float, seed: int) -> Iterator[None]:
+    """Every floating tensor a leaf module reads or writes, and every parameter gradient, times (1 + d), d uniform in
+    [-unit, unit], independently per element (Parker's Monte Carlo arithmetic at module granularity)."""
+    import torch
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    generator = torch.Generator().manual_seed(seed)
+    hooked: set[int] = set()
+    handles: list[Any] = []
+
+    def noisy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            noise = torch.rand(value.shape, generator=generator, dtype=torch.float64) * (2 * unit) - unit
+            return value * (1 + noise.to(value.device, value.dtype))
+        if isinstance(value, tuple):
+            return tuple(noisy(v) for v in value)
+        return value
+
+    def leaf(module: Any) -> bool:
+        return next(iter(module.children()), None) is None
+
+    def before(module: Any, args: tuple) -> Any:
+        if not leaf(module):
+            return None
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and id(param) not in hooked:
+                hooked.add(id(param))
+                handles.append(param.register_hook(noisy))
+        return noisy(args)
+
+    def after(module: Any, args: tuple, output: Any) -> Any:
+        return noisy(output) if leaf(module) else None
+
+    handles += [register_module_forward_pre_hook(before), register_module_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _calibration(base: Setting, mode: str) -> Calibration | None:
+    """None where the freedom does not exist: TensorFlow fixes its thread pools when it starts and has no module
+    hooks; a root whose result depends on which samples share a micro-batch or replica has no free sample order."""
+    if (mode == "threads" or mode.startswith("bf16")) and base.framework != "torch":
+        return None
+    if mode == "order" and not base.sample_order_free:
+        return None
+    return Calibration(base, mode)
+
+
+for _mode, _needed_by in (("float64", ("fp32", "bf16")), ("order", ("fp32",)), ("threads", ("fp32",)),
+                          ("bf16-a", ("bf16",)), ("bf16-b", ("bf16",)), ("bf16-c", ("bf16",))):
+    register_calibration(f"calib-{_mode}", lambda base, mode=_mode: _calibration(base, mode), _needed_by,
+                         centre=_mode == "float64")

@@ -38,6 +38,10 @@ PluginOpt = Annotated[Optional[list[str]], typer.Option("--plugin", help="Extra 
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl, one GPU per rank).")]
 AtolOpt = Annotated[float, typer.Option("--atol", min=0, help="Absolute tolerance of the allclose verdict.")]
 RtolOpt = Annotated[float, typer.Option("--rtol", min=0, help="Relative tolerance of the allclose verdict.")]
+OracleOpt = Annotated[str, typer.Option(
+    "--oracle", help="calibrated: judge each case by its distance to its root's float64 run against the envelope of "
+    "legitimate results (difftest.envelope), D3's allclose where no envelope applies; d3: allclose only. Both "
+    "verdicts are written either way (verdict, d3_verdict).")]
 FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 when any case is inconsistent, errored, crashed or timed out.")]
 # the built-in kinds, written out so that --help needs no import of torch (a test keeps the list in step)
 BUILTIN_KINDS = ("dlrm", "sequential")
@@ -110,14 +114,14 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
 
 
 def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: float = 0.0, timeout: float = 120.0,
-             device: str = "cpu") -> None:
+             device: str = "cpu", oracle: str = "calibrated") -> None:
     from difftest.analysis import analyze
     from difftest.oracle import Tolerance
     from difftest.spec import RunConfig
     from difftest.triage import triage
 
     started = time.perf_counter()
-    analysis = analyze(out, Tolerance(atol=atol, rtol=rtol), RunConfig.load(out / "run.json").plugins)
+    analysis = analyze(out, Tolerance(atol=atol, rtol=rtol), RunConfig.load(out / "run.json").plugins, oracle)
     frame = analysis.by_kind
     table = Table(title=f"per model kind (allclose atol={atol:g}, rtol={rtol:g}; per setting: {out / 'summary.csv'})")
     table.add_column(frame.index.name or "")
@@ -129,6 +133,12 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: f
         table.add_row(str(index), *cells, style=style)
     out_console.print(table)
     findings = {s: analysis.count(s) for s in FINDINGS + ("unsupported",)}
+    cases = analysis.cases
+    judged = cases[cases["calibrated"] == "yes"]
+    out_console.print(
+        f"calibrated oracle: {len(judged)} cases judged against their root's float64 envelope; it flags "
+        f"{int((judged['verdict'] != 'ok').sum())}, D3's allclose {int((judged['d3_verdict'] != 'ok').sum())} of them "
+        f"(columns verdict / d3_verdict of {out / 'comparisons.csv'})", highlight=False)
     out_console.print(
         f"{len(analysis.cases)} cases: " + ", ".join(f"{k} {v}" for k, v in findings.items())
         + f"\n{out / 'inconsistencies.csv'} ({len(analysis.inconsistencies)} rows), {out / 'comparisons.csv'} ({len(analysis.comparisons)} rows), "
@@ -207,6 +217,7 @@ def run(
     batch_size: Annotated[int, typer.Option("--batch-size", min=12, help="Global batch (a multiple of 12).")] = 24,
     atol: AtolOpt = 5e-4,
     rtol: RtolOpt = 1e-4,
+    oracle: OracleOpt = "calibrated",
     device: DeviceOpt = "cpu",
     plugin: PluginOpt = None,
     fail_on_inconsistency: FailOpt = False,
@@ -221,7 +232,7 @@ def run(
     select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
     _generate(out, models, seed, kind, steps, lr, batch_size, plugins)
     _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier)
-    _analyze(out, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device)
+    _analyze(out, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
 
 @app.command()
@@ -252,11 +263,12 @@ def sweep(
     twice: Annotated[bool, typer.Option("--twice", help="Also run every selected setting a second time (rerun/<name>), judged bitwise against the first: differences are `nondeterministic`.")] = False,
     atol: AtolOpt = 5e-4,
     rtol: RtolOpt = 1e-4,
+    oracle: OracleOpt = "calibrated",
     minimize_budget: MinimizeOpt = 20.0,
 ) -> None:
     """Run every (model, setting) case not yet committed in RUN_DIR (a rerun resumes), then analyse and triage."""
     _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier)
-    _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device)
+    _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device, oracle)
 
 
 QUANT_SETTINGS = "quant/*"
@@ -270,6 +282,7 @@ def quant(
     timeout: TimeoutOpt = 120.0,
     atol: AtolOpt = 5e-4,
     rtol: RtolOpt = 1e-4,
+    oracle: OracleOpt = "calibrated",
     device: DeviceOpt = "cpu",
     plugin: PluginOpt = None,
     fail_on_inconsistency: FailOpt = False,
@@ -289,7 +302,7 @@ def quant(
         raise UserError(f"{run_dir}: no run.json; make the run first with `difftest generate --out {run_dir}`")
     load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
     _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, 1, timeout, device, plugins)
-    _analyze(run_dir, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device)
+    _analyze(run_dir, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
 
 @app.command()
@@ -297,6 +310,7 @@ def analyze(
     run_dir: Annotated[Path, typer.Argument(help="A swept run folder.")],
     atol: AtolOpt = 5e-4,
     rtol: RtolOpt = 1e-4,
+    oracle: OracleOpt = "calibrated",
     fail_on_inconsistency: FailOpt = False,
     minimize_budget: MinimizeOpt = 20.0,
     timeout: TimeoutOpt = 120.0,
@@ -304,7 +318,7 @@ def analyze(
 ) -> None:
     """Judge stored outputs against the reference (inconsistencies.csv, comparisons.csv), group what is not ok into
     findings and shrink each one's example (findings.csv, findings/<id>/repro.py), and write report.html."""
-    _analyze(run_dir, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device)
+    _analyze(run_dir, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
 
 @app.command(name="triage")
@@ -312,6 +326,7 @@ def triage_command(
     run_dir: Annotated[Path, typer.Argument(help="A swept run folder.")],
     atol: AtolOpt = 5e-4,
     rtol: RtolOpt = 1e-4,
+    oracle: OracleOpt = "calibrated",
     minimize_budget: MinimizeOpt = 20.0,
     timeout: TimeoutOpt = 120.0,
     device: DeviceOpt = "cpu",
@@ -319,7 +334,7 @@ def triage_command(
     """Group every case that is not ok into distinct findings and shrink each one's example: findings.csv,
     findings.md, findings/<id>/{repro.py, minimize.json, run/}, report.html. A run whose sweep is still going is
     triaged as far as it has got (not minimised)."""
-    _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device)
+    _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device, oracle)
 
 
 @app.command()

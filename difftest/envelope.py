@@ -26,7 +26,7 @@ import numpy as np
 
 from difftest.oracle import BOUND_PREFIX
 
-K = 8.0
+K = 4.0
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8}
 
 

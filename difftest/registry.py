@@ -140,6 +140,11 @@ def load_plugins(extra: Iterable[str] = ()) -> tuple[str, ...]:
     return modules
 
 
+def loaded_plugins() -> tuple[str, ...]:
+    """The plugin modules this process has imported, in a form `load_plugins` takes (for processes it starts)."""
+    return tuple(sorted(_LOADED_PLUGINS))
+
+
 def get_setting(name: str) -> Setting:
     try:
         return _SETTINGS[name]

@@ -74,6 +74,11 @@ class Store:
                 (record.model, record.setting, record.status, record.message, record.rank, record.wall_s, rel, time.time()),
             )
 
+    def forget(self, cases: list[tuple[str, str]]) -> None:
+        """Uncommit (model, setting) cases, so the next sweep runs them again."""
+        with self._lock:
+            self._db.executemany("DELETE FROM cases WHERE model = ? AND setting = ?", cases)
+
     def done(self) -> set[tuple[str, str]]:
         with self._lock:
             return {(m, s) for m, s in self._db.execute("SELECT model, setting FROM cases")}

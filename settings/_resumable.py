@@ -269,7 +269,10 @@ def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, 
     workdir.mkdir(parents=True, exist_ok=True)
     result = workdir / f"outputs-{tag}.npz"
     request_path = workdir / f"request-{tag}.json"
-    request_path.write_text(json.dumps({**request, "result": str(result)}))
+    from difftest.registry import loaded_plugins
+
+    # the new processes load what this one did: a plugin's generator kind, or a patch a benchmark injects
+    request_path.write_text(json.dumps({**request, "result": str(result), "plugins": list(loaded_plugins())}))
     logs = [workdir / f"rank{r}-{tag}.log" for r in range(processes)]
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_FORK_SERVER_PRELOAD)
@@ -334,7 +337,7 @@ def main(request_path: str, rank: int) -> None:
     dist.init_process_group(request["backend"], store=store, rank=rank, world_size=placement.world_size,
                             timeout=timedelta(seconds=120))
     try:
-        load_plugins(("generators",))
+        load_plugins(request.get("plugins", ("generators",)))
         model, inputs = load_model(Path(request["model_dir"]))
         ctx = RunContext(rank=rank, world_size=placement.world_size, local_world_size=placement.world_size,
                          device=device, backend=request["backend"], group=dist.group.WORLD, steps=request["steps"],

@@ -66,7 +66,7 @@ def main(request_path: str, rank: int = 0) -> None:
     from difftest.registry import load_plugins
 
     request = json.loads(Path(request_path).read_text())
-    load_plugins(("generators",))
+    load_plugins(request.get("plugins", ("generators",)))
     model, inputs = load_model(Path(request["model_dir"]))
     outputs = run_phase(model, inputs, request["seed"], request["lr"], request["first"], request["last"],
                         Path(request["checkpoint"]), save=request["last"] < TOTAL_STEPS)

@@ -1,0 +1,63 @@
+"""The calibrated oracle: calibration runs of the root, the envelope rule, and a fault D3 misses that it catches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from difftest.analysis import analyze
+from difftest.envelope import K, Envelope
+from difftest.registry import load_plugins, root_of, get_setting, tier
+from difftest.runner.sweep import SweepOptions, run_sweep
+from difftest.store import Store
+
+INJECT = "benchmarks.faults.inject"
+
+
+def test_envelope_rule_is_distance_to_float64_against_the_largest_legitimate_deviation() -> None:
+    centre = {"eval_before/prediction": np.array([1.0, 0.5, 0.0, -2.0])}
+    runs = {"reference": {"eval_before/prediction": np.array([1.0, 0.5 + 1e-7, 0.0, -2.0], np.float32)},
+            "calib-order/reference": {"eval_before/prediction": np.array([1.0 - 2e-7, 0.5, 0.0, -2.0], np.float32)}}
+    envelope = Envelope.measure(centre, runs, unit=2.0**-24)
+    noise = float(np.float32(1.0 - 2e-7)) - 1.0  # the largest legitimate deviation, at element 0
+    allowed = K * (abs(noise) + 2.0**-24 * np.abs(centre["eval_before/prediction"]))
+    inside = centre["eval_before/prediction"] + 0.9 * allowed
+    outside = centre["eval_before/prediction"] + np.array([0, 0, 1.1, 0]) * allowed
+    assert envelope.judge("eval_before/prediction", inside).consistent
+    judged = envelope.judge("eval_before/prediction", outside)
+    assert not judged.consistent and judged.mismatches == 1 and judged.ratio == pytest.approx(1.1)
+    assert not envelope.judge("eval_before/prediction", np.array([1.0, 0.5, np.nan, -2.0])).consistent
+    assert envelope.judge("eval_before/missing", inside) is None  # the D3 verdict stands there
+
+
+def test_every_root_a_tier_judges_down_to_is_calibrated() -> None:
+    load_plugins(())
+    names = {s.name for s in tier("default")}
+    for name in ("calib-float64/reference", "calib-order/reference", "calib-threads/reference",
+                 "calib-bf16-a/reference", "calib-float64/tf/reference", "calib-order/tf/reference"):
+        assert name in names
+    assert "calib-threads/tf/reference" not in names  # TensorFlow fixes its thread pools at start
+    assert root_of(get_setting("pipeline/gpipe/ws2/stages2/mb2/random")).name == "reference"
+
+
+def test_calibrated_oracle_catches_a_small_library_fault_that_d3_passes(fresh_run: Path, monkeypatch) -> None:
+    """FSDP2's all-gathered parameters off by 0.01 %, planted in torch itself: inside D3's allclose, dozens of
+    envelopes away from the float64 result."""
+    settings = "reference,fsdp2/per-layer/no-reshard/fp32/ws2"
+    run_sweep(fresh_run, SweepOptions(settings=settings, plugins=(INJECT,)))
+    clean = analyze(fresh_run, plugins=(INJECT,)).cases.set_index(["model", "setting"])
+    store = Store(fresh_run)
+    centre = [r for r in store.records() if r.setting == "calib-float64/reference"]
+    assert centre and all(v.dtype == np.float64 for r in centre for v in store.load_outputs(r).values())
+    faulty = [(r.model, r.setting) for r in store.records() if r.setting.startswith("fsdp2/")]
+    store.forget(faulty)
+    store.close()
+    monkeypatch.setenv("DIFFTEST_FAULT", "fsdp2-all-gather:0.0001")
+    run_sweep(fresh_run, SweepOptions(settings=settings, plugins=(INJECT,)))
+    planted = analyze(fresh_run, plugins=(INJECT,)).cases.set_index(["model", "setting"])
+    for case in faulty:
+        assert clean.loc[case, "verdict"] == "ok" and clean.loc[case, "calibrated"] == "yes"
+        assert planted.loc[case, "d3_verdict"] == "ok"
+        assert planted.loc[case, "verdict"] == "inconsistent"

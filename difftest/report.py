@@ -64,12 +64,18 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list, minimised: l
 
 def _counts(analysis: Analysis) -> str:
     counts = analysis.cases["verdict"].value_counts()
-    cells = "".join(f"<tr><td class='status-{v}'>{v}</td><td class='num'>{int(counts.get(v, 0))}</td></tr>"
-                    for v in VERDICT_COLOURS if counts.get(v, 0))
+    d3 = analysis.cases["d3_verdict"].value_counts()
+    cells = "".join(f"<tr><td class='status-{v}'>{v}</td><td class='num'>{int(counts.get(v, 0))}</td>"
+                    f"<td class='num'>{int(d3.get(v, 0))}</td></tr>"
+                    for v in VERDICT_COLOURS if counts.get(v, 0) or d3.get(v, 0))
     running = ("<p><b>A sweep is still writing this run:</b> this is a snapshot of the cases it had committed.</p>"
                if analysis.sweep_running else "")
-    return (f"<h2>Cases</h2>{running}<table id='counts'><tr><th>verdict</th><th>cases</th></tr>{cells}"
-            f"<tr><th>all</th><th class='num'>{len(analysis.cases)}</th></tr></table>")
+    calibrated = int((analysis.cases["calibrated"] == "yes").sum())
+    return (f"<h2>Cases</h2>{running}<p>{calibrated} cases judged by the calibrated oracle (distance to the root's "
+            "float64 run against the envelope of legitimate results); the others, and the D3 column, by "
+            f"allclose or their scheme's bound.</p><table id='counts'><tr><th>verdict</th><th>cases</th>"
+            f"<th>D3 allclose</th></tr>{cells}<tr><th>all</th><th class='num'>{len(analysis.cases)}</th>"
+            f"<th class='num'>{len(analysis.cases)}</th></tr></table>")
 
 
 def _size(m: Any, which: str) -> str:

@@ -117,6 +117,31 @@ class Setting(abc.ABC):
         """Train/evaluate on every rank; rank 0 returns the full logical tensors, other ranks None."""
 
 
+class Repeat(Setting):
+    """A registered setting run again another way (a derived setting: `rerun/…`, `calib-…/…`): it runs where its
+    base runs, on the models its base supports, and is judged against its base."""
+
+    base: Setting  # a dataclass field of each subclass
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self.base.world_size
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return self.base.name
+
+    @property
+    def process_affinity(self) -> str:
+        return self.base.process_affinity
+
+    def supports(self, spec: "ModelSpec") -> str | None:
+        return self.base.supports(spec)
+
+    def available(self) -> str | None:
+        return self.base.available()
+
+
 def variant_of(base: type[SettingT], setting: Setting, **changes: Any) -> SettingT:
     """`dataclasses.replace(setting, **changes)`, built as `base`: a subclass of a setting (a planted fault) is judged
     against the clean setting it breaks, never against another instance of itself."""

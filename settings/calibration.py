@@ -9,6 +9,9 @@ calibration runs that root's own code again, unchanged, with one thing changed a
   order, outputs put back in the original order: the summation order of every batch reduction (loss mean, weight
   gradients) and of every pooled bag changes;
 * `calib-threads/<root>` — fp32 with 4 intra-op threads instead of 1: the kernels block their sums differently;
+* `calib-microbatch/<root>` — fp32, every training forward run as two micro-batches whose predictions are
+  concatenated: the same per-sample arithmetic, but each weight gradient is summed in two parts and then added, as
+  gradient accumulation and data parallelism sum it;
 * `calib-bf16-{a,b,c}/<root>` — float64 with Monte Carlo arithmetic at bf16's unit roundoff: every floating tensor a
   leaf module reads or writes and every gradient gets an independent relative error uniform in ±2⁻⁸ (three seeds):
   how far a legitimately bf16 computation of the root may land, for the bf16 settings.
@@ -32,7 +35,7 @@ import numpy as np
 from difftest.artifacts import Inputs, LoadedModel
 from difftest.errors import Unsupported
 from difftest.registry import register_calibration
-from difftest.setting import Outputs, RunContext, Setting
+from difftest.setting import Outputs, Repeat, RunContext, Setting
 from generators.inputs import Batch
 
 BF16_UNIT = 2.0**-8
@@ -41,29 +44,17 @@ EVAL_PHASES = ("eval_",)  # phases whose tensors have one row per eval sample
 
 
 @dataclass(frozen=True)
-class Calibration(Setting):
+class Calibration(Repeat):
     """A root computation again, in float64 or with one legitimate freedom of fp32 arithmetic changed."""
 
     base: Setting
-    mode: str  # float64 | order | threads | bf16-a | bf16-b | bf16-c
+    mode: str  # float64 | order | threads | microbatch | bf16-a | bf16-b | bf16-c
     family: ClassVar[str] = "calibration"
     deterministic: ClassVar[bool] = True
 
     @property
     def name(self) -> str:
         return f"calib-{self.mode}/{self.base.name}"
-
-    @property
-    def world_size(self) -> int:  # type: ignore[override]
-        return self.base.world_size
-
-    @property
-    def reference(self) -> str:  # type: ignore[override]
-        return self.base.name
-
-    @property
-    def process_affinity(self) -> str:
-        return self.base.process_affinity
 
     @property
     def precision(self) -> str:  # type: ignore[override]
@@ -80,16 +71,12 @@ class Calibration(Setting):
     def describe(self) -> str:
         return f"{self.base.name} again, {_DESCRIPTIONS[self.mode.split('-')[0]]}"
 
-    def supports(self, spec: Any) -> str | None:
-        return self.base.supports(spec)
-
-    def available(self) -> str | None:
-        return self.base.available()
-
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         order = None
         if self.float64:
             model, inputs = _Float64Model(model), _cast_inputs(inputs, np.float64)
+        elif self.mode == "microbatch":
+            model = _MicroBatchedModel(model)
         elif self.mode == "order":
             rng = np.random.default_rng([ctx.seed, 7])
             (train, _), (evaluated, order) = inputs.train.reordered(rng), inputs.eval.reordered(rng)
@@ -128,6 +115,7 @@ class Calibration(Setting):
 
 
 _DESCRIPTIONS = {"float64": "in float64 (the calibrated oracle's centre)",
+                 "microbatch": "fp32 with every training forward run as two micro-batches",
                  "order": "fp32 with the samples of every batch in another order",
                  "threads": f"fp32 with {THREADS} intra-op threads",
                  "bf16": "float64 with Monte Carlo rounding errors of bf16 size on every module tensor and gradient"}
@@ -206,6 +194,23 @@ def _pool_in_own_dtype(collection: Any, features: Any) -> Any:
     return KeyedTensor(keys=keys, values=torch.cat(pooled, dim=1), length_per_key=lengths)
 
 
+class _MicroBatchedModel(LoadedModel):
+    """The same model whose forward runs its batch as two halves and concatenates the predictions."""
+
+    PARTS = 2
+
+    def __init__(self, model: LoadedModel) -> None:
+        super().__init__(model.spec, model.generator, model.init_state, model.model_dir)
+
+    def forward(self, module: Any, batch: Batch, device: str) -> Any:
+        import torch
+
+        if batch.size % self.PARTS:
+            return super().forward(module, batch, device)
+        return torch.cat([super(_MicroBatchedModel, self).forward(module, batch.shard(i, self.PARTS), device)
+                          for i in range(self.PARTS)])
+
+
 class _Float64Generator:
     def __init__(self, generator: Any) -> None:
         self._generator = generator
@@ -260,9 +265,10 @@ def _monte_carlo_rounding(unit: float, seed: int) -> Iterator[None]:
 
 
 def _calibration(base: Setting, mode: str) -> Calibration | None:
-    """None where the freedom does not exist: TensorFlow fixes its thread pools when it starts and has no module
-    hooks; a root whose result depends on which samples share a micro-batch or replica has no free sample order."""
-    if (mode == "threads" or mode.startswith("bf16")) and base.framework != "torch":
+    """None where the freedom does not exist or cannot be reached: TensorFlow fixes its thread pools when it starts,
+    and trains its Keras model directly (no module hooks, no `forward` to split); a root whose result depends on which
+    samples share a micro-batch or replica has no free sample order."""
+    if (mode in ("threads", "microbatch") or mode.startswith("bf16")) and base.framework != "torch":
         return None
     if mode == "order" and not base.sample_order_free:
         return None
@@ -270,6 +276,7 @@ def _calibration(base: Setting, mode: str) -> Calibration | None:
 
 
 for _mode, _needed_by in (("float64", ("fp32", "bf16")), ("order", ("fp32",)), ("threads", ("fp32",)),
+                          ("microbatch", ("fp32",)),
                           ("bf16-a", ("bf16",)), ("bf16-b", ("bf16",)), ("bf16-c", ("bf16",))):
     register_calibration(f"calib-{_mode}", lambda base, mode=_mode: _calibration(base, mode), _needed_by,
                          centre=_mode == "float64")

@@ -14,13 +14,13 @@ from typing import Any, ClassVar
 
 from difftest.oracle import Tolerance
 from difftest.registry import register_derived
-from difftest.setting import Outputs, RunContext, Setting
+from difftest.setting import Outputs, Repeat, RunContext, Setting
 
 BITWISE = Tolerance(atol=0.0, rtol=0.0)
 
 
 @dataclass(frozen=True)
-class Rerun(Setting):
+class Rerun(Repeat):
     """The same setting a second time, deterministic algorithms on: must equal the first run bitwise."""
 
     base: Setting
@@ -32,26 +32,8 @@ class Rerun(Setting):
     def name(self) -> str:
         return f"rerun/{self.base.name}"
 
-    @property
-    def world_size(self) -> int:  # type: ignore[override]
-        return self.base.world_size
-
-    @property
-    def reference(self) -> str:  # type: ignore[override]
-        return self.base.name
-
-    @property
-    def process_affinity(self) -> str:
-        return self.base.process_affinity
-
     def describe(self) -> str:
         return f"{self.base.name} again, judged bitwise against its first run"
-
-    def supports(self, spec: Any) -> str | None:
-        return self.base.supports(spec)
-
-    def available(self) -> str | None:
-        return self.base.available()
 
     def judges(self, tensor_name: str) -> bool:
         return True  # everything the first run recorded

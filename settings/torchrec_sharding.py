@@ -74,8 +74,15 @@ class TorchRecSharding(Setting):
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         module = model.build("cpu")
-        tables = [p for c in COLLECTIONS for n, p in getattr(module, c).named_parameters() if p.requires_grad]
-        apply_optimizer_in_backward(torch.optim.SGD, tables, {"lr": ctx.lr})
+        tables = [p for c in COLLECTIONS for n, p in getattr(module, c).named_parameters()]
+        apply_optimizer_in_backward(torch.optim.SGD, [p for p in tables if p.requires_grad], {"lr": ctx.lr})
+        # a fused table is trained whatever its requires_grad says: without an optimizer of its own it gets the
+        # sharder's default fused SGD (fbgemm's lr 0.01). TorchRec's way to freeze one is an optimizer that does not
+        # move it (torchrec#1990): a frozen table takes gradients (the hook needs them) into SGD with lr 0, and
+        # w - 0·g is w, bit for bit
+        frozen = [p.requires_grad_(True) for p in tables if not p.requires_grad]
+        if frozen:
+            apply_optimizer_in_backward(torch.optim.SGD, frozen, {"lr": 0.0})
 
         sharder = EmbeddingBagCollectionSharder()
         env = ShardingEnv.from_process_group(ctx.group)
@@ -88,7 +95,11 @@ class TorchRecSharding(Setting):
         self.load_initial_state(ctx, dmp, model.init_state)
         ctx.notes["plan"] = _plan_summary(dmp.plan)
 
-        dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad]
+        # DMP hands data-parallel tables back as new parameters that require grad, with no optimizer of their own:
+        # the dense optimizer trains them, so a frozen one is kept out of it by name
+        frozen_names = set(model.spec.frozen)
+        dense = [p for n, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad
+                 and not any(n == f or n.endswith("." + f) for f in frozen_names)]
         optimizer = torch.optim.SGD(dense, lr=ctx.lr) if dense else None
 
         def train_step(batch: Any) -> float:

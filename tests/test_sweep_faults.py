@@ -25,24 +25,30 @@ CLEAN_SINGLE_TYPE = [
 ]
 
 
-def verdicts(run_dir: Path) -> dict[tuple[str, str], str]:
+# TorchRec finding 7: row-wise sharding returns every pooled embedding scaled by (1 - 2**-20): inside D3's allclose,
+# ~10 envelopes from the float64 result (repros/torchrec_mean_pooling.py row); if TorchRec fixes it, this fails
+ROW_SCALED = {"torchrec/ebc/row_wise/ws2", "torchrec/ebc/table_row_wise/ws2"}
+
+
+def verdicts(run_dir: Path, column: str = "verdict") -> dict[tuple[str, str], str]:
     cases = analyze(run_dir).cases
-    return {(r.model, r.setting): r.verdict for r in cases.itertuples()}
+    return {(r.model, r.setting): getattr(r, column) for r in cases.itertuples()}
 
 
 def test_planted_faults_are_reported_and_clean_settings_are_not(fresh_run: Path) -> None:
     planted = ["faults/shard_off_by_one_row/ws2", "faults/rank1_skips_step/ws2"]
     selection = ",".join(["reference", *CLEAN_SINGLE_TYPE, *planted, "torchrec/ebc/grid_shard/ws2"])
     report = run_sweep(fresh_run, SweepOptions(settings=selection, plugins=(PLANTED,), timeout_s=120))
-    assert report.statuses == {"ok": 2 * 10}
-    judged = verdicts(fresh_run)
+    assert set(report.statuses) == {"ok"} and report.statuses["ok"] == report.total  # calibration runs included
+    judged, d3 = verdicts(fresh_run), verdicts(fresh_run, "d3_verdict")
     models = {m for m, _ in judged}
     assert len(models) == 2
     for model in models:
         for setting in planted:
-            assert judged[(model, setting)] == "inconsistent", (model, setting)
+            assert judged[(model, setting)] == d3[(model, setting)] == "inconsistent", (model, setting)
         for setting in CLEAN_SINGLE_TYPE:
-            assert judged[(model, setting)] == "ok", (model, setting)
+            assert d3[(model, setting)] == "ok", (model, setting)
+            assert judged[(model, setting)] == ("inconsistent" if setting in ROW_SCALED else "ok"), (model, setting)
     # A real TorchRec finding (grid_shard sums per-row-shard means): both default models have MEAN tables
     # whose bags span row shards. See repros/torchrec_mean_pooling.py; if TorchRec fixes it, this fails.
     assert {judged[(m, "torchrec/ebc/grid_shard/ws2")] for m in models} == {"inconsistent"}
@@ -100,7 +106,7 @@ def test_sigkill_mid_sweep_then_rerun_resumes_to_the_same_results(fresh_run: Pat
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     interrupted_at = _committed(fresh_run)
-    total = 2 * (1 + 10 + 2)
+    total = 2 * (1 + 10 + 2 + 4)  # + the reference's calibration runs: float64, order, threads, micro-batches
     assert 6 <= interrupted_at < total
 
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600)

@@ -70,7 +70,12 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert "torchrec/ebc/grid_shard/ws2" in set(rows.setting)
     clean = {f"torchrec/ebc/{t}/ws{w}" for t in ("table_wise", "row_wise", "column_wise", "table_row_wise",
                                                  "table_column_wise", "data_parallel") for w in (2, 3, 4)}
-    assert not clean & set(rows[rows.status == "inconsistent"].setting)
+    assert not clean & set(rows[rows.d3_status == "inconsistent"].setting)
+    # TorchRec finding 7 (row-wise output scaled by 1 - 2**-20): D3 passes it, the calibrated oracle does not
+    calibrated_only = rows[(rows.status == "inconsistent") & (rows.d3_status == "ok")]
+    assert set(calibrated_only.setting) & clean <= {f"torchrec/ebc/{t}/ws{w}" for t in ("row_wise", "table_row_wise")
+                                                    for w in (2, 3, 4)}
+    assert "torchrec/ebc/row_wise/ws2" in set(calibrated_only.setting)
     # the seeds' oracles: resume (bitwise in one process), re-partitioning, PipeDream, partial reduce all hold
     oracles = cases[cases.index.str.match(r"(resume|tf-resume|repartition|async-pipeline|partial-reduce)/")]
     assert len(oracles) >= 20 and (oracles["ok"] + oracles["unsupported"] == oracles["cases"]).all(), oracles

@@ -222,15 +222,22 @@ class SequentialGenerator:
         """The Keras model; `dtype` "float64" builds every layer and the input in float64 (a calibration run)."""
         tf, keras = _tf.import_tensorflow()
         source = spec.params["input"]
-        floatx = keras.config.floatx()
-        keras.config.set_floatx(dtype)  # layers take their variable and compute dtype from it when made
+        # layers take their dtype from the global dtype policy, which Keras fixes from floatx the first time it is
+        # read: both are set for a float64 build and put back, and a float32 build leaves them as they are (a
+        # mixed-precision setting has set its own policy)
+        before = (keras.config.floatx(), keras.config.dtype_policy())
+        if dtype != "float32":
+            keras.config.set_floatx(dtype)
+            keras.config.set_dtype_policy(dtype)
         try:
             model = keras.Sequential([keras.Input(tuple(source["shape"]), dtype="int32" if source["form"] == "tokens" else dtype)],
                                      name="seq")
             for layer in spec.params["layers"]:
                 model.add(_keras_layer(keras, layer))
         finally:
-            keras.config.set_floatx(floatx)
+            if dtype != "float32":
+                keras.config.set_floatx(before[0])
+                keras.config.set_dtype_policy(before[1])
         for layer in model.layers:
             if layer.name in spec.frozen:
                 layer.trainable = False

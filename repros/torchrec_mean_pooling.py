@@ -2,8 +2,10 @@
 
   python repros/torchrec_mean_pooling.py grid      # GRID_SHARD + MEAN pooling: per-row-shard means are summed
   python repros/torchrec_mean_pooling.py mixed     # a ROW_WISE MEAN table corrupts a TABLE_WISE SUM table beside it
-  python repros/torchrec_mean_pooling.py row       # ROW_WISE (SUM or MEAN): every pooled embedding comes out scaled
-                                                   # by exactly (1 - 2**-20), a single-id SUM bag included
+  python repros/torchrec_mean_pooling.py row       # two ROW_WISE tables (SUM or MEAN) in one collection: every pooled
+                                                   # embedding comes out scaled by exactly (1 - 2**-20), a single-id
+                                                   # SUM bag included
+  python repros/torchrec_mean_pooling.py row1      # the control: only b row-wise (a table-wise) is exact
 
 Two gloo ranks on CPU; prints the max |sharded - unsharded| pooled embedding per feature (expected: ~0).
 """
@@ -33,7 +35,8 @@ def run(rank: int, case: str) -> None:
     ebc = EmbeddingBagCollection(tables=tables)
     plan_of = {"grid": {"a": sp.grid_shard(host_indexes=[0]), "b": sp.grid_shard(host_indexes=[0])},
                "mixed": {"a": sp.row_wise(), "b": sp.table_wise(rank=0)},
-               "row": {"a": sp.row_wise(), "b": sp.row_wise()}}[case]
+               "row": {"a": sp.row_wise(), "b": sp.row_wise()},
+               "row1": {"a": sp.table_wise(rank=0), "b": sp.row_wise()}}[case]
     sharder = EmbeddingBagCollectionSharder()
     plan = ShardingPlan({"": sp.construct_module_sharding_plan(ebc, plan_of, sharder=sharder, local_size=2, world_size=2, device_type="cpu")})
     sharded = DistributedModelParallel(EmbeddingBagCollection(tables=tables), env=ShardingEnv.from_process_group(dist.group.WORLD),

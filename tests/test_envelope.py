@@ -61,3 +61,20 @@ def test_calibrated_oracle_catches_a_small_library_fault_that_d3_passes(fresh_ru
         assert clean.loc[case, "verdict"] == "ok" and clean.loc[case, "calibrated"] == "yes"
         assert planted.loc[case, "d3_verdict"] == "ok"
         assert planted.loc[case, "verdict"] == "inconsistent"
+
+
+def test_both_frameworks_calibrate_in_float64_and_leave_later_cases_in_float32(fresh_sequential_run: Path) -> None:
+    """A Keras float64 build must not leak its dtype policy into the next case of the same worker (Keras fixes the
+    global policy once), and a converted PyTorch model must compute its float64 run in float64 throughout."""
+    settings = "tf/reference,calib-float64/tf/reference,calib-float64/reference,tf/mirrored/r2"
+    run_sweep(fresh_sequential_run, SweepOptions(settings=settings, models="*-i0,*-i1-frozen"))
+    store = Store(fresh_sequential_run)
+    records = [r for r in store.records() if r.status == "ok"]
+    outputs = {(r.model, r.setting): store.load_outputs(r) for r in records}
+    store.close()
+    centres = [o for (_, s), o in outputs.items() if s.startswith("calib-float64/")]
+    assert len(centres) == 4 and all(v.dtype == np.float64 for o in centres for v in o.values())
+    fp32 = [o for (_, s), o in outputs.items() if s in ("tf/reference", "tf/mirrored/r2")]
+    assert len(fp32) == 4 and all(v.dtype == np.float32 for o in fp32 for n, v in o.items() if "/loss" not in n)
+    cases = analyze(fresh_sequential_run).cases.set_index("setting")
+    assert (cases.loc["tf/mirrored/r2", "calibrated"] == "yes").all()

@@ -10,7 +10,7 @@ import pandas as pd
 
 from difftest.errors import UserError
 from difftest.envelope import UNIT_ROUNDOFF, Envelope
-from difftest.oracle import Tolerance, compare
+from difftest.oracle import BOUND_PREFIX, Tolerance, compare
 from difftest.registry import calibrations_of, get_generator, get_setting, load_plugins, root_of
 from difftest.runner.sweep import list_models
 from difftest.store import STATUSES, Store
@@ -119,7 +119,8 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
                 expected = outputs_of_reference(record.model, reference) or {}
                 if setting is not None:
                     expected = {k: v for k, v in expected.items() if setting.judges(k)}
-                    actual = {k: v for k, v in actual.items() if setting.judges(k)}
+                    # (a bound `allowed/<name>` goes with its tensor)
+                    actual = {k: v for k, v in actual.items() if setting.judges(k.removeprefix(BOUND_PREFIX))}
                 judged_by = setting.tolerance(tol) if setting is not None else tol
                 comparisons = compare(actual, expected, judged_by)
                 mismatch = setting.mismatch_status if setting is not None else "inconsistent"

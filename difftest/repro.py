@@ -45,7 +45,11 @@ class Reproduction:
         if self.worst is not None and not (isinstance(self.worst["linf"], float) and math.isnan(self.worst["linf"])):
             w = self.worst
             lines.append(f"  worst tensor {w['phase']}/{w['tensor']} (against {w['reference']}): "
-                         f"L∞ {w['linf']:.6g}, {int(w['mismatches'])} of {int(w['numel'])} elements beyond tolerance")
+                         f"L∞ {w['linf']:.6g}, {int(w['mismatches'])} of {int(w['numel'])} elements beyond D3's tolerance")
+            ratio = w.get("calibrated_ratio", math.nan)
+            if not (isinstance(ratio, float) and math.isnan(ratio)):
+                lines.append(f"  calibrated oracle: {w['calibrated_linf']:.6g} from the float64 result, {ratio:.3g}× "
+                             "the envelope of legitimate results (above 1 is a finding)")
             if self.reference_value is not None:
                 lines.append(f"  at its worst element: reference {self.reference_value!r}, setting {self.setting_value!r}")
         if self.message and self.verdict != "ok":

@@ -9,6 +9,9 @@ from difftest.generate import generate
 from difftest.spec import RunConfig
 
 PLANTED = "tests.faults.planted"
+# what a sweep adds per model to judge settings whose root is `reference` with the calibrated oracle
+# (difftest.envelope): calib-{float64,order,threads,microbatch}/reference
+REFERENCE_CALIBRATIONS = 4
 
 
 @pytest.fixture(scope="session")

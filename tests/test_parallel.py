@@ -9,7 +9,7 @@ from difftest.analysis import analyze
 from difftest.runner.sweep import SweepOptions, run_sweep
 from generators.conversion import layer_cuts
 from settings.pipeline import balanced_split, random_split
-from tests.conftest import PLANTED
+from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS
 
 CLEAN = [
     "reference", "accumulate/mb2", "accumulate/mb4",
@@ -85,9 +85,9 @@ def test_sequence_parallel_shards_positions_where_a_converted_dense_pair_runs_ov
 
     report = run_sweep(run_dir, SweepOptions(settings="tp/sequence-parallel/ws2,tp/sequence-parallel/ws4",
                                              timeout_s=120))
-    assert report.statuses == {"ok": 3}
+    assert report.statuses == {"ok": 3 + REFERENCE_CALIBRATIONS}
     cases = analyze(run_dir).cases
-    assert set(cases.verdict) == {"ok"} and len(cases) == 3
+    assert set(cases.verdict) == {"ok"} and len(cases) == 3 + REFERENCE_CALIBRATIONS
     store = Store(run_dir)
     messages = {r.setting: r.message for r in store.records()}
     store.close()
@@ -101,6 +101,7 @@ def test_fsdp2_inside_pipeline_stages_finishes_on_a_converted_keras_model(fresh_
     run_dir = fresh_sequential_run
     hybrid = ["hybrid/gpipe/dp2xfsdp2/pp2/stages2/mb2/balanced", "hybrid/1f1b/dp2xfsdp2/pp2/stages2/mb4/balanced"]
     report = run_sweep(run_dir, SweepOptions(settings=",".join(hybrid), models="*-i0", timeout_s=60))
-    assert report.statuses == {"ok": 5}  # the two hybrids, accumulate/mb4 and /mb8, and their reference
+    # the two hybrids, accumulate/mb4 and /mb8, and their reference with its calibration runs
+    assert report.statuses == {"ok": 5 + REFERENCE_CALIBRATIONS}
     cases = analyze(run_dir).cases
     assert set(cases.verdict) == {"ok"} and set(hybrid) <= set(cases.setting)

@@ -17,7 +17,7 @@ from difftest.analysis import analyze
 from difftest.runner.pool import ERROR_GRACE_S, CaseRequest, WorkerGroup
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.store import Store
-from tests.conftest import PLANTED
+from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS
 
 CLEAN_SINGLE_TYPE = [
     f"torchrec/ebc/{t}/ws2"
@@ -76,7 +76,7 @@ def test_raise_abort_hang_and_refusal_become_rows_and_the_sweep_finishes(fresh_r
     assert "planted refusal" in records["faults/refuses/ws2"].message
     assert records["torchrec/ebc/table_wise/ws2"].status == "ok"  # the sweep went on after all of them
     assert records["reference"].status == "ok"  # brought in: the settings above are judged against it
-    assert sum(report.statuses.values()) == 6
+    assert sum(report.statuses.values()) == 6 + REFERENCE_CALIBRATIONS
 
 
 def _committed(run_dir: Path) -> int:
@@ -206,7 +206,7 @@ def test_after_a_crash_the_next_case_runs_on_a_replacement_and_gives_a_fresh_gro
                                                plugins=(PLANTED,), timeout_s=60),
                        on_result=lambda case, record: order.append(record.setting))
     assert order.index("faults/aborts/ws2") < order.index(PROBE)
-    assert report.statuses == {"crash": 1, "ok": 2}  # the probe and its reference
+    assert report.statuses == {"crash": 1, "ok": 2 + REFERENCE_CALIBRATIONS}  # the probe, its reference, calibrations
     assert report.groups_started == 3  # ws1 for the reference; ws2, and its replacement after the crash
     store = Store(fresh_run)
     try:
@@ -223,7 +223,8 @@ def test_a_group_is_recycled_after_its_case_budget_and_the_results_do_not_change
     twin = tmp_path / "twin"
     shutil.copytree(fresh_run, twin)
     recycled = run_sweep(fresh_run, SweepOptions(settings=selection, recycle_after=2))
-    assert recycled.statuses == {"ok": 6} and recycled.groups_started == 3  # ws1; ws2, recycled after 2 of 4 cases
+    assert recycled.statuses == {"ok": 6 + 2 * REFERENCE_CALIBRATIONS}
+    assert recycled.groups_started == 3  # ws1; ws2, recycled after 2 of 4 cases
     kept = run_sweep(twin, SweepOptions(settings=selection))
     assert kept.groups_started == 2
     first, second = _outputs(fresh_run), _outputs(twin)

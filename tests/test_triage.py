@@ -13,7 +13,7 @@ from difftest.analysis import analyze
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.triage import (computation_order, innermost_library_frame, normalise_message, setting_family,
                              tensor_class, triage)
-from tests.conftest import PLANTED
+from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS
 
 ZBV = ("AssertionError: can't steal_bwd_input if this stage doesn't have backward || File \"/x/.venv/lib/python3.11/"
        "site-packages/torch/distributed/pipelining/schedules.py\", line 2853, in _perform_action |     stage."
@@ -158,5 +158,5 @@ def test_a_running_sweep_is_triaged_as_a_snapshot(fresh_run: Path) -> None:
     sweeping.join()
     assert any(a.sweep_running for a in snapshots) and not sweep_in_progress(fresh_run)
     final = analyze(fresh_run, plugins=(PLANTED,))
-    assert not final.sweep_running and len(final.cases) == 8
+    assert not final.sweep_running and len(final.cases) == 8 + 2 * REFERENCE_CALIBRATIONS
     assert all(len(a.cases) <= len(final.cases) for a in snapshots)

@@ -15,6 +15,7 @@ from difftest.errors import UserError
 from difftest.oracle import Tolerance, compare, compare_tensor
 from difftest.registry import tier, all_settings, load_plugins, select_settings, with_references
 from difftest.store import CaseRecord, Store
+from difftest.setting import Repeat
 from generators.dlrm import DlrmGenerator
 
 
@@ -113,7 +114,8 @@ def test_the_default_tier_covers_every_class_and_every_tier_axis_value_at_the_sm
     full, default = tier("full"), tier("default")
     assert full == all_settings() and len(default) < len(full) / 3
     assert select_settings(None) == default and select_settings(None, "full") == full
-    assert {type(s) for s in default} == {type(s) for s in full}
+    # every class, plus the calibration runs of the roots it is judged down to (derived: not in `full`)
+    assert {type(s) for s in default if not isinstance(s, Repeat)} == {type(s) for s in full}
     chosen = {s.name for s in default}
     for cls in {type(s) for s in full}:
         members = [s for s in full if type(s) is cls]
@@ -138,16 +140,23 @@ def test_the_default_tier_covers_every_class_and_every_tier_axis_value_at_the_sm
 
 def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None:
     load_plugins()
-    chosen = [s.name for s in with_references(select_settings("rerun/repartition/gpipe/ws2/mb2/moved"))]
+    def chain(glob: str) -> list[str]:  # what it is judged against, then the calibration runs of the chain's root
+        return [s.name for s in with_references(select_settings(glob))]
+
+    chosen = chain("rerun/repartition/gpipe/ws2/mb2/moved")
+    root = "accumulate/mb2/momentum0.9/steps4"
     assert chosen == ["rerun/repartition/gpipe/ws2/mb2/moved", "repartition/gpipe/ws2/mb2/moved",
-                      "repartition/gpipe/ws2/mb2/uninterrupted", "accumulate/mb2/momentum0.9/steps4"]
-    assert [s.name for s in with_references(select_settings("rerun/ddp/default/ws3"))] == [
-        "rerun/ddp/default/ws3", "ddp/default/ws3", "reference"]
-    # mixed precision: sharded bf16 against one-rank bf16 (what sharding adds), that against fp32 (what bf16 costs)
-    assert [s.name for s in with_references(select_settings("fsdp2/per-layer/reshard/bf16/ws3"))] == [
-        "fsdp2/per-layer/reshard/bf16/ws3", "fsdp2/per-layer/reshard/bf16/ws1", "reference"]
+                      "repartition/gpipe/ws2/mb2/uninterrupted", root,
+                      *(f"calib-{m}/{root}" for m in ("float64", "threads", "microbatch"))]
+    assert chain("rerun/ddp/default/ws3") == ["rerun/ddp/default/ws3", "ddp/default/ws3", "reference",
+                                              *(f"calib-{m}/reference" for m in ("float64", "order", "threads", "microbatch"))]
+    # mixed precision: sharded bf16 against one-rank bf16 (what sharding adds), that against fp32 (what bf16 costs);
+    # the bf16 ones are judged against the reference's Monte Carlo bf16 envelope
+    assert chain("fsdp2/per-layer/reshard/bf16/ws3") == [
+        "fsdp2/per-layer/reshard/bf16/ws3", "fsdp2/per-layer/reshard/bf16/ws1", "reference",
+        *(f"calib-{m}/reference" for m in ("float64", "bf16-a", "bf16-b", "bf16-c"))]
     load_plugins(("tests.faults.planted",))  # a planted fault is judged against the clean setting it breaks
-    assert [s.name for s in with_references(select_settings("faults/stash_queue_one_short/stages2"))] == [
+    assert chain("faults/stash_queue_one_short/stages2")[:2] == [
         "faults/stash_queue_one_short/stages2", "async-pipeline/simulator/stash/stages2/mb4"]
     assert [s.name for s in with_references(select_settings("faults/repartition_loses_key/ws2"))][1] == \
         "repartition/gpipe/ws2/mb2/uninterrupted"

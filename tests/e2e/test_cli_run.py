@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from difftest.analysis import CSV_COLUMNS
-from difftest.registry import load_plugins, tier
+from difftest.registry import load_plugins, tier, with_references
 
 CRASHING = {"quant/torchrec/bf16/out-fp32/unsharded", "quant/torchrec/bf16/out-fp16/unsharded"}
 
@@ -28,7 +28,7 @@ def _run(out: Path, *extra: str, timeout: int) -> subprocess.CompletedProcess:
 def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProcess) -> pd.DataFrame:
     assert result.returncode == 0, result.stderr[-3000:]
     load_plugins()
-    in_tier = {s.name for s in tier(tier_name)}
+    in_tier = {s.name for s in with_references(tier(tier_name))}  # with the calibration runs of its roots
     cases = pd.read_csv(out / "summary.csv", index_col=0)
     assert set(cases.index) == in_tier
     assert int(cases["cases"].sum()) == 4 * len(in_tier)  # 2 DLRM + 2 Keras models × every setting of the tier
@@ -108,7 +108,7 @@ def test_difftest_run_on_the_default_models_runs_the_default_tier_and_resumes(tm
     rows = _check_the_job(out, "default", _run(out, timeout=900))
     # every family of settings ran on the default models
     load_plugins()
-    families = {s.family for s in tier("full")}
+    families = {s.family for s in with_references(tier("full"))}
     assert families == {s.family for s in tier("default")}
 
     # a rerun of the same command resumes: nothing left to run, same verdicts

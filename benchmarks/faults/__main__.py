@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from benchmarks.faults.inject import BY_NAME, CLASSES, ENV
+from benchmarks.faults.inject import BY_NAME, ENV
 from difftest.analysis import analyze
 from difftest.generate import generate
 from difftest.registry import generator_kinds, load_plugins, select_settings

@@ -102,6 +102,18 @@ class LoadedModel:
         """Canonical parameter name → tensor of an unsharded module (possibly wrapped by DDP)."""
         return self.generator.parameters(module)
 
+    def blocks(self, module: Any) -> list[tuple[str, Any]] | None:
+        """(name, submodule) of the repeated blocks of an architecture that has them (a transformer's layers), which
+        per-block wrapping (FSDP2) takes as its units; None when the kind has no such structure."""
+        blocks = getattr(self.generator, "blocks", None)
+        return None if blocks is None else blocks(module)
+
+    def tp_plan(self, module: Any, world_size: int, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any] | None:
+        """The architecture's own tensor-parallel plan (module name → ParallelStyle), as its authors would write it;
+        None when the kind has none and a setting derives one from the module's layers."""
+        plan = getattr(self.generator, "tp_plan", None)
+        return None if plan is None else plan(module, world_size, sequence_parallel, loss_parallel)
+
 
 @dataclass
 class Inputs:

@@ -1,4 +1,5 @@
 """Model and input generators, registered by model kind. One line per generator module."""
 
 from generators import dlrm  # noqa: F401  (registers kind "dlrm")
+from generators import transformer  # noqa: F401  (registers kind "transformer")
 from generators import sequential  # noqa: F401  (registers kind "sequential")

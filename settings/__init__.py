@@ -14,6 +14,7 @@ from settings import quant_tensorflow  # noqa: F401
 from settings import fsdp  # noqa: F401
 from settings import fsdp_legacy  # noqa: F401
 from settings import tensor_parallel  # noqa: F401
+from settings import fsdp_tp  # noqa: F401
 from settings import pipeline  # noqa: F401
 from settings import determinism  # noqa: F401
 from settings import calibration  # noqa: F401

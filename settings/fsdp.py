@@ -57,24 +57,31 @@ class FullyShard(Setting):
         return BF16_TOLERANCE if self.precision == "bf16" else default
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         module = build_for_training(model, ctx.device)
         make_contiguous(module)
-        policy = MixedPrecisionPolicy()
-        if self.precision == "bf16":
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                          output_dtype=torch.float32)
-        options = dict(mesh=device_mesh(ctx), reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
-        units = parameter_holders(module) if self.wrap == "per-layer" else []
+        blocks = model.blocks(module) if self.wrap == "per-layer" else None
+        options = dict(mesh=device_mesh(ctx), reshard_after_forward=self.reshard_after_forward)
+        # per layer: a transformer's blocks (torchtitan's units), else every submodule that holds a parameter
+        units = (blocks or parameter_holders(module)) if self.wrap == "per-layer" else []
         for _, unit in reversed(units):  # innermost first: a unit owns what its wrapped children do not
-            fully_shard(unit, **options)
-        fully_shard(module, **options)
+            # a block hands bf16 activations to the next and to the root's own layers (torchtitan's policy); a unit
+            # per layer hands back fp32, so what runs between units (activations, pooling) stays fp32
+            fully_shard(unit, **options, mp_policy=self.policy(inner=blocks is not None))
+        fully_shard(module, **options, mp_policy=self.policy(inner=False))
         ctx.notes["units"] = str(len(units) + 1)
         self.sharded(ctx, module)
         return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module))
 
+    def policy(self, inner: bool) -> Any:
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.precision != "bf16":
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    output_dtype=None if inner else torch.float32)
 
     def sharded(self, ctx: RunContext, module: Any) -> None:
         """Called once the model is sharded, before training (a hook for planted faults)."""

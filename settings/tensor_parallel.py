@@ -8,6 +8,10 @@ a reduce-scatter onto the positions instead, runs what follows on position shard
 layer all-gathers them. It applies where a row-wise layer outputs a (batch, seq, feature) tensor (`Shard(1)`)
 or a (batch·seq, feature) one (`Shard(0)`): tf2onnx lowers a Keras Dense over a sequence to
 reshape → MatMul → reshape, so a converted graph's Linear sees every position of every sample as a row.
+
+A model kind that ships its own plan (a transformer: `LoadedModel.tp_plan`) runs that one instead, as its authors
+apply it (torchtitan's Llama plan). Loss parallel keeps the logits sharded over the vocabulary into a cross-entropy
+computed under `loss_parallel()`; it applies to those plans only (a derived plan has no vocabulary projection).
 """
 
 from __future__ import annotations
@@ -39,24 +43,34 @@ class TensorParallel(Setting):
 
     world_size: int
     sequence_parallel: bool = False
+    loss_parallel: bool = False
     family: ClassVar[str] = "tp"
-    tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel",)
+    tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel", "loss_parallel")
 
     @property
     def name(self) -> str:
-        return f"tp/{'sequence-parallel' if self.sequence_parallel else 'colwise-rowwise'}/ws{self.world_size}"
+        loss = "/loss-parallel" if self.loss_parallel else ""
+        return f"tp/{'sequence-parallel' if self.sequence_parallel else 'colwise-rowwise'}{loss}/ws{self.world_size}"
 
     def describe(self) -> str:
         detail = ", row-wise outputs reduce-scattered onto the sequence dim" if self.sequence_parallel else ""
+        detail += ", cross-entropy on vocabulary-sharded logits" if self.loss_parallel else ""
         return f"tensor parallel over {self.world_size} ranks{detail}"
 
-    def plan(self, ctx: RunContext, model: Any, module: Any, inputs: Any) -> dict[str, Any]:
+    def plan(self, model: Any, module: Any, inputs: Any, device: str) -> dict[str, Any]:
+        """Module name → ParallelStyle over this setting's `world_size` tensor-parallel ranks."""
         from torch.distributed.tensor.parallel import ColwiseParallel
 
+        own = model.tp_plan(module, self.world_size, self.sequence_parallel, self.loss_parallel)
+        if own is not None:
+            return own
+        if self.loss_parallel:
+            raise Unsupported(f"loss parallel needs a plan that shards the output projection over the vocabulary; "
+                              f"{model.spec.kind} models have no such plan")
         pairs = linear_pairs(module)
         if not pairs:
             raise Unsupported("no two consecutive nn.Linear layers to shard column-wise then row-wise")
-        position_dims = _position_dims(model, module, inputs, [row for _, row in pairs], ctx.device)
+        position_dims = _position_dims(model, module, inputs, [row for _, row in pairs], device)
         if self.sequence_parallel and not position_dims:
             raise Unsupported("no row-wise Linear outputs a (batch, seq, feature) or (batch·seq, feature) tensor "
                               "to shard on positions")
@@ -75,23 +89,45 @@ class TensorParallel(Setting):
         return RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        module = build_for_training(model, ctx.device)
+        self.parallelize(ctx, model, module, inputs, device_mesh(ctx, name="tp"))
+        return self.train(ctx, model, inputs, module, data_shard=(0, 1))
+
+    def parallelize(self, ctx: RunContext, model: Any, module: Any, inputs: Any, mesh: Any) -> None:
+        """Apply this setting's plan over the 1-D tensor-parallel `mesh`, in place."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = self.plan(model, module, inputs, ctx.device)
+        parallelize_module(module, mesh, plan)
+        ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in plan.items())
+
+    def train(self, ctx: RunContext, model: Any, inputs: Any, module: Any, data_shard: tuple[int, int]) -> Outputs | None:
+        """Plain SGD on the share `data_shard` of the batch through a parallelized module (ranks of one
+        tensor-parallel group share a data share)."""
+        import contextlib
+
         import torch
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.experimental import implicit_replication
-        from torch.distributed.tensor.parallel import parallelize_module
+        from torch.distributed.tensor.parallel import loss_parallel
 
-        module = build_for_training(model, ctx.device)
-        plan = self.plan(ctx, model, module, inputs)
-        parallelize_module(module, device_mesh(ctx, name="tp"), plan)
-        ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in plan.items())
-        # a sequence-sharded tensor may reach the model's output: hand back the whole tensor
-        module.register_forward_hook(lambda _m, _a, out: out.full_tensor() if isinstance(out, DTensor) else out)
+        # a sharded tensor may reach the model's output: hand back the whole tensor, except to a loss-parallel loss
+        training = [False]
+        module.register_forward_hook(lambda _m, _a, out: out.full_tensor()
+                                     if isinstance(out, DTensor) and not (training[0] and self.loss_parallel) else out)
         optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
 
         def train_step(batch: Any) -> float:
             optimizer.zero_grad()
-            loss = model.loss(model.forward(module, batch, ctx.device), batch)
-            loss.backward()
+            training[0] = True
+            try:
+                with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+                    loss = model.loss(model.forward(module, batch, ctx.device), batch)
+                    loss.backward()
+            finally:
+                training[0] = False
+            if isinstance(loss, DTensor):
+                loss = loss.full_tensor()
             for parameter in module.parameters():
                 # a parameter outside the plan that met a DTensor activation gets a replicated DTensor grad
                 if not isinstance(parameter, DTensor) and isinstance(parameter.grad, DTensor):
@@ -101,7 +137,7 @@ class TensorParallel(Setting):
 
         with implicit_replication():  # plain constants in the graph meet DTensor activations
             return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step,
-                                   lambda: gathered_parameters(ctx, model, module), data_shard=(0, 1))
+                                   lambda: gathered_parameters(ctx, model, module), data_shard=data_shard)
 
 
 def _describe(style: Any) -> str:
@@ -133,4 +169,4 @@ def _position_dims(model: Any, module: Any, inputs: Any, names: list[str], devic
     return dims
 
 
-register_settings(TensorParallel(ws, sp) for sp in (False, True) for ws in (2, 4))
+register_settings(TensorParallel(ws, sp, lp) for sp in (False, True) for lp in (False, True) for ws in (2, 4))

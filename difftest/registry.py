@@ -258,3 +258,10 @@ def get_generator(kind: str) -> Any:
 
 def generator_kinds() -> list[str]:
     return sorted(_GENERATORS)
+
+
+def traits_of(kind: str) -> frozenset[str]:
+    """What a model kind is made of, as its generator declares (`traits`): "torchrec" (EmbeddingBagCollections),
+    "keras" (a Keras model with a converted PyTorch form), "transformer", … Settings decide `supports` by these,
+    never by a kind's name, so a new kind runs every family its traits admit."""
+    return frozenset(getattr(get_generator(kind), "traits", ()))

@@ -2,4 +2,5 @@
 
 from generators import dlrm  # noqa: F401  (registers kind "dlrm")
 from generators import transformer  # noqa: F401  (registers kind "transformer")
+from generators import torchrec_models  # noqa: F401  (registers kinds "torchrec-dlrm", "torchrec-deepfm")
 from generators import sequential  # noqa: F401  (registers kind "sequential")

@@ -51,6 +51,7 @@ def _mlp_sizes(rng: np.random.Generator, max_layers: int) -> list[int]:
 
 class DlrmGenerator:
     kind = KIND
+    traits = frozenset({"torch", "torchrec"})
 
     def spec(self, seed: int, index: int) -> ModelSpec:
         rng = _rng(seed, index)
@@ -200,17 +201,9 @@ class DlrmGenerator:
     def model_inputs(self, module: Any, batch: Batch, device: str) -> tuple[Any, Any, Any]:
         """(dense tensor, unweighted KJT, weighted KJT) of `batch`, keyed as `module`'s tables are."""
         import torch
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        def kjt(weighted: bool) -> KeyedJaggedTensor:
-            names = [f for t in self._tables(module, weighted) for f in t["features"]]
-            feats = [batch.sparse[n] for n in names]
-            return KeyedJaggedTensor.from_lengths_sync(
-                keys=names,
-                values=torch.from_numpy(np.concatenate([f.values for f in feats])).to(device),
-                lengths=torch.from_numpy(np.concatenate([f.lengths for f in feats])).to(device),
-                weights=torch.from_numpy(np.concatenate([f.weights for f in feats])).to(device) if weighted else None,
-            )
+        def kjt(weighted: bool) -> Any:
+            return feature_kjt(batch, [f for t in self._tables(module, weighted) for f in t["features"]], weighted, device)
 
         return torch.from_numpy(batch.dense).to(device), kjt(False), kjt(True)
 
@@ -226,6 +219,20 @@ class DlrmGenerator:
     @staticmethod
     def _tables(module: Any, weighted: bool) -> list[dict[str, Any]]:
         return [t for t in _unwrap(module).table_specs if t["weighted"] == weighted]
+
+
+def feature_kjt(batch: Batch, names: list[str], weighted: bool, device: str) -> Any:
+    """The KeyedJaggedTensor of `batch`'s sparse features `names`, in that order."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    feats = [batch.sparse[n] for n in names]
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=names,
+        values=torch.from_numpy(np.concatenate([f.values for f in feats])).to(device),
+        lengths=torch.from_numpy(np.concatenate([f.lengths for f in feats])).to(device),
+        weights=torch.from_numpy(np.concatenate([f.weights for f in feats])).to(device) if weighted else None,
+    )
 
 
 def _unwrap(module: Any) -> Any:

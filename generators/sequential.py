@@ -196,6 +196,7 @@ def _draw_layers(rng: np.random.Generator) -> tuple[dict, list[dict], int]:
 
 class SequentialGenerator:
     kind = KIND
+    traits = frozenset({"keras", "torch"})
 
     def available(self) -> str | None:
         return _tf.missing()

@@ -184,5 +184,17 @@ def device_mesh(ctx: RunContext, group: Any = None, name: str = "dp") -> Any:
 
 
 def parameter_holders(module: Any) -> list[tuple[str, Any]]:
-    """(qualified name, submodule) of every submodule that itself holds a parameter, in module order."""
-    return [(name, m) for name, m in module.named_modules() if name and any(True for _ in m.parameters(recurse=False))]
+    """(qualified name, submodule) of every submodule that itself holds a parameter, in module order. A ParameterList
+    or ParameterDict is indexed, never called (TorchRec's cross net reads its kernels so): its parameters count as its
+    parent's, since a wrapper that hooks a module's forward (FSDP2's unit) would never see it run."""
+    from torch import nn
+
+    holders = []
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.ParameterList, nn.ParameterDict)):
+            continue
+        owned = any(True for _ in m.parameters(recurse=False)) or any(
+            isinstance(child, (nn.ParameterList, nn.ParameterDict)) for child in m.children())
+        if name and owned:
+            holders.append((name, m))
+    return holders

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest.errors import Unsupported
-from difftest.registry import register_settings
+from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from generators import _tf
 from settings._training import to_numpy, train_single_process
@@ -46,7 +46,7 @@ class Conversion(Setting):
         return self.phase == "train" or tensor_name.startswith("eval_before/")
 
     def supports(self, spec: Any) -> str | None:
-        return None if spec.kind == "sequential" else f"conversion applies to Keras models, not kind {spec.kind!r}"
+        return None if "keras" in traits_of(spec.kind) else f"conversion applies to Keras models, not kind {spec.kind!r}"
 
     def available(self) -> str | None:
         return _tf.missing()

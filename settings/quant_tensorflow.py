@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.registry import register_settings
+from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from generators import _tf
 from settings import _error_bounds as bounds
@@ -58,7 +58,7 @@ class TensorFlowQuantization(Setting):
         }[self.scheme] + ", vs float TensorFlow within the rounding bound"
 
     def supports(self, spec: Any) -> str | None:
-        return None if spec.kind == "sequential" else f"TensorFlow quantization runs Keras models; kind {spec.kind!r} is PyTorch-only"
+        return None if "keras" in traits_of(spec.kind) else f"TensorFlow quantization runs Keras models; kind {spec.kind!r} is PyTorch-only"
 
     def available(self) -> str | None:
         missing = _tf.missing()

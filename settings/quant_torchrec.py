@@ -22,11 +22,11 @@ from typing import Any, ClassVar, Iterator
 import numpy as np
 
 from difftest.errors import Unsupported
-from difftest.registry import register_settings
+from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from settings import _error_bounds as bounds
 from settings._training import to_numpy
-from settings.torchrec_sharding import COLLECTIONS, _column_shards, _table_column_wise
+from settings.torchrec_sharding import _column_shards, _table_column_wise, collection_tables, embedding_collections
 
 # name -> (torch dtype attribute, bits of a row-wise integer scheme or 0 for a float type)
 WEIGHT_TYPES = {"int8": ("qint8", 8), "int4": ("quint4x2", 4), "int2": ("quint2x4", 2), "fp16": ("float16", 0), "bf16": ("bfloat16", 0)}
@@ -74,7 +74,7 @@ class QuantizedEmbeddings(Setting):
         return tensor_name.startswith("eval_before/")
 
     def supports(self, spec: Any) -> str | None:
-        if spec.kind != "dlrm":
+        if "torchrec" not in traits_of(spec.kind):
             return f"quantized TorchRec embeddings need EmbeddingBagCollections; model kind {spec.kind!r} has none"
         return None
 
@@ -98,21 +98,25 @@ class QuantizedEmbeddings(Setting):
         import torch
 
         float_module = model.build(ctx.device)
+        by_name = {t["name"]: t for t in model.spec.params["tables"]}
+        # quantizing swaps each collection in place: where they live is read off the float model
+        layout = {path: [by_name[t["name"]] for t in collection_tables(collection)]
+                  for path, collection in embedding_collections(float_module).items()}
         per_table = self.table_weights(model.spec.params["tables"])
         if set(per_table.values()) != {self.weights}:
             ctx.notes["weights"] = " ".join(f"{t}={w}" for t, w in sorted(per_table.items()))
         quantized = quantize(float_module, per_table, self.output)
         with _cpu_inference_sharding(ctx.device):
             if self.sharding != "unsharded":
-                quantized = self.shard(ctx, quantized, model.spec.params["tables"])
+                quantized = self.shard(ctx, quantized, layout)
             with torch.no_grad():
                 predicted = model.evaluate(quantized, inputs.eval, ctx.device)
         outputs = {f"eval_before/{name}": to_numpy(value.float()) for name, value in predicted.items()}
-        outputs.update(self.allowed_error(ctx, model, float_module, inputs.eval, per_table))
+        outputs.update(self.allowed_error(ctx, model, float_module, inputs.eval, per_table, layout))
         return outputs
 
     # --- oracle 1: the sharded copy of the same quantized model --------------------------------------------
-    def shard(self, ctx: RunContext, quantized: Any, tables: list[dict]) -> Any:
+    def shard(self, ctx: RunContext, quantized: Any, layout: dict[str, list[dict]]) -> Any:
         import torch
         from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
         from torchrec.distributed.shard import _shard_modules
@@ -122,12 +126,11 @@ class QuantizedEmbeddings(Setting):
         sharder = QuantEmbeddingBagCollectionSharder()
         world = self.simulated_world
         per_collection = {}
-        for collection in COLLECTIONS:
-            chosen = [t for t in tables if (collection == "weighted_sparse") == t["weighted"]]
+        for path, chosen in layout.items():
             generators = {t["name"]: self._placement(position, t, world) for position, t in enumerate(chosen)}
             try:
-                per_collection[collection] = construct_module_sharding_plan(
-                    getattr(quantized, collection), generators, sharder=sharder, local_size=world, world_size=world,
+                per_collection[path] = construct_module_sharding_plan(
+                    quantized.get_submodule(path), generators, sharder=sharder, local_size=world, world_size=world,
                     device_type=ctx.device.split(":")[0],
                 )
             except (ValueError, AssertionError, NotImplementedError) as exc:
@@ -161,7 +164,8 @@ class QuantizedEmbeddings(Setting):
         return _table_column_wise(position, table, world, world)
 
     # --- the bounds ---------------------------------------------------------------------------------------
-    def allowed_error(self, ctx: RunContext, model: Any, float_module: Any, batch: Any, per_table: dict) -> Outputs:
+    def allowed_error(self, ctx: RunContext, model: Any, float_module: Any, batch: Any, per_table: dict,
+                      layout: dict[str, list[dict]]) -> Outputs:
         """`allowed/eval_before/*`: per pooled bag, then to first order through the dense part to the prediction.
 
         Unsharded (oracle 2, vs float): each element may be off by its table's rounding error, and an fp16
@@ -175,9 +179,8 @@ class QuantizedEmbeddings(Setting):
         pooled_bounds: dict[str, np.ndarray] = {}
         reference = bounds.trainable_copy(float_module)
         evaluated = model.evaluate(reference, batch, ctx.device)  # with grad: sensitivities of the prediction
-        for table in model.spec.params["tables"]:
-            collection = "weighted_sparse" if table["weighted"] else "sparse"
-            weights = model.init_state[f"{collection}.embedding_bags.{table['name']}.weight"]
+        for path, table in ((path, t) for path, tables in layout.items() for t in tables):
+            weights = model.init_state[f"{path}.embedding_bags.{table['name']}.weight"]
             rounding = element_rounding(weights, per_table[table["name"]])
             if self.sharding != "unsharded":
                 rounding = (self.simulated_world + 2) * output_unit * (np.abs(weights.astype(np.float64)) + rounding)

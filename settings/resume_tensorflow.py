@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from difftest.oracle import Tolerance
-from difftest.registry import register_settings
+from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from generators import _tf
 from settings._resumable import launch
@@ -28,7 +28,7 @@ TF_RESUME_REFERENCE = "tf-resume/uninterrupted"
 
 class _KerasOnly:
     def supports(self, spec: Any) -> str | None:
-        return None if spec.kind == "sequential" else f"TensorFlow settings run Keras models; kind {spec.kind!r} is PyTorch-only"
+        return None if "keras" in traits_of(spec.kind) else f"TensorFlow settings run Keras models; kind {spec.kind!r} is PyTorch-only"
 
     def available(self) -> str | None:
         return _tf.missing()

@@ -26,13 +26,27 @@ from settings._training import build_for_training, device_mesh, gathered_paramet
 
 
 def linear_pairs(module: Any) -> list[tuple[str, str]]:
-    """(column-wise, row-wise) qualified names: consecutive nn.Linear children of one parent, paired greedily."""
+    """(column-wise, row-wise) qualified names of Linear layers: consecutive linear children of one parent, paired
+    greedily. A child is linear if it is an nn.Linear, or, in a Sequential/ModuleList (whose children run one after
+    the other), holds exactly one nn.Linear and no other parameter (TorchRec's Perceptron: a Linear then its
+    activation), which then stands for that Linear."""
     import torch
+
+    def linear_of(name: str, child: Any, in_sequence: bool) -> str | None:
+        if type(child) is torch.nn.Linear:
+            return name
+        if not in_sequence:
+            return None
+        inner = [(n, m) for n, m in child.named_modules() if type(m) is torch.nn.Linear]
+        if len(inner) == 1 and sum(1 for _ in child.parameters()) == sum(1 for _ in inner[0][1].parameters()):
+            return f"{name}.{inner[0][0]}"
+        return None
 
     pairs = []
     for parent_name, parent in module.named_modules():
-        linears = [name for name, child in parent.named_children() if type(child) is torch.nn.Linear]
         prefix = f"{parent_name}." if parent_name else ""
+        in_sequence = isinstance(parent, (torch.nn.Sequential, torch.nn.ModuleList))
+        linears = [found for name, child in parent.named_children() if (found := linear_of(name, child, in_sequence))]
         pairs += [(prefix + linears[i], prefix + linears[i + 1]) for i in range(0, len(linears) - 1, 2)]
     return pairs
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from difftest.errors import Unsupported
-from difftest.registry import register_setting, register_settings
+from difftest.registry import register_setting, register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from generators import _tf
 from settings._training import gather_to_rank0
@@ -69,7 +69,7 @@ class TensorFlowStrategy(Setting):
         return "" if self.strategy == "default" else self.name
 
     def supports(self, spec: Any) -> str | None:
-        return None if spec.kind == "sequential" else f"TensorFlow settings run Keras models; kind {spec.kind!r} is PyTorch-only"
+        return None if "keras" in traits_of(spec.kind) else f"TensorFlow settings run Keras models; kind {spec.kind!r} is PyTorch-only"
 
     def available(self) -> str | None:
         return _tf.missing()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from difftest.errors import Unsupported
-from difftest.registry import register_settings, register_world_reset
+from difftest.registry import register_settings, register_world_reset, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import assemble, gather_to_rank0, record_training, to_numpy
 
@@ -27,7 +27,6 @@ SHARDING_TYPES = (
     "grid_shard",
 )
 WORLD_SIZES = (2, 3, 4)
-COLLECTIONS = ("sparse", "weighted_sparse")
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class TorchRecSharding(Setting):
         return f"TorchRec DMP, every table {self.sharding}, {self.world_size} ranks"
 
     def supports(self, spec: Any) -> str | None:
-        if spec.kind != "dlrm":
+        if "torchrec" not in traits_of(spec.kind):
             return f"TorchRec sharding needs EmbeddingBagCollections; model kind {spec.kind!r} has none"
         return None
 
@@ -74,7 +73,7 @@ class TorchRecSharding(Setting):
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         module = model.build("cpu")
-        tables = [p for c in COLLECTIONS for n, p in getattr(module, c).named_parameters()]
+        tables = [p for collection in embedding_collections(module).values() for p in collection.parameters()]
         apply_optimizer_in_backward(torch.optim.SGD, [p for p in tables if p.requires_grad], {"lr": ctx.lr})
         # a fused table is trained whatever its requires_grad says: without an optimizer of its own it gets the
         # sharder's default fused SGD (fbgemm's lr 0.01). TorchRec's way to freeze one is an optimizer that does not
@@ -87,7 +86,7 @@ class TorchRecSharding(Setting):
         sharder = EmbeddingBagCollectionSharder()
         env = ShardingEnv.from_process_group(ctx.group)
         device = torch.device(ctx.device)
-        plan = self._plan(ctx, module, sharder, model.spec.params["tables"])
+        plan = self._plan(ctx, module, sharder)
         try:
             dmp = DistributedModelParallel(module, env=env, plan=plan, sharders=[sharder], device=device)
         except (ValueError, NotImplementedError, AssertionError) as exc:
@@ -123,7 +122,7 @@ class TorchRecSharding(Setting):
         optimizer.step()
 
     # --- plans ----------------------------------------------------------------------------------
-    def _plan(self, ctx: RunContext, module: Any, sharder: Any, tables: list[dict]) -> Any:
+    def _plan(self, ctx: RunContext, module: Any, sharder: Any) -> Any:
         from torchrec.distributed.types import ShardingPlan
 
         local_size = ctx.local_world_size
@@ -137,15 +136,27 @@ class TorchRecSharding(Setting):
 
         rng = random.Random(self.plan_seed * 1009 + ctx.world_size)
         per_collection: dict[str, Any] = {}
-        for collection in COLLECTIONS:
+        for path, collection in embedding_collections(module).items():
             generators = {}
-            for position, table in enumerate(t for t in tables if (collection == "weighted_sparse") == t["weighted"]):
+            for position, table in enumerate(collection_tables(collection)):
                 kind = rng.choice(SHARDING_TYPES) if self.sharding == "mixed" else self.sharding
                 generators[table["name"]] = _generator(kind, position, table, ctx.world_size, local_size)
-            per_collection[collection] = _construct(
-                getattr(module, collection), generators, sharder, local_size, ctx.world_size, ctx.device
-            )
+            per_collection[path] = _construct(collection, generators, sharder, local_size, ctx.world_size, ctx.device)
         return ShardingPlan(per_collection)
+
+
+def embedding_collections(module: Any) -> dict[str, Any]:
+    """Qualified name → EmbeddingBagCollection of every collection in an unsharded model, in module order (where a
+    sharding plan names them: the `dlrm` kind's `sparse`, TorchRec DLRM's `sparse_arch.embedding_bag_collection`)."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    return {name: m for name, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)}
+
+
+def collection_tables(collection: Any) -> list[dict[str, Any]]:
+    """The tables of a collection, in its order, as the plan generators read them (name, embedding dim)."""
+    return [{"name": c.name, "embedding_dim": c.embedding_dim, "num_embeddings": c.num_embeddings}
+            for c in collection.embedding_bag_configs()]
 
 
 def _construct(collection: Any, generators: dict, sharder: Any, local_size: int, world_size: int, device: str) -> Any:

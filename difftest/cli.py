@@ -44,7 +44,7 @@ OracleOpt = Annotated[str, typer.Option(
     "verdicts are written either way (verdict, d3_verdict).")]
 FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 when any case is inconsistent, errored, crashed or timed out.")]
 # the built-in kinds, written out so that --help needs no import of torch (a test keeps the list in step)
-BUILTIN_KINDS = ("dlrm", "transformer", "sequential")
+BUILTIN_KINDS = ("dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer", "sequential", "keras-dag", "keras-transformer")
 KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the [tf] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
 TierOpt = Annotated[Optional[str], typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
 MinimizeOpt = Annotated[float, typer.Option("--minimize-budget", min=0, help="Seconds per finding to shrink its example case (fewer tables, layers, rows, ranks) while it still fails the same way; 0: no minimisation.")]

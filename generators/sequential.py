@@ -231,10 +231,8 @@ class SequentialGenerator:
             keras.config.set_floatx(dtype)
             keras.config.set_dtype_policy(dtype)
         try:
-            model = keras.Sequential([keras.Input(tuple(source["shape"]), dtype="int32" if source["form"] == "tokens" else dtype)],
-                                     name="seq")
-            for layer in spec.params["layers"]:
-                model.add(_keras_layer(keras, layer))
+            model = self.assemble(keras, spec, keras.Input(tuple(source["shape"]),
+                                                           dtype="int32" if source["form"] == "tokens" else dtype))
         finally:
             if dtype != "float32":
                 keras.config.set_floatx(before[0])
@@ -245,6 +243,13 @@ class SequentialGenerator:
         if state is not None:
             for weight in model.weights:
                 weight.assign(state[weight_name(weight)])
+        return model
+
+    def assemble(self, keras: Any, spec: ModelSpec, model_input: Any) -> Any:
+        """The Keras model of `spec`'s layers on `model_input`, named "seq" (weights are named by their path below it)."""
+        model = keras.Sequential([model_input], name="seq")
+        for layer in spec.params["layers"]:
+            model.add(_keras_layer(keras, layer))
         return model
 
     def init_state(self, spec: ModelSpec) -> dict[str, np.ndarray]:
@@ -372,7 +377,8 @@ _WEIGHTLESS = {"Dropout", "Activation", "Flatten", "Reshape", "MaxPooling1D", "A
 
 
 def weight_name(weight: Any) -> str:
-    return weight.path.split("/", 1)[1]  # drop the model's own name
+    # a Sequential model puts its own name first ("seq/l0_dense/kernel"), a functional one does not
+    return weight.path.split("/", 1)[1] if weight.path.startswith("seq/") else weight.path
 
 
 def _features(spec: ModelSpec) -> list[str]:
@@ -386,7 +392,7 @@ def _features(spec: ModelSpec) -> list[str]:
 
 
 def _keras_layer(keras: Any, layer: dict) -> Any:
-    config = {k: v for k, v in layer.items() if k not in ("class", "gelu_approximate")}
+    config = {k: v for k, v in layer.items() if k not in ("class", "gelu_approximate", "inputs", "call", "use_causal_mask")}
     activation = config.get("activation")
     if activation == "gelu":
         approximate = layer.get("gelu_approximate", False)

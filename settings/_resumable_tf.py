@@ -13,6 +13,7 @@ import numpy as np
 
 from difftest.setting import Outputs
 from generators import _tf
+from generators.sequential import weight_name
 
 TOTAL_STEPS = 5
 
@@ -50,7 +51,7 @@ def run_phase(model: Any, inputs: Any, seed: int, lr: float, first: int, last: i
     for step in range(first + 1, last + 1):
         x, y = next(iterator)
         outputs[f"train_step{step}/loss"] = np.array([float(train_step(x, y))])
-        outputs.update({f"param_after_step{step}/{w.path.split('/', 1)[1]}": np.array(w.numpy()) for w in recorded})
+        outputs.update({f"param_after_step{step}/{weight_name(w)}": np.array(w.numpy()) for w in recorded})
     if save:
         assert checkpoint is not None
         state.save(str(checkpoint / "ckpt"))

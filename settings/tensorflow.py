@@ -20,6 +20,7 @@ from difftest.errors import Unsupported
 from difftest.registry import register_setting, register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from generators import _tf
+from generators.sequential import weight_name
 from settings._training import gather_to_rank0
 
 TF_REFERENCE = "tf/reference"
@@ -120,7 +121,7 @@ class TensorFlowStrategy(Setting):
             loss = float(train(x, y).numpy())
             outputs[f"train_step{step}/loss"] = np.array([loss])
             for weight in recorded:
-                outputs[f"param_after_step{step}/{weight.path.split('/', 1)[1]}"] = np.array(weight.numpy())
+                outputs[f"param_after_step{step}/{weight_name(weight)}"] = np.array(weight.numpy())
         record_predictions(f"eval_after_step{ctx.steps}")
         ctx.notes["replicas"] = str(replicas)
         return outputs if ctx.rank == 0 else None

@@ -48,6 +48,9 @@ BUILTIN_KINDS = ("dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer", "seq
 KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the [tf] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
 TierOpt = Annotated[Optional[str], typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
 MinimizeOpt = Annotated[float, typer.Option("--minimize-budget", min=0, help="Seconds per finding to shrink its example case (fewer tables, layers, rows, ranks) while it still fails the same way; 0: no minimisation.")]
+# the default job's models per kind where not --models: one each of the larger kinds keeps it within minutes
+DEFAULT_JOB_MODELS_OF = "torchrec-dlrm=1,torchrec-deepfm=1,transformer=1,keras-dag=1,keras-transformer=1"
+ModelsOfOpt = Annotated[str, typer.Option("--models-of", help="Comma-separated kind=N: models of those kinds, instead of --models ('' for none).")]
 ModelsFilterOpt = Annotated[Optional[str], typer.Option("--models-filter", help="Comma-separated globs over model ids to sweep.")]
 
 
@@ -58,7 +61,18 @@ def _progress() -> Progress:
     )
 
 
-def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: float, batch_size: int, plugins: tuple[str, ...]) -> None:
+def _models_of(text: str) -> dict[str, int]:
+    counts = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, number = item.partition("=")
+        if not number.isdigit():
+            raise UserError(f"--models-of {text!r}: {item!r} is not kind=N; write e.g. --models-of transformer=3,keras-dag=1")
+        counts[name.strip()] = int(number)
+    return counts
+
+
+def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: float, batch_size: int,
+              plugins: tuple[str, ...], models_of: str = "") -> None:
     from difftest.generate import generate
     from difftest.registry import generator_kinds, get_generator, load_plugins
     from difftest.spec import RunConfig
@@ -78,9 +92,11 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
         if why:
             raise UserError(f"--kind {kind}: this kind {why}")
         kinds = (kind,)
-    config = RunConfig(seed=seed, models=models, kinds=kinds, steps=steps, lr=lr, batch_size=batch_size, plugins=plugins)
+    counts = {k: n for k, n in _models_of(models_of).items() if k in kinds}  # kinds left out above stay out
+    config = RunConfig(seed=seed, models=models, kinds=kinds, models_of=counts, steps=steps, lr=lr,
+                       batch_size=batch_size, plugins=plugins)
     with _progress() as progress:
-        task = progress.add_task("generate", total=models * len(kinds), detail="")
+        task = progress.add_task("generate", total=sum(config.count(k) for k in kinds), detail="")
         generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m))
 
 
@@ -206,6 +222,7 @@ def _print_findings(out: Path, findings: list, minimised: list, report: Path) ->
 def run(
     out: Annotated[Path, typer.Option("--out", help="Run folder; an existing one is resumed.")] = DEFAULT_OUT,
     models: Annotated[int, typer.Option("--models", min=1, help="Models per kind.")] = 2,
+    models_of: ModelsOfOpt = DEFAULT_JOB_MODELS_OF,
     seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
     kind: KindOpt = "all",
     settings: SettingsOpt = None,
@@ -230,7 +247,7 @@ def run(
     plugins = tuple(plugin or ())
     load_plugins(plugins)
     select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
-    _generate(out, models, seed, kind, steps, lr, batch_size, plugins)
+    _generate(out, models, seed, kind, steps, lr, batch_size, plugins, models_of)
     _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier)
     _analyze(out, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
@@ -239,6 +256,7 @@ def run(
 def generate(
     out: Annotated[Path, typer.Option("--out", help="Run folder to create.")] = DEFAULT_OUT,
     models: Annotated[int, typer.Option("--models", min=1, help="Models per kind.")] = 2,
+    models_of: ModelsOfOpt = "",
     seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
     kind: KindOpt = "all",
     steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per case.")] = 1,
@@ -247,7 +265,7 @@ def generate(
     plugin: PluginOpt = None,
 ) -> None:
     """Generate model specs, initial weights and inputs, reproducible from (seed, index)."""
-    _generate(out, models, seed, kind, steps, lr, batch_size, tuple(plugin or ()))
+    _generate(out, models, seed, kind, steps, lr, batch_size, tuple(plugin or ()), models_of)
 
 
 @app.command()

@@ -48,7 +48,7 @@ def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] |
     ids = []
     for kind in config.kinds:
         generator = get_generator(kind)
-        for index in range(config.models):
+        for index in range(config.count(kind)):
             spec = generator.spec(config.seed, index)
             model_dir = run_dir / "models" / spec.model_id
             materialise(spec, model_dir, config.batch_size)

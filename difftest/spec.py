@@ -54,6 +54,8 @@ class RunConfig:
     seed: int = 0
     models: int = 2
     kinds: tuple[str, ...] = ("dlrm",)
+    # kind -> how many models of it, where not `models` (the default job takes one of each newer, larger kind)
+    models_of: dict[str, int] = field(default_factory=dict)
     steps: int = 1
     lr: float = 0.1
     batch_size: int = 24
@@ -61,6 +63,10 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    def count(self, kind: str) -> int:
+        """How many models of `kind` the run has."""
+        return self.models_of.get(kind, self.models)
 
     @classmethod
     def load(cls, path: Path) -> "RunConfig":

@@ -159,21 +159,33 @@ class FunctionalGenerator(SequentialGenerator):
         return ModelSpec(kind=self.kind, seed=seed, index=index, params=params, frozen=frozen, input_seed=0)
 
     def assemble(self, keras: Any, spec: ModelSpec, model_input: Any) -> Any:
-        tensors = {"input": model_input}
-        for layer in spec.params["layers"]:
-            args = [tensors[name] for name in layer["inputs"]]
-            built = _keras_layer(keras, layer)
-            if layer["class"] in MERGES:
-                tensors[layer["name"]] = built(args)
-            elif layer["class"] == "MultiHeadAttention":  # self-attention: query = value = key
-                tensors[layer["name"]] = built(args[0], args[0], use_causal_mask=layer["use_causal_mask"])
-            elif layer.get("call") == "positions":
+        built = {layer["name"]: _keras_layer(keras, layer) for layer in spec.params["layers"]}
+        output = self._through_graph(keras, spec, built, model_input)
+        return keras.Model(model_input, output, name="seq")
+
+    def layer_by_layer(self, keras: Any, spec: ModelSpec, model: Any, x: Any, visit: Any) -> Any:
+        layers = {layer["name"]: model.get_layer(layer["name"]) for layer in spec.params["layers"]}
+        return self._through_graph(keras, spec, layers, x, visit)
+
+    @staticmethod
+    def _through_graph(keras: Any, spec: ModelSpec, layers: dict[str, Any], x: Any, visit: Any = None) -> Any:
+        """The graph's output on `x`, calling each node's layer on what it reads (`visit(layer, value)` sees, and may
+        replace, each value a layer reads)."""
+        tensors = {"input": x}
+        for node in spec.params["layers"]:
+            layer = layers[node["name"]]
+            args = [tensors[name] if visit is None else visit(layer, tensors[name]) for name in node["inputs"]]
+            if node["class"] in MERGES:
+                tensors[node["name"]] = layer(args)
+            elif node["class"] == "MultiHeadAttention":  # self-attention: query = value = key
+                tensors[node["name"]] = layer(args[0], args[0], use_causal_mask=node["use_causal_mask"])
+            elif node.get("call") == "positions":
                 # cumsum, not zeros_like + arange: tf2onnx leaves arange's constant as a graph input
                 # (repros/tf2onnx_captured_constant_input.py)
-                tensors[layer["name"]] = built(keras.ops.cumsum(keras.ops.ones_like(args[0]), axis=1) - 1)
+                tensors[node["name"]] = layer(keras.ops.cumsum(keras.ops.ones_like(args[0]), axis=1) - 1)
             else:
-                tensors[layer["name"]] = built(args[0])
-        return keras.Model(model_input, tensors[spec.params["layers"][-1]["name"]], name="seq")
+                tensors[node["name"]] = layer(args[0], training=False) if visit is not None else layer(args[0])
+        return tensors[spec.params["layers"][-1]["name"]]
 
     def features(self, spec: ModelSpec) -> list[str]:
         kinds = set(super().features(spec))

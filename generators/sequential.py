@@ -13,6 +13,7 @@ layout; the PyTorch side maps its parameters back to those names and layouts (se
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -252,6 +253,14 @@ class SequentialGenerator:
             model.add(_keras_layer(keras, layer))
         return model
 
+    def layer_by_layer(self, keras: Any, spec: ModelSpec, model: Any, x: Any, visit: Any) -> Any:
+        """`model`'s output on `x` (inference form), layer by layer: `visit(layer, value)` sees, and may replace, each
+        value a layer reads (a quantization bound differentiates the output by them)."""
+        hidden = x
+        for layer in model.layers:
+            hidden = layer(visit(layer, hidden), training=False)
+        return hidden
+
     def init_state(self, spec: ModelSpec) -> dict[str, np.ndarray]:
         rng = _rng(spec.seed, spec.index, 1)
         state = {}
@@ -420,7 +429,17 @@ def export_onnx(model: Any, spec: ModelSpec) -> bytes:
     dtype = tf.int32 if source["form"] == "tokens" else tf.float32
     signature = (tf.TensorSpec((None, *source["shape"]), dtype, name="x"),)
     function = tf.function(lambda x: model(x, training=False))
-    proto, _ = tf2onnx.convert.from_function(function, input_signature=signature, opset=OPSET)
+    # tf2onnx logs at ERROR what it cannot map (exact gelu's Erfc) and exports it anyway: what that costs is
+    # measured by the conversion settings, so its log would only print through the progress display
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("tf2onnx")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        proto, _ = tf2onnx.convert.from_function(function, input_signature=signature, opset=OPSET)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
     return proto.SerializeToString()
 
 

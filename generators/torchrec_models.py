@@ -89,6 +89,12 @@ class TorchRecModelGenerator(DlrmGenerator):
         return out
 
     # --- minimisation ---------------------------------------------------------------------------------------
+    def size(self, spec: ModelSpec) -> dict[str, int]:
+        p = spec.params
+        return {"tables": len(p["tables"]), "features": sum(len(t["features"]) for t in p["tables"]),
+                "rows": sum(t["num_embeddings"] for t in p["tables"]),
+                "parameters": sum(int(np.prod(s)) for s in self.parameter_shapes(p).values())}
+
     def reductions(self, spec: ModelSpec) -> list[tuple[str, dict[str, Any]]]:
         """The `dlrm` kind's table reductions (one embedding dim for all: TorchRec's models require it)."""
         p = spec.params

@@ -65,8 +65,10 @@ class Calibration(Repeat):
         return self.mode == "float64" or self.mode.startswith("bf16")
 
     def judges(self, tensor_name: str) -> bool:
-        # a Monte Carlo bf16 run is meant to be off by bf16's noise: only the oracle's envelope reads it
-        return not self.mode.startswith("bf16")
+        # a Monte Carlo bf16 run is meant to be off by bf16's noise, and the float64 run is off from its fp32 base by
+        # the base's own rounding error (past D3's atol where the base is ill-conditioned: LayerNorm after a few
+        # momentum steps, 8.6e-4): only the oracle's envelope reads them, no allclose claim is made of them
+        return not self.mode.startswith("bf16") and self.mode != "float64"
 
     def describe(self) -> str:
         return f"{self.base.name} again, {_DESCRIPTIONS[self.mode.split('-')[0]]}"

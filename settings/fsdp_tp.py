@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import build_for_training, parameter_holders
+from settings.fsdp import make_contiguous
 from settings.tensor_parallel import TensorParallel
 
 
@@ -44,6 +45,7 @@ class FsdpTensorParallel(Setting):
         mesh = _mesh(ctx, self.data_parallel, self.tensor_parallel)
         tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
         module = build_for_training(model, ctx.device)
+        make_contiguous(module)  # FSDP2 refuses the transposed views a converted graph holds
         tensor_parallel.parallelize(ctx, model, module, inputs, mesh["tp"])
         units = model.blocks(module) or parameter_holders(module)
         for _, unit in reversed(units):

@@ -85,7 +85,7 @@ class TensorFlowQuantization(Setting):
         else:
             logits = self._tflite(tf, keras, model, x)
         float_model = model.generator.keras_model(model.spec, model.init_state)
-        allowed = self.allowed_error(tf, float_model, x)
+        allowed = self.allowed_error(tf, model, float_model, x)
         return {"eval_before/logits": logits.astype(np.float32), "allowed/eval_before/logits": allowed.astype(np.float32)}
 
     def _mixed_bfloat16(self, keras: Any, model: Any, x: np.ndarray) -> np.ndarray:
@@ -129,18 +129,20 @@ class TensorFlowQuantization(Setting):
         return np.concatenate(rows)
 
     # --- the bound ---------------------------------------------------------------------------------------
-    def allowed_error(self, tf: Any, keras_model: Any, x: np.ndarray) -> np.ndarray:
+    def allowed_error(self, tf: Any, model: Any, keras_model: Any, x: np.ndarray) -> np.ndarray:
         """First-order bound on the logits: kernels and (per scheme) layer inputs and outputs rounded."""
         kernels = [w for w in keras_model.weights if _is_kernel(w)]
+        sites: list[tuple[Any, Any]] = []
+
+        def site(layer: Any, value: Any) -> Any:
+            if tf.as_dtype(value.dtype).is_floating:
+                tape.watch(value)
+                sites.append((layer, value))
+            return value
+
         with tf.GradientTape(persistent=True) as tape:
-            hidden = tf.constant(x)
-            sites = []
-            for layer in keras_model.layers:
-                if tf.as_dtype(hidden.dtype).is_floating:
-                    tape.watch(hidden)
-                    sites.append((layer, hidden))
-                hidden = layer(hidden, training=False)
-            logits = hidden
+            _, keras = _tf.import_tensorflow()
+            logits = model.generator.layer_by_layer(keras, model.spec, keras_model, tf.constant(x), site)
         bound = np.zeros(tuple(logits.shape), dtype=np.float64)
         for kernel in kernels:
             jacobian = tape.jacobian(logits, kernel, experimental_use_pfor=True)  # [batch, classes, *kernel]

@@ -81,7 +81,7 @@ class TensorParallel(Setting):
         if self.loss_parallel:
             raise Unsupported(f"loss parallel needs a plan that shards the output projection over the vocabulary; "
                               f"{model.spec.kind} models have no such plan")
-        pairs = linear_pairs(module)
+        pairs = _feeding(model, module, inputs, linear_pairs(module), device)
         if not pairs:
             raise Unsupported("no two consecutive nn.Linear layers to shard column-wise then row-wise")
         position_dims = _position_dims(model, module, inputs, [row for _, row in pairs], device)
@@ -160,6 +160,56 @@ def _describe(style: Any) -> str:
     if isinstance(style, RowwiseParallel):
         return f"RowwiseParallel(output {style.output_layouts[0]})"
     return type(style).__name__
+
+
+def _feeding(model: Any, module: Any, inputs: Any, pairs: list[tuple[str, str]], device: str) -> list[tuple[str, str]]:
+    """The pairs whose row-wise layer reads the column-wise layer's output through single-input ops only (an
+    activation, a reshape): consecutive children need not be consecutive in the data flow (a DAG's two branches),
+    and a row-wise layer fed anything else would treat a whole tensor as its shard. Found by one probe forward in
+    which each column-wise layer's output is replaced by a marker leaf and each row-wise input traced back to one."""
+    import torch
+
+    submodules = dict(module.named_modules())
+    markers: dict[str, Any] = {}
+    reads: dict[str, Any] = {}
+
+    def mark(name: str) -> Any:
+        def hook(_m: Any, _a: Any, out: Any) -> Any:
+            markers[name] = out.detach().requires_grad_(True)
+            return markers[name]
+        return hook
+
+    handles = [submodules[column].register_forward_hook(mark(column)) for column, _ in pairs]
+    handles += [submodules[row].register_forward_pre_hook(lambda _m, args, row=row: reads.update({row: args[0]}))
+                for _, row in pairs]
+    try:
+        with torch.enable_grad():
+            model.forward(module, inputs.eval, device)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [(column, row) for column, row in pairs
+            if column in markers and row in reads and _traces_to(reads[row], markers[column])]
+
+
+def _traces_to(tensor: Any, marker: Any, depth: int = 32) -> bool:
+    import torch
+
+    if tensor is marker:
+        return True
+    node = tensor.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return False
+        # parameters (a bias added in between) are constants here; any other leaf is the marker or not
+        sources = [n for n, _ in node.next_functions if n is not None
+                   and not (type(n).__name__ == "AccumulateGrad" and isinstance(n.variable, torch.nn.Parameter))]
+        if len(sources) != 1:
+            return False  # a merge of two activations (or none): not a plain chain
+        node = sources[0]
+        if type(node).__name__ == "AccumulateGrad":
+            return node.variable is marker
+    return False
 
 
 def _position_dims(model: Any, module: Any, inputs: Any, names: list[str], device: str) -> dict[str, int]:

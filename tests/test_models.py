@@ -1,0 +1,118 @@
+"""The kinds of issue 17: native transformers, TorchRec's own models, Keras functional DAGs and transformer blocks.
+
+Each kind is reproducible from (seed, index); its chain of units computes exactly its forward; the settings that
+apply to it by its traits run it, and agree with the reference where the libraries are right; the library finding it
+exposed (SequenceParallel unfreezes a frozen norm weight) is reported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import generators  # noqa: F401  (registers the kinds)
+from difftest.analysis import analyze
+from difftest.generate import generate
+from difftest.registry import get_generator, load_plugins, select_settings, traits_of
+from difftest.runner.sweep import SweepOptions, run_sweep
+from difftest.spec import RunConfig
+
+TORCH_KINDS = ("transformer", "torchrec-dlrm", "torchrec-deepfm")
+KERAS_KINDS = ("keras-dag", "keras-transformer")
+
+
+@pytest.mark.parametrize("kind", TORCH_KINDS + KERAS_KINDS)
+def test_a_kind_is_reproducible_from_seed_and_index(kind: str) -> None:
+    generator = get_generator(kind)
+    first, again, other = generator.spec(3, 1), generator.spec(3, 1), generator.spec(3, 2)
+    assert first.to_json() == again.to_json() and first.to_json() != other.to_json()
+    assert first.frozen  # odd indices are the frozen variant
+    if kind in TORCH_KINDS:
+        state, same = generator.init_state(first), generator.init_state(again)
+        assert state.keys() == same.keys() and all(np.array_equal(state[k], same[k]) for k in state)
+    batch = generator.inputs(first, 12)
+    assert batch["train"].size == 12 and not np.array_equal(batch["train"].labels, batch["eval"].labels)
+
+
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_the_chain_of_units_computes_the_forward_bit_for_bit(kind: str) -> None:
+    import torch
+
+    from generators.chain import ChainStage
+
+    generator = get_generator(kind)
+    for index in (0, 2, 4):
+        spec = generator.spec(0, index)
+        if spec.params.get("tied"):
+            continue  # a tied transformer has no chain (its first and last stage would share a tensor)
+        state = generator.init_state(spec)
+        batch = generator.inputs(spec, 12)["eval"]
+        module = generator.build(spec, state, "cpu")
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+        assert frozen == set(spec.frozen) and set(generator.parameters(module)) == set(state)
+        chain = generator.chain(spec, state, "cpu")
+        chain.feed(batch)
+        with torch.no_grad():
+            assert torch.equal(ChainStage(chain.units)(torch.arange(12)), generator.forward(module, batch, "cpu"))
+        assert len(chain.units) >= 3
+
+
+def test_the_transformer_plan_is_torchtitans() -> None:
+    generator = get_generator("transformer")
+    spec = next(s for s in (generator.spec(0, i) for i in range(20)) if not s.params["tied"])
+    module = generator.build(spec, generator.init_state(spec), "cpu")
+    plan = generator.tp_plan(module, 2, sequence_parallel=True, loss_parallel=True)
+    for i in range(spec.params["layers"]):
+        for name in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+                     "feed_forward.w2", "attention_norm", "ffn_norm"):
+            assert f"layers.{i}.{name}" in plan
+    assert type(plan["output"]).__name__ == "ColwiseParallel" and not plan["output"].use_local_output
+    assert type(plan["norm"]).__name__ == "SequenceParallel"
+    assert [n for n, _ in generator.blocks(module)] == [f"layers.{i}" for i in range(spec.params["layers"])]
+
+
+def test_settings_choose_models_by_traits() -> None:
+    load_plugins()
+    assert traits_of("torchrec-deepfm") >= {"torchrec"} and "keras" in traits_of("keras-dag")
+    by_name = {s.name: s for s in select_settings("torchrec/ebc/row_wise/ws2,tf/mirrored/r2,convert/onnx2pytorch/eval")}
+    for kind in TORCH_KINDS + KERAS_KINDS:
+        spec = get_generator(kind).spec(0, 0)
+        assert (by_name["torchrec/ebc/row_wise/ws2"].supports(spec) is None) == (kind.startswith("torchrec-"))
+        assert (by_name["tf/mirrored/r2"].supports(spec) is None) == (kind in KERAS_KINDS)
+        assert (by_name["convert/onnx2pytorch/eval"].supports(spec) is None) == (kind in KERAS_KINDS)
+
+
+@pytest.fixture(scope="module")
+def transformer_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("transformer") / "run"
+    generate(run_dir, RunConfig(seed=0, models=2, kinds=("transformer",)))
+    return run_dir
+
+
+TRANSFORMER_CLEAN = [
+    "tp/colwise-rowwise/ws2", "tp/sequence-parallel/loss-parallel/ws2", "fsdp2/per-layer/reshard/fp32/ws2",
+    "fsdp2/per-layer/reshard/bf16/ws2", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4", "pipeline/1f1b/ws2/stages2/mb2/balanced",
+    "ddp/default/ws2",
+]
+
+
+def test_transformers_run_under_tensor_sequence_loss_parallel_fsdp_and_pipelines(transformer_run: Path) -> None:
+    """Seed 0's models: i0 untied, nothing frozen; i1 tied, one block's attention norm frozen."""
+    run_sweep(transformer_run, SweepOptions(settings=",".join(TRANSFORMER_CLEAN + ["tp/sequence-parallel/ws2"]),
+                                            timeout_s=120))
+    verdict = {(c.model, c.setting): (c.verdict, "") for c in analyze(transformer_run).cases.itertuples()}
+    rows = pd.read_csv(transformer_run / "inconsistencies.csv")
+    verdict.update({(r.model, r.setting): (verdict[(r.model, r.setting)][0], str(r.message)) for r in rows.itertuples()})
+    for setting in TRANSFORMER_CLEAN:
+        assert verdict[("transformer-s0-i0", setting)][0] == "ok", (setting, verdict[("transformer-s0-i0", setting)])
+    assert verdict[("transformer-s0-i0", "tp/sequence-parallel/ws2")][0] == "ok"
+    # tied embeddings: TP keeps them replicated, loss parallel and pipelines say why they cannot run
+    assert verdict[("transformer-s0-i1-frozen", "tp/colwise-rowwise/ws2")][0] == "ok"
+    assert verdict[("transformer-s0-i1-frozen", "tp/sequence-parallel/loss-parallel/ws2")][0] == "unsupported"
+    assert "tied" in verdict[("transformer-s0-i1-frozen", "pipeline/1f1b/ws2/stages2/mb2/balanced")][1]
+    # the library finding: SequenceParallel re-registers a norm's weight as a new Parameter that requires grad, so
+    # the frozen attention norm trains
+    assert verdict[("transformer-s0-i1-frozen", "tp/sequence-parallel/ws2")][0] == "inconsistent"

@@ -217,6 +217,9 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
             m.active, m.outcome = False, (f"not minimised: each try waits for the {timeout_s:g} s timeout; "
                                           f"a --minimize-budget of {2 * timeout_s:g} s or more tries")
         work.append(m)
+    verdicts = {(c.model, c.setting): c.d3_verdict for c in analysis.cases.itertuples()}
+    needs_envelope = {f.id for f in findings if f.status == "inconsistent"
+                      and verdicts.get((f.example["model"], f.example["setting"])) == "ok"}
     scratch = Path(tempfile.mkdtemp(prefix=".minimize-", dir=run_dir))
     warm = WarmGroups()
     counter = iter(range(1, 10**9))
@@ -267,8 +270,12 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
                 clocks[thread] = now
 
             if pairs:
-                run_sweep(private, SweepOptions(pairs=pairs, timeout_s=timeout_s, device=device, plugins=plugins,
-                                                jobs=2), on_result=charge, warm=warm)
+                # calibration runs only for the findings only the calibrated oracle sees: the others keep failing D3
+                # (or erring) without them, and each trial model would otherwise pay its root's calibrations
+                calibrated = tuple(dict.fromkeys((t.model_id, t.setting) for f, ts in planned.items()
+                                                 if f in needs_envelope for t in ts))
+                run_sweep(private, SweepOptions(pairs=pairs, calibrated_pairs=calibrated, timeout_s=timeout_s,
+                                                device=device, plugins=plugins, jobs=2), on_result=charge, warm=warm)
                 signed = signatures(analyze(private, plugins=config.plugins + plugins), separating)
             else:
                 signed = {}

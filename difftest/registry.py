@@ -221,9 +221,11 @@ def tier(name: str) -> list[Setting]:
     return with_references(sorted(chosen, key=lambda s: (s.name != "reference", s.name)))
 
 
-def with_references(settings: list[Setting]) -> list[Setting]:
+def with_references(settings: list[Setting], calibrate: bool = True) -> list[Setting]:
     """`settings` followed by every setting they are judged against, transitively (a rerun needs its first run, a
-    moved pipeline its uninterrupted one, that one its accumulation), so that any selection can be judged on its own."""
+    moved pipeline its uninterrupted one, that one its accumulation), so that any selection can be judged on its own;
+    with `calibrate`, also the calibration runs of the roots they are judged down to (without them a case keeps D3's
+    verdict)."""
     chosen = {s.name: s for s in settings}
     pending = [s.reference for s in settings]
     while pending:
@@ -231,7 +233,7 @@ def with_references(settings: list[Setting]) -> list[Setting]:
         if name not in chosen:
             chosen[name] = get_setting(name)
             pending.append(chosen[name].reference)
-    for setting in list(chosen.values()):
+    for setting in list(chosen.values()) if calibrate else []:
         if setting.reference == setting.name or setting.family == "calibration" or _bitwise(setting):
             continue
         root = root_of(setting)

@@ -38,6 +38,8 @@ class SweepOptions:
     recycle_after: int = 2000
     # exactly these (model id, setting name) cases and what they are judged against, instead of globs × globs
     pairs: tuple[tuple[str, str], ...] | None = None
+    # of `pairs`, those whose verdict needs the calibrated oracle: only they bring calibration runs (None: all do)
+    calibrated_pairs: tuple[tuple[str, str], ...] | None = None
 
     @property
     def resolved_backend(self) -> str:
@@ -74,7 +76,7 @@ def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
     import fnmatch
 
     if options.pairs is not None:
-        return _plan_pairs(run_dir, options.pairs)
+        return _plan_pairs(run_dir, options.pairs, options.calibrated_pairs)
     settings = select_settings(options.settings, options.tier)
     if options.twice:
         names = {s.name for s in settings}
@@ -88,14 +90,16 @@ def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
     return [Case(spec.model_id, d, spec, setting) for d, spec in models for setting in settings]
 
 
-def _plan_pairs(run_dir: Path, pairs: tuple[tuple[str, str], ...]) -> list[Case]:
+def _plan_pairs(run_dir: Path, pairs: tuple[tuple[str, str], ...],
+                calibrated: tuple[tuple[str, str], ...] | None = None) -> list[Case]:
     models = {spec.model_id: (d, spec) for d, spec in list_models(run_dir)}
     cases: dict[tuple[str, str], Case] = {}
     for model_id, name in pairs:
         if model_id not in models:
             raise UserError(f"{run_dir / 'models'}: no model {model_id}")
         model_dir, spec = models[model_id]
-        for setting in with_references([get_setting(name)]):
+        calibrate = calibrated is None or (model_id, name) in calibrated
+        for setting in with_references([get_setting(name)], calibrate=calibrate):
             cases.setdefault((model_id, setting.name), Case(model_id, model_dir, spec, setting))
     return list(cases.values())
 

@@ -163,10 +163,12 @@ def _describe(style: Any) -> str:
 
 
 def _feeding(model: Any, module: Any, inputs: Any, pairs: list[tuple[str, str]], device: str) -> list[tuple[str, str]]:
-    """The pairs whose row-wise layer reads the column-wise layer's output through single-input ops only (an
-    activation, a reshape): consecutive children need not be consecutive in the data flow (a DAG's two branches),
-    and a row-wise layer fed anything else would treat a whole tensor as its shard. Found by one probe forward in
-    which each column-wise layer's output is replaced by a marker leaf and each row-wise input traced back to one."""
+    """The pairs whose row-wise layer reads what is computed from the column-wise layer's output alone, which nothing
+    else reads: consecutive children need not be consecutive in the data flow (a DAG's branches), a row-wise layer
+    fed a plain tensor would treat the whole of it as its shard, and a sharded activation that escapes the pair (a
+    residual around it) would meet the row-wise layer's plain output. Found by one probe forward in which each
+    column-wise output is replaced by a marker leaf; the autograd graph then shows what each row-wise input is made of
+    and who reads each step between."""
     import torch
 
     submodules = dict(module.named_modules())
@@ -184,32 +186,57 @@ def _feeding(model: Any, module: Any, inputs: Any, pairs: list[tuple[str, str]],
                 for _, row in pairs]
     try:
         with torch.enable_grad():
-            model.forward(module, inputs.eval, device)
+            output = model.forward(module, inputs.eval, device)
     finally:
         for handle in handles:
             handle.remove()
+    readers = _readers(output.grad_fn)
     return [(column, row) for column, row in pairs
-            if column in markers and row in reads and _traces_to(reads[row], markers[column])]
+            if column in markers and row in reads and _closed_path(reads[row], markers[column], readers)]
 
 
-def _traces_to(tensor: Any, marker: Any, depth: int = 32) -> bool:
-    import torch
+def _readers(root: Any) -> dict[int, set[int]]:
+    """Autograd node → the nodes that read its output, over the graph that computed the model's output."""
+    readers: dict[int, set[int]] = {}
+    pending, seen = [root], set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for source, _ in node.next_functions:
+            if source is not None:
+                readers.setdefault(id(source), set()).add(id(node))
+                pending.append(source)
+    return readers
 
+
+def _closed_path(tensor: Any, marker: Any, readers: dict[int, set[int]]) -> bool:
+    """Whether `tensor` is computed from the leaf `marker` and parameters only, by steps nothing else reads."""
     if tensor is marker:
         return True
-    node = tensor.grad_fn
-    for _ in range(depth):
-        if node is None:
-            return False
-        # parameters (a bias added in between) are constants here; any other leaf is the marker or not
-        sources = [n for n, _ in node.next_functions if n is not None
-                   and not (type(n).__name__ == "AccumulateGrad" and isinstance(n.variable, torch.nn.Parameter))]
-        if len(sources) != 1:
-            return False  # a merge of two activations (or none): not a plain chain
-        node = sources[0]
-        if type(node).__name__ == "AccumulateGrad":
-            return node.variable is marker
-    return False
+    import torch
+
+    top = tensor.grad_fn
+    steps, leaves, pending = {}, set(), [top]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in steps:
+            continue
+        steps[id(node)] = node
+        for source, _ in node.next_functions:
+            if source is None:
+                continue
+            if type(source).__name__ == "AccumulateGrad":
+                if not isinstance(source.variable, torch.nn.Parameter):
+                    leaves.add(id(source.variable))
+                    steps[id(source)] = source
+            else:
+                pending.append(source)
+    if leaves != {id(marker)}:
+        return False  # it reads another branch (or a plain tensor), not only the column-wise output
+    inside = set(steps) | {id(top)}
+    return all(readers.get(n, set()) <= inside for n in steps if n != id(top))
 
 
 def _position_dims(model: Any, module: Any, inputs: Any, names: list[str], device: str) -> dict[str, int]:

@@ -197,7 +197,7 @@ def _feeding(model: Any, module: Any, inputs: Any, pairs: list[tuple[str, str]],
 
 def _readers(root: Any) -> dict[int, set[int]]:
     """Autograd node → the nodes that read its output, over the graph that computed the model's output."""
-    readers: dict[int, set[int]] = {}
+    readers: dict[int, set[int]] = {}  # keyed by id of node (and of each leaf tensor)
     pending, seen = [root], set()
     while pending:
         node = pending.pop()
@@ -207,17 +207,22 @@ def _readers(root: Any) -> dict[int, set[int]]:
         for source, _ in node.next_functions:
             if source is not None:
                 readers.setdefault(id(source), set()).add(id(node))
+                if type(source).__name__ == "AccumulateGrad":  # a leaf: also keyed by the tensor itself
+                    readers.setdefault(id(source.variable), set()).add(id(node))
                 pending.append(source)
     return readers
 
 
 def _closed_path(tensor: Any, marker: Any, readers: dict[int, set[int]]) -> bool:
-    """Whether `tensor` is computed from the leaf `marker` and parameters only, by steps nothing else reads."""
-    if tensor is marker:
-        return True
+    """Whether `tensor` is computed from the leaf `marker` and parameters only, by steps nothing else reads (the
+    row-wise layer reads `tensor` in one step of its own)."""
     import torch
 
+    if tensor is marker:
+        return len(readers.get(id(marker), ())) <= 1
     top = tensor.grad_fn
+    if len(readers.get(id(top), ())) > 1:
+        return False  # what the row-wise layer reads is read elsewhere too (a residual around the layer)
     steps, leaves, pending = {}, set(), [top]
     while pending:
         node = pending.pop()

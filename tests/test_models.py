@@ -8,6 +8,7 @@ exposed (SequenceParallel unfreezes a frozen norm weight) is reported.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -116,3 +117,76 @@ def test_transformers_run_under_tensor_sequence_loss_parallel_fsdp_and_pipelines
     # the library finding: SequenceParallel re-registers a norm's weight as a new Parameter that requires grad, so
     # the frozen attention norm trains
     assert verdict[("transformer-s0-i1-frozen", "tp/sequence-parallel/ws2")][0] == "inconsistent"
+
+
+class _Plain:
+    """What a setting calls on a model, for a bare module of one dense input: forward(module, batch, device)."""
+
+    @staticmethod
+    def forward(module: Any, batch: Any, device: str) -> Any:
+        import torch
+
+        return module(torch.from_numpy(batch.dense))
+
+
+def _ones_inputs() -> Any:
+    from generators.inputs import Batch
+
+    return type("Inputs", (), {"eval": Batch(labels=np.zeros(3, np.float32), dense=np.ones((3, 4), np.float32))})
+
+
+def test_derived_tp_pairs_follow_the_data_flow() -> None:
+    """Consecutive Linear children are paired only where the second reads what the first computed, alone, by steps
+    nothing else reads: not across two branches, not around a residual."""
+    import torch
+    from torch import nn
+
+    from settings.tensor_parallel import _feeding, linear_pairs
+
+    class Net(nn.Module):
+        def __init__(self, residual: bool) -> None:
+            super().__init__()
+            self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+            self.residual = residual
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.a(x))
+            y = self.b(h) + (h if self.residual else 0)  # (a, b): a chain, unless h also skips around b
+            return self.d(y) + self.c(x)  # (c, d): consecutive children, but d never reads c
+
+    inputs = _ones_inputs()
+    for residual, kept in ((False, [("a", "b")]), (True, [])):
+        net = Net(residual)
+        assert linear_pairs(net) == [("a", "b"), ("c", "d")]
+        assert _feeding(_Plain, net, inputs, linear_pairs(net), "cpu") == kept
+
+
+def test_models_of_sets_counts_per_kind(tmp_path: Path) -> None:
+    from difftest.cli import _models_of
+    from difftest.errors import UserError
+
+    assert _models_of("transformer=3, keras-dag=0") == {"transformer": 3, "keras-dag": 0}
+    with pytest.raises(UserError, match="kind=N"):
+        _models_of("transformer")
+    run_dir = tmp_path / "run"
+    ids = generate(run_dir, RunConfig(seed=0, models=2, kinds=("dlrm", "transformer"), models_of={"transformer": 1}))
+    assert ids == ["dlrm-s0-i0", "dlrm-s0-i1-frozen", "transformer-s0-i0"]
+    assert RunConfig.load(run_dir / "run.json").count("transformer") == 1
+
+
+def test_a_column_output_read_twice_is_not_paired() -> None:
+    import torch
+    from torch import nn
+
+    from settings.tensor_parallel import _feeding, linear_pairs
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(h) + h.sum()
+
+    assert _feeding(_Plain, Net(), _ones_inputs(), linear_pairs(Net()), "cpu") == []

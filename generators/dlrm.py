@@ -159,16 +159,17 @@ class DlrmGenerator:
         if any(w > 1 for w in p["dense_arch"] + p["over_arch"]):
             out.append(("every layer 1 wide", {**p, "dense_arch": [1] * len(p["dense_arch"]),
                                                 "over_arch": [1] * len(p["over_arch"])}))
-        for key in ("dense_in", "max_bag"):
-            if p[key] > 1:
-                out.append((f"{key} 1", {**p, key: 1}))
-        return out
+        return out + input_reductions(p)
 
     # --- torch side (workers only) -------------------------------------------------------------
+    def module(self, params: dict[str, Any], device: str) -> Any:
+        """The unsharded module of `params`, freshly initialised."""
+        return _build_module(params, device)
+
     def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
         import torch
 
-        module = _build_module(spec.params, device)
+        module = self.module(spec.params, device)
         module.load_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()}, strict=True)
         for name, param in module.named_parameters():
             if name in spec.frozen:
@@ -219,6 +220,11 @@ class DlrmGenerator:
     @staticmethod
     def _tables(module: Any, weighted: bool) -> list[dict[str, Any]]:
         return [t for t in _unwrap(module).table_specs if t["weighted"] == weighted]
+
+
+def input_reductions(params: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """One dense input feature, bags of at most one id: the input side of a recommendation model, shrunk."""
+    return [(f"{key} 1", {**params, key: 1}) for key in ("dense_in", "max_bag") if params[key] > 1]
 
 
 def feature_kjt(batch: Batch, names: list[str], weighted: bool, device: str) -> Any:

@@ -19,7 +19,7 @@ import numpy as np
 
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
-from generators.dlrm import DlrmGenerator, _mlp_sizes, feature_kjt
+from generators.dlrm import DlrmGenerator, _mlp_sizes, feature_kjt, input_reductions
 from generators.inputs import Batch
 
 DLRM_VARIANTS = ("DLRM_DCN", "DLRM", "DLRM_Projection")
@@ -109,21 +109,11 @@ class TorchRecModelGenerator(DlrmGenerator):
                     {**t, "features": t["features"][:1]} if t is table else t for t in tables]}))
         if any(t["num_embeddings"] > 1 for t in tables):
             out.append(("every table 1 row", {**p, "tables": [{**t, "num_embeddings": 1} for t in tables]}))
-        for key in ("dense_in", "max_bag"):
-            if p[key] > 1:
-                out.append((f"{key} 1", {**p, key: 1}))
-        return out
+        return out + input_reductions(p)
 
     # --- torch side ------------------------------------------------------------------------------------------
-    def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
-        import torch
-
-        module = _build_module(spec.params, device)
-        module.load_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()}, strict=True)
-        for name, param in module.named_parameters():
-            if name in spec.frozen:
-                param.requires_grad_(False)
-        return module
+    def module(self, params: dict[str, Any], device: str) -> Any:
+        return _build_module(params, device)
 
     def model_inputs(self, module: Any, batch: Batch, device: str) -> tuple[Any, Any]:
         """(dense tensor, KJT of every feature in table order)."""

@@ -46,8 +46,9 @@ def main(runs: list[str]) -> None:
             return hit.model.nunique()
 
         if "transformer" in kind:
-            print(f"goal: TP ran on {ran_on(r'tp/colwise-rowwise/')}/{models} models, "
-                  f"sequence parallel on {ran_on(r'tp/sequence-parallel/')}/{models}")
+            print(f"goal: tensor parallel ran on {ran_on(r'tp/')}/{models} models, sequence parallel on "
+                  f"{ran_on(r'tp/sequence-parallel/')}/{models}, loss parallel on {ran_on(r'tp/.*loss-parallel')}"
+                  f"/{models}, FSDP2 x TP on {ran_on(r'fsdp2-tp/')}/{models}")
         if kind == "keras-dag":
             print(f"goal: pipelines ran on {ran_on(r'pipeline/')}/{models} models (>= 90 %)")
 

@@ -108,7 +108,9 @@ class TransformerGenerator:
 
     def features(self, spec: ModelSpec) -> list[str]:
         p = spec.params
-        out = ["Attention", "Embedding", p["norm"], p["ffn"], f"depth{p['layers']}"]
+        norm = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[p["norm"]]
+        ffn = {"swiglu": "SwiGLU", "gelu": "GELU-FeedForward"}[p["ffn"]]
+        out = ["CausalSelfAttention", "RotaryEmbedding", norm, ffn, f"Blocks{p['layers']}"]
         if p["heads"] != p["kv_heads"]:
             out.append("GroupedQueryAttention")
         if p["tied"]:

@@ -59,7 +59,7 @@ class TensorParallel(Setting):
     sequence_parallel: bool = False
     loss_parallel: bool = False
     family: ClassVar[str] = "tp"
-    tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel", "loss_parallel")
+    tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel",)
 
     @property
     def name(self) -> str:
@@ -265,4 +265,14 @@ def _position_dims(model: Any, module: Any, inputs: Any, names: list[str], devic
     return dims
 
 
-register_settings(TensorParallel(ws, sp, lp) for sp in (False, True) for lp in (False, True) for ws in (2, 4))
+@dataclass(frozen=True)
+class LossParallel(TensorParallel):
+    """Tensor parallel whose logits stay sharded over the vocabulary into the cross-entropy (`loss_parallel()`).
+
+    A class of its own, so the default tier runs it beside plain tensor parallel instead of in its place: it applies
+    to transformers with untied embeddings only."""
+
+    loss_parallel: bool = True
+
+
+register_settings(cls(ws, sp) for cls in (TensorParallel, LossParallel) for sp in (False, True) for ws in (2, 4))

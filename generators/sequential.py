@@ -431,15 +431,12 @@ def export_onnx(model: Any, spec: ModelSpec) -> bytes:
     function = tf.function(lambda x: model(x, training=False))
     # tf2onnx logs at ERROR what it cannot map (exact gelu's Erfc) and exports it anyway: what that costs is
     # measured by the conversion settings, so its log would only print through the progress display
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("tf2onnx")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
+    # (its loggers are made and levelled inside the conversion, so only a global threshold holds them)
+    logging.disable(logging.ERROR)
     try:
         proto, _ = tf2onnx.convert.from_function(function, input_signature=signature, opset=OPSET)
     finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+        logging.disable(logging.NOTSET)
     return proto.SerializeToString()
 
 

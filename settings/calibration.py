@@ -65,10 +65,12 @@ class Calibration(Repeat):
         return self.mode == "float64" or self.mode.startswith("bf16")
 
     def judges(self, tensor_name: str) -> bool:
-        # a Monte Carlo bf16 run is meant to be off by bf16's noise, and the float64 run is off from its fp32 base by
-        # the base's own rounding error (past D3's atol where the base is ill-conditioned: LayerNorm after a few
-        # momentum steps, 8.6e-4): only the oracle's envelope reads them, no allclose claim is made of them
-        return not self.mode.startswith("bf16") and self.mode != "float64"
+        # a calibration run is a measurement of its root's noise, not a claim: a Monte Carlo bf16 run is meant to be off
+        # by bf16's noise, the float64 run by the base's own rounding error, and a reordered, threaded or micro-batched
+        # fp32 run by as much as the base's arithmetic allows, which is past D3's atol where the base is
+        # ill-conditioned (a keras-transformer's LayerNorm after four momentum steps: 8.6e-4 from float64). Only the
+        # oracle's envelope reads them; a verdict of theirs would be a false alarm.
+        return False
 
     def describe(self) -> str:
         return f"{self.base.name} again, {_DESCRIPTIONS[self.mode.split('-')[0]]}"

@@ -31,6 +31,6 @@ fi
 pip_install "torch==$TORCH"
 pip_install "$FBGEMM_PKG"
 pip_install --no-deps "torchrec==$TORCHREC"
-# DIFFTEST_EXTRAS=test installs without TensorFlow (DLRM models and PyTorch settings only)
-pip_install -e ".[${DIFFTEST_EXTRAS:-test,tf}]"
+# DIFFTEST_EXTRAS=test installs without TensorFlow (DLRM models and PyTorch settings only) and without Ray
+pip_install -e ".[${DIFFTEST_EXTRAS:-test,tf,ray}]"
 "$PY" -c "import torch, torchrec, fbgemm_gpu; print('difftest stack: torch', torch.__version__, '| torchrec', torchrec.__version__ if hasattr(torchrec, '__version__') else '$TORCHREC', '| $FBGEMM_PKG')"

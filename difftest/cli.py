@@ -32,7 +32,10 @@ FINDINGS = ("inconsistent", "nondeterministic", "error", "crash", "timeout")
 
 # Shared options --------------------------------------------------------------------------------------
 SettingsOpt = Annotated[Optional[str], typer.Option("--settings", help="Comma-separated globs over setting names, e.g. 'reference,torchrec/*/ws2'.")]
-JobsOpt = Annotated[int, typer.Option("--jobs", min=1, help="Worker groups (one per world size) running at once.")]
+JobsOpt = Annotated[Optional[int], typer.Option("--jobs", min=1, help="Worker groups running at once (default: 1 locally; with --executor ray, as many gangs of two ranks as the cluster's CPUs hold).")]
+ExecutorOpt = Annotated[str, typer.Option("--executor", help="local: worker groups on this machine; ray: gangs on a Ray cluster (the [ray] extra; see --address).")]
+AddressOpt = Annotated[Optional[str], typer.Option("--address", help="With --executor ray: the cluster to run on ('auto' or HOST:PORT of its head, as `ray start --head` prints); without it, Ray starts on this machine alone.")]
+CpusPerRankOpt = Annotated[float, typer.Option("--cpus-per-rank", min=0.01, help="With --executor ray: CPUs each rank's bundle reserves on its node.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds a case may take before its group is killed and it is recorded as timeout.")]
 PluginOpt = Annotated[Optional[list[str]], typer.Option("--plugin", help="Extra module registering settings/generators (repeatable); workers import it too.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl, one GPU per rank).")]
@@ -105,8 +108,23 @@ def _unavailable(generator: object) -> str | None:
     return check() if check is not None else None
 
 
-def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: int, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None) -> None:
+def _executor(executor: str, address: Optional[str], cpus_per_rank: float):
+    from difftest.runner.executor import EXECUTORS, ExecutorConfig
+
+    if executor not in EXECUTORS:
+        raise UserError(f"--executor {executor!r}: use one of {', '.join(EXECUTORS)}")
+    if address and executor != "ray":
+        raise UserError(f"--address {address}: a cluster address needs --executor ray")
+    if executor == "ray":
+        from difftest.runner.ray_executor import import_ray
+
+        import_ray()  # a missing extra fails here, before anything is generated
+    return ExecutorConfig(kind=executor, address=address, cpus_per_rank=cpus_per_rank)
+
+
+def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: Optional[int], timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None, executor=None) -> None:
     from difftest.registry import load_plugins
+    from difftest.runner.executor import ExecutorConfig
     from difftest.runner.sweep import SweepOptions, plan_cases, run_sweep
     from difftest.spec import RunConfig
 
@@ -114,7 +132,7 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
 
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r}: use cpu or cuda")
-    options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice)
+    options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice, executor=executor or ExecutorConfig())
     plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
     started = time.perf_counter()
     with SweepProgress(console) as progress:
@@ -126,6 +144,7 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
     console.print(
         f"sweep: {report.total} cases, {report.skipped_done} already done, ran {sum(report.statuses.values())} "
         f"({dict(report.statuses)}) with {report.groups_started} worker group(s) in {time.perf_counter() - started:.1f}s"
+        + (f"; {report.executor_note}" if report.executor_note else "")
     )
 
 
@@ -227,7 +246,10 @@ def run(
     kind: KindOpt = "all",
     settings: SettingsOpt = None,
     tier: TierOpt = None,
-    jobs: JobsOpt = 1,
+    jobs: JobsOpt = None,
+    executor: ExecutorOpt = "local",
+    address: AddressOpt = None,
+    cpus_per_rank: CpusPerRankOpt = 1.0,
     timeout: TimeoutOpt = 120.0,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per case.")] = 1,
     lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.1,
@@ -247,8 +269,9 @@ def run(
     plugins = tuple(plugin or ())
     load_plugins(plugins)
     select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
+    where = _executor(executor, address, cpus_per_rank)
     _generate(out, models, seed, kind, steps, lr, batch_size, plugins, models_of)
-    _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier)
+    _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where)
     _analyze(out, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
 
@@ -274,7 +297,10 @@ def sweep(
     settings: SettingsOpt = None,
     tier: TierOpt = None,
     models_filter: ModelsFilterOpt = None,
-    jobs: JobsOpt = 1,
+    jobs: JobsOpt = None,
+    executor: ExecutorOpt = "local",
+    address: AddressOpt = None,
+    cpus_per_rank: CpusPerRankOpt = 1.0,
     timeout: TimeoutOpt = 120.0,
     device: DeviceOpt = "cpu",
     plugin: PluginOpt = None,
@@ -285,7 +311,8 @@ def sweep(
     minimize_budget: MinimizeOpt = 20.0,
 ) -> None:
     """Run every (model, setting) case not yet committed in RUN_DIR (a rerun resumes), then analyse and triage."""
-    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier)
+    where = _executor(executor, address, cpus_per_rank)
+    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where)
     _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device, oracle)
 
 
@@ -303,6 +330,9 @@ def quant(
     oracle: OracleOpt = "calibrated",
     device: DeviceOpt = "cpu",
     plugin: PluginOpt = None,
+    executor: ExecutorOpt = "local",
+    address: AddressOpt = None,
+    cpus_per_rank: CpusPerRankOpt = 1.0,
     fail_on_inconsistency: FailOpt = False,
     minimize_budget: MinimizeOpt = 20.0,
 ) -> None:
@@ -319,7 +349,8 @@ def quant(
     if not (run_dir / "run.json").is_file():
         raise UserError(f"{run_dir}: no run.json; make the run first with `difftest generate --out {run_dir}`")
     load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
-    _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, 1, timeout, device, plugins)
+    where = _executor(executor, address, cpus_per_rank)
+    _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, None, timeout, device, plugins, executor=where)
     _analyze(run_dir, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
 

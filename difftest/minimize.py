@@ -198,7 +198,8 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
              on_round: Callable[[int, list[Minimisation], float], None] | None = None) -> list[Minimisation]:
     """Shrink every finding's example within `budget_s` seconds of rounds each; write each finding's minimal case to
     `findings/<id>/` (model folder, repro.py, minimize.json). Returns the minimisations in the order of `findings`."""
-    from difftest.runner.sweep import SweepOptions, WarmGroups, run_sweep
+    from difftest.runner.local import WarmGroups
+    from difftest.runner.sweep import SweepOptions, run_sweep
     from difftest.triage import _separating_values, signatures
 
     config = RunConfig.load(run_dir / "run.json")

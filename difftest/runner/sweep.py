@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +12,9 @@ from typing import Callable
 from difftest.artifacts import load_spec
 from difftest.errors import UserError
 from difftest.registry import get_setting, load_plugins, select_settings, with_references
-from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
+from difftest.runner.executor import ExecutorConfig, SweepContext, make_executor
+from difftest.runner.local import WarmGroups
+from difftest.runner.pool import CaseResult
 from difftest.setting import Setting
 from difftest.spec import ModelSpec, RunConfig
 from difftest.store import CaseRecord, Store
@@ -27,7 +28,7 @@ class SweepOptions:
     settings: str | None = None  # comma-separated globs over setting names
     tier: str | None = None  # default | full; None: `default` without globs, `full` with them
     models: str | None = None  # comma-separated globs over model ids
-    jobs: int = 1  # worker groups (of different world sizes) running at once
+    jobs: int | None = None  # worker groups running at once (local: 1; ray: as many as the cluster holds)
     timeout_s: float = 120.0
     device: str = "cpu"
     backend: str | None = None  # default: gloo on cpu, nccl on cuda
@@ -40,6 +41,7 @@ class SweepOptions:
     pairs: tuple[tuple[str, str], ...] | None = None
     # of `pairs`, those whose verdict needs the calibrated oracle: only they bring calibration runs (None: all do)
     calibrated_pairs: tuple[tuple[str, str], ...] | None = None
+    executor: ExecutorConfig = ExecutorConfig()  # where the cases run: this machine, or a Ray cluster
 
     @property
     def resolved_backend(self) -> str:
@@ -60,6 +62,7 @@ class SweepReport:
     skipped_done: int = 0
     statuses: Counter = field(default_factory=Counter)
     groups_started: int = 0
+    executor_note: str = ""  # what the executor has to say about its run (Ray: nodes, gangs, cases re-run)
 
 
 def list_models(run_dir: Path) -> list[tuple[Path, ModelSpec]]:
@@ -115,31 +118,6 @@ def _device_refusal(options: SweepOptions, world_size: int) -> str | None:
     return None
 
 
-class WarmGroups:
-    """Worker groups kept warm from one sweep to the next (the minimiser's rounds: many small sweeps in a row): a
-    bucket starts on the idle group of its kind, if there is one, and leaves its group here, healthy, when done."""
-
-    def __init__(self) -> None:
-        self._idle: dict[tuple, WorkerGroup] = {}
-        self._lock = threading.Lock()
-
-    def take(self, key: tuple) -> WorkerGroup | None:
-        with self._lock:
-            return self._idle.pop(key, None)
-
-    def give(self, key: tuple, group: WorkerGroup) -> None:
-        with self._lock:
-            previous, self._idle[key] = self._idle.get(key), group
-        if previous is not None:
-            previous.close()
-
-    def close(self) -> None:
-        with self._lock:
-            groups, self._idle = list(self._idle.values()), {}
-        for group in groups:
-            group.close()
-
-
 def run_sweep(
     run_dir: Path,
     options: SweepOptions,
@@ -174,7 +152,7 @@ def run_sweep(
             reason = (
                 case.setting.supports(case.spec)
                 or case.setting.available()
-                or _device_refusal(options, case.setting.world_size)
+                or (_device_refusal(options, case.setting.world_size) if options.executor.kind == "local" else None)
             )
             if reason:
                 refused.append((case, reason))
@@ -187,141 +165,16 @@ def run_sweep(
         for case, reason in refused:
             record(case, CaseRecord(case.model_id, case.setting.name, "unsupported", reason), None)
 
-        buckets = sorted(pending.items(), key=lambda item: -len(item[1]) * item[0][0])
-        queue_lock = threading.Lock()
 
-        def next_bucket() -> tuple[tuple[int, str], list[Case]] | None:
-            with queue_lock:
-                return buckets.pop(0) if buckets else None
+        def report_result(case: Case, result: CaseResult) -> None:
+            record(case, CaseRecord(case.model_id, case.setting.name, result.status, result.message, result.rank,
+                                    round(result.wall_s, 4) if result.wall_s else None), result.outputs)
 
-        def drain() -> None:
-            while (bucket := next_bucket()) is not None:
-                _run_bucket(run_dir, config, options, plugins, bucket[0], bucket[1], record, report, lock, warm)
-
-        threads = [threading.Thread(target=drain, daemon=True) for _ in range(max(1, options.jobs))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.5)  # short joins keep Ctrl-C responsive
+        executor = make_executor(options.executor, warm)
+        report.groups_started += executor.run(SweepContext(run_dir, config, options, plugins), dict(pending),
+                                              report_result)
+        report.executor_note = getattr(executor, "note", lambda: "")()
     finally:
         store.close()
         marker.unlink(missing_ok=True)
     return report
-
-
-class _GroupSupply:
-    """Warm groups of one world size for one bucket: the group in use, and, once a group of this bucket has had to
-    be replaced (a crash, a hang, a rank stuck outside a collective, its case budget spent), a spare started in the
-    background so the next replacement is already warm. A bucket that never replaces its group pays for no spare."""
-
-    def __init__(self, make: Callable[[], WorkerGroup]) -> None:
-        self._make = make
-        self._starter = ThreadPoolExecutor(max_workers=1)
-        self._spare: Future | None = None
-        self.started = 0
-
-    def first(self) -> WorkerGroup:
-        self.started += 1
-        return self._make()
-
-    def replacement(self) -> WorkerGroup:
-        """The spare if one is starting (raises its GroupStartError), else a new group; then a new spare starts."""
-        if self._spare is None:
-            group = self.first()
-        else:
-            spare, self._spare = self._spare, None
-            self.started += 1
-            group = spare.result()
-        self._spare = self._starter.submit(self._make)
-        return group
-
-    def close(self) -> None:
-        if self._spare is not None and self._spare.exception() is None:
-            self._spare.result().close()
-        self._starter.shutdown()
-
-
-def _run_bucket(
-    run_dir: Path,
-    config: RunConfig,
-    options: SweepOptions,
-    plugins: tuple[str, ...],
-    bucket: tuple[int, str],
-    cases: list[Case],
-    record: Callable[[Case, CaseRecord, dict | None], None],
-    report: SweepReport,
-    lock: threading.Lock,
-    warm: WarmGroups | None = None,
-) -> None:
-    world_size = bucket[0]
-    warm_key = (*bucket, options.device, options.resolved_backend, plugins, options.timeout_s)
-    supply = _GroupSupply(
-        lambda: WorkerGroup(
-            world_size,
-            run_dir / "logs",
-            plugins,
-            device=options.device,
-            backend=options.resolved_backend,
-            collective_timeout_s=options.timeout_s,
-        )
-    )
-    group: WorkerGroup | None = warm.take(warm_key) if warm is not None else None
-    completed = False  # a group given back to `warm` has finished its last case
-    served = 0  # cases the current group has run
-    broken_before = False  # a group of this bucket was replaced: the next one comes from the spare
-    start_failure: str | None = None
-    failed_starts = 0
-    try:
-        queue = list(cases)
-        while queue:
-            case = queue[0]
-            if group is None and failed_starts >= 2:
-                # the group cannot start at all: say so for every remaining case rather than retrying each
-                record(case, CaseRecord(case.model_id, case.setting.name, "crash", f"worker group: {start_failure}"), None)
-                queue.pop(0)
-                continue
-            if group is None:
-                try:
-                    group = supply.replacement() if broken_before else supply.first()
-                    failed_starts = 0
-                except GroupStartError as exc:
-                    start_failure, failed_starts = str(exc), failed_starts + 1
-                    record(case, CaseRecord(case.model_id, case.setting.name, "crash", f"worker group: {exc}"), None)
-                    queue.pop(0)
-                    continue
-            request = CaseRequest(str(case.model_dir), case.setting.name, config.steps, config.lr, config.seed)
-            try:
-                result: CaseResult = group.run_case(request, options.timeout_s)
-            except GroupBroken:
-                group, broken_before = None, True  # the case never started: it runs on the replacement
-                continue
-            queue.pop(0)
-            record(
-                case,
-                CaseRecord(
-                    case.model_id, case.setting.name, result.status, result.message, result.rank, round(result.wall_s, 4)
-                ),
-                result.outputs,
-            )
-            served += 1
-            # a setting with per-process state (a TF strategy and its servers) that failed may have left that state
-            # broken, and the case's sockets were cut: its processes are not trusted with the next case
-            kept_state_broken = case.setting.process_affinity and result.status not in ("ok", "unsupported")
-            if not result.reusable or kept_state_broken:
-                group.kill()
-                group, broken_before = None, True
-            elif served >= options.recycle_after and queue:
-                group.close()
-                group, broken_before = None, True  # the replacement comes warm from the spare after the first
-            if group is None:
-                served = 0
-        completed = True
-    finally:
-        if group is not None and warm is not None and completed:
-            warm.give(warm_key, group)
-        elif group is not None:
-            group.close()
-        supply.close()
-        with lock:
-            report.groups_started += supply.started

@@ -1,0 +1,56 @@
+"""Where a sweep's cases run: the seam between planning (`difftest.runner.sweep`) and the processes that run them.
+
+An executor receives the sweep's runnable cases, bucketed by (world size, process affinity), and reports each case's
+result to the sweep through one callback; the sweep alone commits results to the store. Two executors exist: `local`
+(warm worker groups on this machine, `difftest.runner.local`) and `ray` (the same groups inside gangs placed on a
+Ray cluster, `difftest.runner.ray_executor`, behind the `[ray]` extra). Nothing above this seam knows which ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from difftest.errors import UserError
+
+if TYPE_CHECKING:
+    from difftest.runner.pool import CaseResult
+    from difftest.runner.sweep import Case, SweepOptions
+    from difftest.spec import RunConfig
+
+EXECUTORS = ("local", "ray")
+BucketKey = tuple[int, str]  # (world size, process affinity): cases that may share warm rank processes
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    kind: str = "local"  # local | ray
+    address: str | None = None  # ray: a running cluster (`auto`, HOST:PORT); None starts a Ray instance here
+    cpus_per_rank: float = 1.0  # ray: CPUs each rank's bundle reserves
+
+
+@dataclass(frozen=True)
+class SweepContext:
+    run_dir: Path
+    config: RunConfig
+    options: SweepOptions
+    plugins: tuple[str, ...]
+
+
+class Executor(Protocol):
+    def run(self, sweep: SweepContext, work: dict[BucketKey, list[Case]],
+            report: Callable[[Case, CaseResult], None]) -> int:
+        """Run every case of `work` and `report` each one's result exactly once; return the worker groups started."""
+
+
+def make_executor(config: ExecutorConfig, warm: object | None = None) -> Executor:
+    if config.kind == "local":
+        from difftest.runner.local import LocalExecutor
+
+        return LocalExecutor(warm)
+    if config.kind == "ray":
+        from difftest.runner.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    raise UserError(f"--executor {config.kind!r}: use one of {', '.join(EXECUTORS)}")

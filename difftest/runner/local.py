@@ -1,0 +1,186 @@
+"""The local executor: warm worker groups on this machine, `jobs` buckets at a time, each bucket on one group."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable
+
+from difftest.runner.executor import BucketKey, SweepContext
+from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from difftest.runner.sweep import Case
+
+
+class WarmGroups:
+    """Worker groups kept warm from one sweep to the next (the minimiser's rounds: many small sweeps in a row): a
+    bucket starts on the idle group of its kind, if there is one, and leaves its group here, healthy, when done."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple, WorkerGroup] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple) -> WorkerGroup | None:
+        with self._lock:
+            return self._idle.pop(key, None)
+
+    def give(self, key: tuple, group: WorkerGroup) -> None:
+        with self._lock:
+            previous, self._idle[key] = self._idle.get(key), group
+        if previous is not None:
+            previous.close()
+
+    def close(self) -> None:
+        with self._lock:
+            groups, self._idle = list(self._idle.values()), {}
+        for group in groups:
+            group.close()
+
+
+class _GroupSupply:
+    """Warm groups of one world size: the group in use, and, once a group has had to be replaced (a crash, a hang, a
+    rank stuck outside a collective, its case budget spent), a spare started in the background so the next
+    replacement is already warm. A supply that never replaces its group pays for no spare."""
+
+    def __init__(self, make: Callable[[], WorkerGroup]) -> None:
+        self._make = make
+        self._starter = ThreadPoolExecutor(max_workers=1)
+        self._spare: Future | None = None
+        self.started = 0
+
+    def first(self) -> WorkerGroup:
+        self.started += 1
+        return self._make()
+
+    def replacement(self) -> WorkerGroup:
+        """The spare if one is starting (raises its GroupStartError), else a new group; then a new spare starts."""
+        if self._spare is None:
+            group = self.first()
+        else:
+            spare, self._spare = self._spare, None
+            self.started += 1
+            group = spare.result()
+        self._spare = self._starter.submit(self._make)
+        return group
+
+    def close(self) -> None:
+        if self._spare is not None and self._spare.exception() is None:
+            self._spare.result().close()
+        self._starter.shutdown()
+
+
+class GroupRunner:
+    """Runs cases of one world size on one warm group at a time, and replaces the group whenever a case leaves it
+    untrustworthy. Both executors run cases through it: the local one on this machine, the Ray one inside a gang."""
+
+    def __init__(self, world_size: int, log_dir: Path, plugins: tuple[str, ...], *, device: str, backend: str,
+                 timeout_s: float, recycle_after: int, group: WorkerGroup | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.recycle_after = recycle_after
+        self.supply = _GroupSupply(lambda: WorkerGroup(world_size, log_dir, plugins, device=device, backend=backend,
+                                                       collective_timeout_s=timeout_s))
+        self.group = group
+        self._served = 0  # cases the current group has run
+        self._broken_before = False  # a group was replaced: the next one comes from the spare
+        self._start_failure: str | None = None
+        self._failed_starts = 0
+
+    def run(self, request: CaseRequest, process_affinity: str) -> CaseResult:
+        if self.group is not None and self._served >= self.recycle_after:
+            # libraries that keep what every case built cannot grow a rank forever
+            self.group.close()
+            self.group, self._broken_before = None, True
+        while True:
+            if self.group is None and self._failed_starts >= 2:
+                # the group cannot start at all: say so for every remaining case rather than retrying each
+                return CaseResult("crash", message=f"worker group: {self._start_failure}", reusable=False)
+            if self.group is None:
+                try:
+                    self.group = self.supply.replacement() if self._broken_before else self.supply.first()
+                    self._failed_starts, self._served = 0, 0
+                except GroupStartError as exc:
+                    self._start_failure, self._failed_starts = str(exc), self._failed_starts + 1
+                    return CaseResult("crash", message=f"worker group: {exc}", reusable=False)
+            try:
+                result = self.group.run_case(request, self.timeout_s)
+            except GroupBroken:
+                self.group, self._broken_before = None, True  # the case never started: it runs on the replacement
+                continue
+            self._served += 1
+            # a setting with per-process state (a TF strategy and its servers) that failed may have left that state
+            # broken, and the case's sockets were cut: its processes are not trusted with the next case
+            kept_state_broken = process_affinity and result.status not in ("ok", "unsupported")
+            if not result.reusable or kept_state_broken:
+                self.group.kill()
+                self.group, self._broken_before = None, True
+            return result
+
+    def release(self) -> WorkerGroup | None:
+        """The healthy group, handed over to be kept warm (the caller closes it); None if there is none."""
+        group, self.group = self.group, None
+        return group
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.supply.close()
+
+
+def request_for(sweep: SweepContext, case: Case, model_dir: str | None = None) -> CaseRequest:
+    config = sweep.config
+    return CaseRequest(model_dir or str(case.model_dir), case.setting.name, config.steps, config.lr, config.seed)
+
+
+class LocalExecutor:
+    """`jobs` threads, each taking the largest bucket left and running it on one warm group of its world size."""
+
+    def __init__(self, warm: WarmGroups | None = None) -> None:
+        self.warm = warm
+
+    def run(self, sweep: SweepContext, work: dict[BucketKey, list[Case]],
+            report: Callable[[Case, CaseResult], None]) -> int:
+        buckets = sorted(work.items(), key=lambda item: -len(item[1]) * item[0][0])
+        lock = threading.Lock()
+        started = [0]
+
+        def next_bucket() -> tuple[BucketKey, list[Case]] | None:
+            with lock:
+                return buckets.pop(0) if buckets else None
+
+        def drain() -> None:
+            while (bucket := next_bucket()) is not None:
+                count = self._run_bucket(sweep, bucket[0], bucket[1], report)
+                with lock:
+                    started[0] += count
+
+        threads = [threading.Thread(target=drain, daemon=True) for _ in range(sweep.options.jobs or 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)  # short joins keep Ctrl-C responsive
+        return started[0]
+
+    def _run_bucket(self, sweep: SweepContext, key: BucketKey, cases: list[Case],
+                    report: Callable[[Case, CaseResult], None]) -> int:
+        options = sweep.options
+        warm_key = (*key, options.device, options.resolved_backend, sweep.plugins, options.timeout_s)
+        runner = GroupRunner(key[0], sweep.run_dir / "logs", sweep.plugins, device=options.device,
+                             backend=options.resolved_backend, timeout_s=options.timeout_s,
+                             recycle_after=options.recycle_after,
+                             group=self.warm.take(warm_key) if self.warm is not None else None)
+        completed = False  # a group given back to `warm` has finished its last case
+        try:
+            for case in cases:
+                report(case, runner.run(request_for(sweep, case), case.setting.process_affinity))
+            completed = True
+        finally:
+            group = runner.release() if completed and self.warm is not None else None
+            if group is not None:
+                self.warm.give(warm_key, group)
+            runner.close()
+        return runner.supply.started

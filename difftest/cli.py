@@ -116,9 +116,11 @@ def _executor(executor: str, address: Optional[str], cpus_per_rank: float):
     if address and executor != "ray":
         raise UserError(f"--address {address}: a cluster address needs --executor ray")
     if executor == "ray":
-        from difftest.runner.ray_executor import import_ray
+        from difftest.runner.ray_executor import import_ray, probe_address
 
-        import_ray()  # a missing extra fails here, before anything is generated
+        import_ray()  # a missing extra or a dead address fails here, before anything is generated
+        if address:
+            probe_address(address)
     return ExecutorConfig(kind=executor, address=address, cpus_per_rank=cpus_per_rank)
 
 

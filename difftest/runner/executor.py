@@ -38,10 +38,17 @@ class SweepContext:
     plugins: tuple[str, ...]
 
 
+@dataclass
+class ExecutorReport:
+    groups_started: int = 0  # worker groups (local) or the groups inside gangs (ray)
+    cases_rerun: int = 0  # cases started again elsewhere because their node (not the case) went away
+    note: str = ""  # one line on where the cases ran
+
+
 class Executor(Protocol):
     def run(self, sweep: SweepContext, work: dict[BucketKey, list[Case]],
-            report: Callable[[Case, CaseResult], None]) -> int:
-        """Run every case of `work` and `report` each one's result exactly once; return the worker groups started."""
+            report: Callable[[Case, CaseResult], None]) -> ExecutorReport:
+        """Run every case of `work` and `report` each one's result exactly once."""
 
 
 def make_executor(config: ExecutorConfig, warm: object | None = None) -> Executor:

@@ -6,7 +6,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
-from difftest.runner.executor import BucketKey, SweepContext
+from difftest.runner.executor import BucketKey, ExecutorReport, SweepContext
 from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class LocalExecutor:
         self.warm = warm
 
     def run(self, sweep: SweepContext, work: dict[BucketKey, list[Case]],
-            report: Callable[[Case, CaseResult], None]) -> int:
+            report: Callable[[Case, CaseResult], None]) -> ExecutorReport:
         buckets = sorted(work.items(), key=lambda item: -len(item[1]) * item[0][0])
         lock = threading.Lock()
         started = [0]
@@ -163,7 +163,7 @@ class LocalExecutor:
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.5)  # short joins keep Ctrl-C responsive
-        return started[0]
+        return ExecutorReport(groups_started=started[0])
 
     def _run_bucket(self, sweep: SweepContext, key: BucketKey, cases: list[Case],
                     report: Callable[[Case, CaseResult], None]) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from difftest.errors import UserError
-from difftest.runner.executor import BucketKey, ExecutorConfig, SweepContext
+from difftest.runner.executor import BucketKey, ExecutorConfig, ExecutorReport, SweepContext
 from difftest.runner.local import GroupRunner
 from difftest.runner.pool import CaseRequest, CaseResult
 
@@ -50,6 +50,22 @@ def import_ray() -> Any:
         raise UserError("--executor ray needs Ray: pip install 'difftest[ray]' (or DIFFTEST_EXTRAS=test,tf,ray "
                         "./install.sh) on the driver and on every node of the cluster") from None
     return ray
+
+
+def probe_address(address: str) -> None:
+    """Fail at once on an address nothing listens at (Ray itself retries for minutes before it gives up)."""
+    import socket
+
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if address == "auto" or not host or not port.isdigit():
+        return  # `auto` and other forms: Ray resolves them and fails quickly on its own
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise UserError(f"--address {address}: nothing answers there ({exc.strerror or exc}); start the cluster's "
+                        "head with `ray start --head` and give the address it prints, or leave --address out to run "
+                        "Ray on this machine alone") from None
 
 
 class GangHost:
@@ -131,13 +147,18 @@ class _WorkQueue:
     def left(self, key: BucketKey) -> int:
         return sum(len(q) for q in self._left.get(key, {}).values())
 
-    def pick_bucket(self, exclude: set[BucketKey] = frozenset()) -> BucketKey | None:
-        """The bucket with the most cases left per gang already serving it; the caller serves it until `leave`."""
+    def pick_bucket(self) -> BucketKey | None:
+        """The bucket the next gang should serve until it calls `leave`: one nobody serves yet (the most work first,
+        counted in rank-cases), else the one with the most cases left per gang already serving it."""
         with self._lock:
-            candidates = [k for k in self._left if self.left(k) and k not in exclude]
+            candidates = [k for k in self._left if self.left(k)]
             if not candidates:
                 return None
-            key = max(candidates, key=lambda k: (self.left(k) / (self._gangs[k] + 1), k[0]))
+            unserved = [k for k in candidates if not self._gangs[k]]
+            if unserved:
+                key = max(unserved, key=lambda k: (self.left(k) * k[0], k))
+            else:
+                key = max(candidates, key=lambda k: (self.left(k) / (self._gangs[k] + 1), k[0]))
             self._gangs[key] += 1
             return key
 
@@ -205,6 +226,7 @@ class RayExecutor:
             return ray
         options = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
         if self.config.address:
+            probe_address(self.config.address)
             try:
                 ray.init(address=self.config.address, **options)
             except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -246,9 +268,9 @@ class RayExecutor:
 
     # -- the sweep ---------------------------------------------------------------------------------------------
     def run(self, sweep: SweepContext, work: dict[BucketKey, list[Case]],
-            report: Callable[[Case, CaseResult], None]) -> int:
+            report: Callable[[Case, CaseResult], None]) -> ExecutorReport:
         if not work:
-            return 0
+            return ExecutorReport()
         ray = self._connect(work)
         try:
             device = sweep.options.device
@@ -285,7 +307,7 @@ class RayExecutor:
                 raise errors[0]
         finally:
             ray.shutdown()
-        return self.stats.groups_started
+        return ExecutorReport(self.stats.groups_started, self.stats.cases_requeued, self.note())
 
     def _model(self, ray: Any, case: Case) -> tuple[str, str, list]:
         """The case's model folder in the object store (put once per sweep), named by its content."""

@@ -62,6 +62,7 @@ class SweepReport:
     skipped_done: int = 0
     statuses: Counter = field(default_factory=Counter)
     groups_started: int = 0
+    cases_rerun: int = 0  # started again on another node after theirs went away (recorded once all the same)
     executor_note: str = ""  # what the executor has to say about its run (Ray: nodes, gangs, cases re-run)
 
 
@@ -171,9 +172,9 @@ def run_sweep(
                                     round(result.wall_s, 4) if result.wall_s else None), result.outputs)
 
         executor = make_executor(options.executor, warm)
-        report.groups_started += executor.run(SweepContext(run_dir, config, options, plugins), dict(pending),
-                                              report_result)
-        report.executor_note = getattr(executor, "note", lambda: "")()
+        ran = executor.run(SweepContext(run_dir, config, options, plugins), dict(pending), report_result)
+        report.groups_started += ran.groups_started
+        report.cases_rerun, report.executor_note = ran.cases_rerun, ran.note
     finally:
         store.close()
         marker.unlink(missing_ok=True)

@@ -1,0 +1,202 @@
+"""The Ray executor: the same results as the local one, byte for byte; node loss re-runs cases, never loses or
+doubles one; a driver killed with SIGKILL resumes. The multi-node tests run on a cluster simulated on this machine
+(`ray.cluster_utils.Cluster`: a head without CPUs, two worker nodes of four logical CPUs each)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, deque
+from pathlib import Path
+
+import pytest
+
+from difftest.errors import UserError
+from difftest.runner.executor import ExecutorConfig
+from difftest.runner.sweep import SweepOptions, run_sweep
+from difftest.store import Store
+from tests.conftest import PLANTED
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+
+# two world sizes, so gangs of two and of four ranks share the cluster
+SELECTION = "ddp/*/ws2,torchrec/ebc/row_wise/ws2,fsdp2/*/ws4"
+
+
+def store_digest(run_dir: Path) -> dict[tuple[str, str], tuple]:
+    """Every committed case: status, message (process ids aside), failing rank and the sha256 of its outputs file."""
+    store = Store(run_dir)
+    try:
+        return {(r.model, r.setting): (r.status, re.sub(r"pid \d+", "pid N", r.message), r.rank,
+                                       hashlib.sha256((run_dir / "outputs" / r.outputs).read_bytes()).hexdigest()
+                                       if r.outputs else None)
+                for r in store.records()}
+    finally:
+        store.close()
+
+
+def _copy_unswept(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("store.sqlite*", "outputs", "logs"))
+    return target
+
+
+def test_ray_gangs_give_the_local_executors_bytes_and_crash_rows_are_not_retried(fresh_run: Path,
+                                                                                 tmp_path: Path) -> None:
+    """One node (Ray started on this machine): clean cases, a rank that raises and a rank that aborts."""
+    selection = "ddp/*/ws2,faults/raises/ws2,faults/aborts/ws2"
+    local = _copy_unswept(fresh_run, tmp_path / "local")
+    run_sweep(local, SweepOptions(settings=selection, models="*-i0", plugins=(PLANTED,), timeout_s=60))
+    seen: Counter = Counter()
+    report = run_sweep(fresh_run, SweepOptions(settings=selection, models="*-i0", plugins=(PLANTED,), timeout_s=60,
+                                               executor=ExecutorConfig("ray")),
+                       on_result=lambda case, record: seen.update([(record.model, record.setting)]))
+    expected, got = store_digest(local), store_digest(fresh_run)
+    assert got == expected
+    assert set(seen) == set(got) and set(seen.values()) == {1}  # every case reported once, and committed
+    statuses = {setting: value[0] for (_, setting), value in got.items()}
+    assert statuses["faults/aborts/ws2"] == "crash" and "SIGABRT" in got[("dlrm-s0-i0", "faults/aborts/ws2")][1]
+    assert statuses["faults/raises/ws2"] == "error"
+    assert report.cases_rerun == 0 and "0 lost with their node" in report.executor_note  # a crash is the case's own
+    assert not ray.is_initialized()  # the driver let go of the Ray instance it started
+
+
+def test_an_address_nothing_listens_at_is_one_line_of_error(fresh_run: Path) -> None:
+    with pytest.raises(UserError, match=r"--address 127\.0\.0\.1:1: nothing answers there"):
+        run_sweep(fresh_run, SweepOptions(settings="ddp/*/ws2", executor=ExecutorConfig("ray", "127.0.0.1:1")))
+
+
+def test_the_queue_keeps_a_gang_on_its_model_and_spreads_gangs_over_buckets() -> None:
+    from types import SimpleNamespace
+
+    from difftest.runner.ray_executor import _WorkQueue
+
+    def case(model: str, setting: str) -> SimpleNamespace:
+        return SimpleNamespace(model_id=model, setting=SimpleNamespace(name=setting))
+
+    ws2 = [case(m, f"s{i}") for m in ("a", "b") for i in range(3)]
+    ws4 = [case("a", "t0")]
+    queue = _WorkQueue({(2, ""): ws2, (4, ""): ws4})
+    assert queue.pick_bucket() == (2, "")  # twelve rank-cases against four, neither served yet
+    assert queue.pick_bucket() == (4, "")  # a bucket nobody serves comes before a second gang on another
+    assert queue.pick_bucket() == (2, "")  # six left on one gang beats one left on one gang
+    one = queue.take((2, ""), None)
+    other = queue.take((2, ""), None)
+    assert (one.model_id, other.model_id) == ("a", "b")  # the second gang starts on the model nobody is on
+    assert queue.take((2, ""), "a").model_id == "a"  # and each keeps to the model its ranks have loaded
+    queue.put_back((2, ""), one)  # its node went away: it is the next case of its model
+    assert queue.take((2, ""), "a") is one
+    model, taken = "a", []
+    while (case := queue.take((2, ""), model)) is not None:
+        model = case.model_id
+        taken.append(case.model_id)
+    assert taken == ["a", "b", "b"]  # its model done, the gang steals what the other gang has left
+
+
+# -- a simulated multi-node cluster -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the driver's node runs no gang
+    for _ in range(2):
+        made.add_node(num_cpus=4)
+    made.wait_for_nodes()
+    yield made
+    if ray.is_initialized():
+        ray.shutdown()
+    made.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_result(generated_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = _copy_unswept(generated_run, tmp_path_factory.mktemp("local") / "run")
+    run_sweep(run_dir, SweepOptions(settings=SELECTION))
+    return store_digest(run_dir)
+
+
+def _worker_nodes(cluster) -> list:
+    return list(cluster.worker_nodes)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.timeout(1200)
+def test_killing_a_worker_node_mid_sweep_reruns_its_cases_and_loses_or_doubles_none(
+        cluster, local_result: dict, fresh_run: Path) -> None:
+    seen: Counter = Counter()
+    killed: deque = deque()
+
+    def on_result(case, record) -> None:
+        seen[(record.model, record.setting)] += 1
+        if sum(seen.values()) == 12 and not killed:  # gangs are mid-case on both nodes by now
+            victim = _worker_nodes(cluster)[0]
+            killed.append(victim)
+            threading.Thread(target=cluster.remove_node, args=(victim, False), daemon=True).start()
+
+    report = run_sweep(fresh_run, SweepOptions(settings=SELECTION, executor=ExecutorConfig("ray", cluster.address)),
+                       on_result=on_result)
+    assert killed, "the sweep ended before a node could be killed"
+    assert report.cases_rerun >= 1, report.executor_note  # the killed node was running cases
+    assert set(seen.values()) == {1} and len(seen) == len(local_result)  # each case reported once
+    assert store_digest(fresh_run) == local_result
+    cluster.add_node(num_cpus=4)  # the next test gets two worker nodes again
+    cluster.wait_for_nodes()
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.timeout(1200)
+def test_sigkill_of_the_driver_then_the_same_command_resumes(cluster, local_result: dict, fresh_run: Path) -> None:
+    command = [sys.executable, "-m", "difftest.cli", "sweep", str(fresh_run), "--settings", SELECTION,
+               "--executor", "ray", "--address", cluster.address, "--minimize-budget", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while _committed(fresh_run) < 10 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    assert process.poll() is None, "the sweep finished before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    before = _finished_at(fresh_run)
+    assert 10 <= len(before) < len(local_result)
+
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
+    after = _finished_at(fresh_run)
+    assert {key: after[key] for key in before} == before  # what was committed is not run again
+    assert store_digest(fresh_run) == local_result
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_gang_no_node_can_hold_is_unsupported_with_the_reason(cluster, fresh_run: Path) -> None:
+    report = run_sweep(fresh_run, SweepOptions(settings="fsdp2/*/ws4", models="*-i0",
+                                               executor=ExecutorConfig("ray", cluster.address, cpus_per_rank=2)))
+    from difftest.registry import get_setting
+
+    records = {r.setting: r for r in Store(fresh_run).records()}
+    refused = [r for name, r in records.items() if get_setting(name).world_size == 4]
+    assert refused and {r.status for r in refused} == {"unsupported"}
+    assert "no node with 8 CPUs for a 4-rank gang" in refused[0].message
+    assert records["reference"].status == "ok"  # one rank, two CPUs: it fits
+    assert report.statuses["unsupported"] == len(refused)
+    assert {r.status for r in records.values() if r not in refused} == {"ok"}
+
+
+def _committed(run_dir: Path) -> int:
+    return len(_finished_at(run_dir))
+
+
+def _finished_at(run_dir: Path) -> dict[tuple[str, str], float]:
+    try:
+        with sqlite3.connect(run_dir / "store.sqlite") as db:
+            return {(m, s): t for m, s, t in db.execute("SELECT model, setting, finished_at FROM cases")}
+    except sqlite3.OperationalError:
+        return {}

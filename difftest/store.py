@@ -16,6 +16,23 @@ import numpy as np
 
 from difftest.artifacts import atomic_save_arrays, load_arrays
 
+def results_digest(run_dir: Path) -> dict[tuple[str, str], tuple]:
+    """Each committed case's status, message (process ids aside), failing rank and the sha256 of its outputs file:
+    two runs with equal digests hold the same results, byte for byte, whatever ran them and in what order."""
+    import hashlib
+    import re
+
+    store = Store(run_dir)
+    try:
+        records = store.records()
+    finally:
+        store.close()
+    return {(r.model, r.setting): (r.status, re.sub(r"pid \d+", "pid N", r.message), r.rank,
+                                   hashlib.sha256((store.outputs_dir / r.outputs).read_bytes()).hexdigest()
+                                   if r.outputs else None)
+            for r in records}
+
+
 STATUSES = ("ok", "inconsistent", "nondeterministic", "error", "crash", "timeout", "unsupported")
 
 _SCHEMA = """

@@ -4,9 +4,7 @@ doubles one; a driver killed with SIGKILL resumes. The multi-node tests run on a
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shutil
 import signal
 import sqlite3
@@ -22,25 +20,13 @@ import pytest
 from difftest.errors import UserError
 from difftest.runner.executor import ExecutorConfig
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.store import Store
+from difftest.store import Store, results_digest
 from tests.conftest import PLANTED
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
 # two world sizes, so gangs of two and of four ranks share the cluster
 SELECTION = "ddp/*/ws2,torchrec/ebc/row_wise/ws2,fsdp2/*/ws4"
-
-
-def store_digest(run_dir: Path) -> dict[tuple[str, str], tuple]:
-    """Every committed case: status, message (process ids aside), failing rank and the sha256 of its outputs file."""
-    store = Store(run_dir)
-    try:
-        return {(r.model, r.setting): (r.status, re.sub(r"pid \d+", "pid N", r.message), r.rank,
-                                       hashlib.sha256((run_dir / "outputs" / r.outputs).read_bytes()).hexdigest()
-                                       if r.outputs else None)
-                for r in store.records()}
-    finally:
-        store.close()
 
 
 def _copy_unswept(source: Path, target: Path) -> Path:
@@ -58,7 +44,7 @@ def test_ray_gangs_give_the_local_executors_bytes_and_crash_rows_are_not_retried
     report = run_sweep(fresh_run, SweepOptions(settings=selection, models="*-i0", plugins=(PLANTED,), timeout_s=60,
                                                executor=ExecutorConfig("ray")),
                        on_result=lambda case, record: seen.update([(record.model, record.setting)]))
-    expected, got = store_digest(local), store_digest(fresh_run)
+    expected, got = results_digest(local), results_digest(fresh_run)
     assert got == expected
     assert set(seen) == set(got) and set(seen.values()) == {1}  # every case reported once, and committed
     statuses = {setting: value[0] for (_, setting), value in got.items()}
@@ -120,7 +106,7 @@ def cluster():
 def local_result(generated_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     run_dir = _copy_unswept(generated_run, tmp_path_factory.mktemp("local") / "run")
     run_sweep(run_dir, SweepOptions(settings=SELECTION))
-    return store_digest(run_dir)
+    return results_digest(run_dir)
 
 
 def _worker_nodes(cluster) -> list:
@@ -147,7 +133,7 @@ def test_killing_a_worker_node_mid_sweep_reruns_its_cases_and_loses_or_doubles_n
     assert killed, "the sweep ended before a node could be killed"
     assert report.cases_rerun >= 1, report.executor_note  # the killed node was running cases
     assert set(seen.values()) == {1} and len(seen) == len(local_result)  # each case reported once
-    assert store_digest(fresh_run) == local_result
+    assert results_digest(fresh_run) == local_result
     cluster.add_node(num_cpus=4)  # the next test gets two worker nodes again
     cluster.wait_for_nodes()
 
@@ -171,7 +157,7 @@ def test_sigkill_of_the_driver_then_the_same_command_resumes(cluster, local_resu
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
     after = _finished_at(fresh_run)
     assert {key: after[key] for key in before} == before  # what was committed is not run again
-    assert store_digest(fresh_run) == local_result
+    assert results_digest(fresh_run) == local_result
 
 
 @pytest.mark.slow

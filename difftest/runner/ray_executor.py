@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
@@ -204,6 +205,10 @@ class RayStats:
     gangs_lost: int = 0
     cases_requeued: int = 0
     nodes: int = 0
+    cases_run: int = 0
+    # per case, the driver's wait for the actor call minus the case's time inside its worker group: what shipping
+    # the request, the model (first time on a node) and the outputs through Ray costs
+    transport_s: float = 0.0
 
 
 class RayExecutor:
@@ -216,8 +221,9 @@ class RayExecutor:
 
     def note(self) -> str:
         s = self.stats
+        transport = f"; {1000 * s.transport_s / s.cases_run:.0f} ms of Ray per case" if s.cases_run else ""
         return (f"Ray: {s.nodes} node(s), {s.gangs_started} gang(s), {s.gangs_lost} lost with their node, "
-                f"{s.cases_requeued} case(s) re-run elsewhere")
+                f"{s.cases_requeued} case(s) re-run elsewhere{transport}")
 
     # -- connection and capacity -------------------------------------------------------------------------------
     def _connect(self, work: dict[BucketKey, list[Case]]) -> Any:
@@ -338,6 +344,7 @@ class RayExecutor:
                         return
                 config = sweep.config
                 fields = {"setting": case.setting.name, "steps": config.steps, "lr": config.lr, "seed": config.seed}
+                called = time.perf_counter()
                 try:
                     result = gang.run(self._model(ray, case), fields, case.setting.process_affinity,
                                       sweep.options.timeout_s + CALL_ALLOWANCE_S)
@@ -346,6 +353,9 @@ class RayExecutor:
                     gang = None
                     self._lost(key, case, exc, queue, report)
                     continue
+                with self._lock:
+                    self.stats.cases_run += 1
+                    self.stats.transport_s += max(0.0, time.perf_counter() - called - result.wall_s)
                 report(case, result)
         finally:
             if gang is not None:

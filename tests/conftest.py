@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import sqlite3
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +49,23 @@ def fresh_sequential_run(sequential_run: Path, tmp_path: Path) -> Path:
     target = tmp_path / "run"
     shutil.copytree(sequential_run, target)
     return target
+
+
+def committed_cases(run_dir: Path) -> dict[tuple[str, str], float]:
+    """(model, setting) → commit time of every case the run's store holds (read beside a live sweep)."""
+    try:
+        with sqlite3.connect(run_dir / "store.sqlite") as db:
+            return {(m, s): t for m, s, t in db.execute("SELECT model, setting, finished_at FROM cases")}
+    except sqlite3.OperationalError:
+        return {}
+
+
+def sigkill_sweep_after(command: list[str], run_dir: Path, commits: int, deadline_s: float = 600) -> None:
+    """Start a sweep command and kill -9 it once `commits` cases are committed (it must still be running)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + deadline_s
+    while len(committed_cases(run_dir)) < commits and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    assert process.poll() is None, "the sweep finished before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()

@@ -4,14 +4,13 @@ doubles one; a driver killed with SIGKILL resumes. The multi-node tests run on a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter, deque
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from difftest.errors import UserError
 from difftest.runner.executor import ExecutorConfig
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.store import Store, results_digest
-from tests.conftest import PLANTED
+from tests.conftest import PLANTED, committed_cases, sigkill_sweep_after
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
@@ -34,23 +33,46 @@ def _copy_unswept(source: Path, target: Path) -> Path:
     return target
 
 
-def test_ray_gangs_give_the_local_executors_bytes_and_crash_rows_are_not_retried(fresh_run: Path,
-                                                                                 tmp_path: Path) -> None:
-    """One node (Ray started on this machine): clean cases, a rank that raises and a rank that aborts."""
-    selection = "ddp/*/ws2,faults/raises/ws2,faults/aborts/ws2"
+def _kill_a_gang_host() -> int | None:
+    """SIGKILL the process of a running gang's host actor (Ray names it in its process title); its pid, or None."""
+    for entry in os.listdir("/proc"):
+        try:
+            title = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and title.startswith("ray::GangHost"):
+            os.kill(int(entry), signal.SIGKILL)
+            return int(entry)
+    return None
+
+
+def test_ray_gangs_give_the_local_executors_bytes_and_tell_a_lost_host_from_a_crash(fresh_run: Path,
+                                                                                    tmp_path: Path) -> None:
+    """Ray started on this machine: clean cases, ranks that raise, abort and hang, and a gang host killed mid-sweep
+    (its worker process lost: infrastructure) — crash, error and timeout rows are the cases' own and not retried,
+    the lost host's case runs again on a new gang, and every row is the local executor's, byte for byte."""
+    selection = "ddp/*/ws2,faults/raises/ws2,faults/aborts/ws2,faults/hangs/ws2"
+    options = SweepOptions(settings=selection, models="*-i0", plugins=(PLANTED,), timeout_s=10)
     local = _copy_unswept(fresh_run, tmp_path / "local")
-    run_sweep(local, SweepOptions(settings=selection, models="*-i0", plugins=(PLANTED,), timeout_s=60))
+    run_sweep(local, options)
     seen: Counter = Counter()
-    report = run_sweep(fresh_run, SweepOptions(settings=selection, models="*-i0", plugins=(PLANTED,), timeout_s=60,
-                                               executor=ExecutorConfig("ray")),
-                       on_result=lambda case, record: seen.update([(record.model, record.setting)]))
+    killed: list = []
+
+    def on_result(case, record) -> None:
+        seen[(record.model, record.setting)] += 1
+        if case.setting.world_size == 2 and not killed:
+            killed.append(_kill_a_gang_host())
+
+    report = run_sweep(fresh_run, dataclasses.replace(options, executor=ExecutorConfig("ray")), on_result=on_result)
     expected, got = results_digest(local), results_digest(fresh_run)
     assert got == expected
     assert set(seen) == set(got) and set(seen.values()) == {1}  # every case reported once, and committed
-    statuses = {setting: value[0] for (_, setting), value in got.items()}
-    assert statuses["faults/aborts/ws2"] == "crash" and "SIGABRT" in got[("dlrm-s0-i0", "faults/aborts/ws2")][1]
-    assert statuses["faults/raises/ws2"] == "error"
-    assert report.cases_rerun == 0 and "0 lost with their node" in report.executor_note  # a crash is the case's own
+    by_setting = {setting: value for (_, setting), value in got.items()}
+    assert by_setting["faults/aborts/ws2"][0] == "crash" and "SIGABRT" in by_setting["faults/aborts/ws2"][1]
+    assert by_setting["faults/raises/ws2"][0] == "error"
+    assert by_setting["faults/hangs/ws2"][0] == "timeout"
+    assert killed[0] is not None, "no gang host process was found to kill"
+    assert report.cases_rerun == 1, report.executor_note  # the killed host's case; the crash, error, timeout: none
     assert not ray.is_initialized()  # the driver let go of the Ray instance it started
 
 
@@ -67,12 +89,13 @@ def test_the_queue_keeps_a_gang_on_its_model_and_spreads_gangs_over_buckets() ->
     def case(model: str, setting: str) -> SimpleNamespace:
         return SimpleNamespace(model_id=model, setting=SimpleNamespace(name=setting))
 
-    ws2 = [case(m, f"s{i}") for m in ("a", "b") for i in range(3)]
+    ws2 = [case(m, f"s{i}") for m in ("a", "b") for i in range(8)]
     ws4 = [case("a", "t0")]
     queue = _WorkQueue({(2, ""): ws2, (4, ""): ws4})
-    assert queue.pick_bucket() == (2, "")  # twelve rank-cases against four, neither served yet
+    assert queue.pick_bucket() == (2, "")  # 32 rank-cases against 4, neither served yet
     assert queue.pick_bucket() == (4, "")  # a bucket nobody serves comes before a second gang on another
-    assert queue.pick_bucket() == (2, "")  # six left on one gang beats one left on one gang
+    assert queue.pick_bucket() == (2, "")  # 16 cases on one gang: a second gang's start is worth it
+    assert queue.pick_bucket() is None  # a third would get fewer than MIN_CASES_PER_GANG
     one = queue.take((2, ""), None)
     other = queue.take((2, ""), None)
     assert (one.model_id, other.model_id) == ("a", "b")  # the second gang starts on the model nobody is on
@@ -83,7 +106,7 @@ def test_the_queue_keeps_a_gang_on_its_model_and_spreads_gangs_over_buckets() ->
     while (case := queue.take((2, ""), model)) is not None:
         model = case.model_id
         taken.append(case.model_id)
-    assert taken == ["a", "b", "b"]  # its model done, the gang steals what the other gang has left
+    assert taken == ["a"] * 6 + ["b"] * 7  # its model done, the gang steals what the other gang has left
 
 
 # -- a simulated multi-node cluster -----------------------------------------------------------------------------
@@ -144,18 +167,12 @@ def test_killing_a_worker_node_mid_sweep_reruns_its_cases_and_loses_or_doubles_n
 def test_sigkill_of_the_driver_then_the_same_command_resumes(cluster, local_result: dict, fresh_run: Path) -> None:
     command = [sys.executable, "-m", "difftest.cli", "sweep", str(fresh_run), "--settings", SELECTION,
                "--executor", "ray", "--address", cluster.address, "--minimize-budget", "0"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    while _committed(fresh_run) < 10 and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.2)
-    assert process.poll() is None, "the sweep finished before it could be killed"
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    before = _finished_at(fresh_run)
+    sigkill_sweep_after(command, fresh_run, 10)
+    before = committed_cases(fresh_run)
     assert 10 <= len(before) < len(local_result)
 
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
-    after = _finished_at(fresh_run)
+    after = committed_cases(fresh_run)
     assert {key: after[key] for key in before} == before  # what was committed is not run again
     assert results_digest(fresh_run) == local_result
 
@@ -174,15 +191,3 @@ def test_a_gang_no_node_can_hold_is_unsupported_with_the_reason(cluster, fresh_r
     assert records["reference"].status == "ok"  # one rank, two CPUs: it fits
     assert report.statuses["unsupported"] == len(refused)
     assert {r.status for r in records.values() if r not in refused} == {"ok"}
-
-
-def _committed(run_dir: Path) -> int:
-    return len(_finished_at(run_dir))
-
-
-def _finished_at(run_dir: Path) -> dict[tuple[str, str], float]:
-    try:
-        with sqlite3.connect(run_dir / "store.sqlite") as db:
-            return {(m, s): t for m, s, t in db.execute("SELECT model, setting, finished_at FROM cases")}
-    except sqlite3.OperationalError:
-        return {}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -17,7 +15,7 @@ from difftest.analysis import analyze
 from difftest.runner.pool import ERROR_GRACE_S, CaseRequest, WorkerGroup
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.store import Store
-from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS
+from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS, committed_cases, sigkill_sweep_after
 
 CLEAN_SINGLE_TYPE = [
     f"torchrec/ebc/{t}/ws2"
@@ -79,14 +77,6 @@ def test_raise_abort_hang_and_refusal_become_rows_and_the_sweep_finishes(fresh_r
     assert sum(report.statuses.values()) == 6 + REFERENCE_CALIBRATIONS
 
 
-def _committed(run_dir: Path) -> int:
-    try:
-        with sqlite3.connect(run_dir / "store.sqlite") as db:
-            return db.execute("SELECT COUNT(*) FROM cases").fetchone()[0]
-    except sqlite3.OperationalError:
-        return 0
-
-
 def _outputs(run_dir: Path) -> dict[tuple[str, str], dict[str, np.ndarray]]:
     store = Store(run_dir)
     try:
@@ -98,14 +88,8 @@ def _outputs(run_dir: Path) -> dict[tuple[str, str], dict[str, np.ndarray]]:
 def test_sigkill_mid_sweep_then_rerun_resumes_to_the_same_results(fresh_run: Path, tmp_path: Path) -> None:
     selection = "reference,torchrec/ebc/*/ws2,torchrec/ebc/table_wise/ws3,torchrec/ebc/row_wise/ws3"
     command = [sys.executable, "-m", "difftest.cli", "sweep", str(fresh_run), "--settings", selection]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while _committed(fresh_run) < 6 and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.2)
-    assert process.poll() is None, "the sweep finished before it could be killed"
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    interrupted_at = _committed(fresh_run)
+    sigkill_sweep_after(command, fresh_run, 6, deadline_s=240)
+    interrupted_at = len(committed_cases(fresh_run))
     total = 2 * (1 + 10 + 2 + 4)  # + the reference's calibration runs: float64, order, threads, micro-batches
     assert 6 <= interrupted_at < total
 

@@ -41,7 +41,10 @@ MAX_GANG_LOSSES = 3
 # beyond the case's own timeout (enforced inside the gang), what a call may take to start or replace a worker
 # group (two tries at its start-up timeout) and write its model to the node: past it the host itself is stuck
 CALL_ALLOWANCE_S = 2 * 180.0 + 60.0
-PLACEMENT_POLL_S = 10.0  # how often a gang waiting for resources checks that some live node can still hold it
+PLACEMENT_POLL_S = 10.0
+# a further gang joins a bucket only while each of its gangs would still have this many cases: a gang's start (its
+# placement and a warm group's imports, ~6 s on two cores) costs about as much as that many cases
+MIN_CASES_PER_GANG = 8  # how often a gang waiting for resources checks that some live node can still hold it
 
 
 def import_ray() -> Any:
@@ -150,7 +153,8 @@ class _WorkQueue:
 
     def pick_bucket(self) -> BucketKey | None:
         """The bucket the next gang should serve until it calls `leave`: one nobody serves yet (the most work first,
-        counted in rank-cases), else the one with the most cases left per gang already serving it."""
+        counted in rank-cases), else the one with the most cases left per gang already serving it, as long as that
+        is worth a gang's start; None when no bucket is."""
         with self._lock:
             candidates = [k for k in self._left if self.left(k)]
             if not candidates:
@@ -160,6 +164,8 @@ class _WorkQueue:
                 key = max(unserved, key=lambda k: (self.left(k) * k[0], k))
             else:
                 key = max(candidates, key=lambda k: (self.left(k) / (self._gangs[k] + 1), k[0]))
+                if self.left(key) / (self._gangs[key] + 1) < MIN_CASES_PER_GANG:
+                    return None
             self._gangs[key] += 1
             return key
 
@@ -205,9 +211,12 @@ class RayStats:
     gangs_lost: int = 0
     cases_requeued: int = 0
     nodes: int = 0
-    cases_run: int = 0
-    # per case, the driver's wait for the actor call minus the case's time inside its worker group: what shipping
-    # the request, the model (first time on a node) and the outputs through Ray costs
+    # a gang's start: its placement, then its first call's time outside the case (the worker group starting, the
+    # model written to the node) — what a local group's start costs, plus Ray's placement
+    gang_start_s: float = 0.0
+    # every later case: the driver's wait for the actor call minus the case's time inside its worker group, i.e.
+    # what shipping the request and the outputs through Ray costs, and any group replaced after a crash
+    cases_after_first: int = 0
     transport_s: float = 0.0
 
 
@@ -218,18 +227,22 @@ class RayExecutor:
         self._lock = threading.Lock()
         self._models: dict[str, tuple[str, str, list]] = {}
         self._losses: Counter = Counter()
+        self._connected = False  # this executor connected the driver to Ray (and disconnects it when done)
 
     def note(self) -> str:
         s = self.stats
-        transport = f"; {1000 * s.transport_s / s.cases_run:.0f} ms of Ray per case" if s.cases_run else ""
+        costs = (f"; gang start {s.gang_start_s / s.gangs_started:.1f} s each, then "
+                 f"{1000 * s.transport_s / max(1, s.cases_after_first):.0f} ms per case outside the cases"
+                 if s.gangs_started else "")
         return (f"Ray: {s.nodes} node(s), {s.gangs_started} gang(s), {s.gangs_lost} lost with their node, "
-                f"{s.cases_requeued} case(s) re-run elsewhere{transport}")
+                f"{s.cases_requeued} case(s) re-run elsewhere{costs}")
 
     # -- connection and capacity -------------------------------------------------------------------------------
     def _connect(self, work: dict[BucketKey, list[Case]]) -> Any:
         ray = import_ray()
-        if ray.is_initialized():
+        if ray.is_initialized():  # the caller's own connection: it stays the caller's to close
             return ray
+        self._connected = True
         options = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
         if self.config.address:
             probe_address(self.config.address)
@@ -312,7 +325,8 @@ class RayExecutor:
             if errors:
                 raise errors[0]
         finally:
-            ray.shutdown()
+            if self._connected:
+                ray.shutdown()
         return ExecutorReport(self.stats.groups_started, self.stats.cases_requeued, self.note())
 
     def _model(self, ray: Any, case: Case) -> tuple[str, str, list]:
@@ -336,6 +350,7 @@ class RayExecutor:
             while (case := queue.take(key, model)) is not None:
                 model = case.model_id
                 if gang is None:
+                    placing = time.perf_counter()
                     try:
                         gang = _Gang.start(ray, self, sweep, key)
                     except _Unplaceable as exc:
@@ -353,9 +368,14 @@ class RayExecutor:
                     gang = None
                     self._lost(key, case, exc, queue, report)
                     continue
+                outside = max(0.0, time.perf_counter() - called - result.wall_s)
                 with self._lock:
-                    self.stats.cases_run += 1
-                    self.stats.transport_s += max(0.0, time.perf_counter() - called - result.wall_s)
+                    if gang.cases == 0:
+                        self.stats.gang_start_s += called - placing + outside
+                    else:
+                        self.stats.cases_after_first += 1
+                        self.stats.transport_s += outside
+                gang.cases += 1
                 report(case, result)
         finally:
             if gang is not None:
@@ -386,6 +406,7 @@ class _Gang:
     def __init__(self, ray: Any, pg: Any, host: Any, holders: list[Any], executor: RayExecutor) -> None:
         self.ray, self.pg, self.host, self.holders, self.executor = ray, pg, host, holders, executor
         self.groups_started = 0  # the worker groups its host has started, as of its last answer
+        self.cases = 0
 
     @classmethod
     def start(cls, ray: Any, executor: RayExecutor, sweep: SweepContext, key: BucketKey) -> _Gang:

@@ -154,6 +154,7 @@ def test_killing_a_worker_node_mid_sweep_reruns_its_cases_and_loses_or_doubles_n
     report = run_sweep(fresh_run, SweepOptions(settings=SELECTION, executor=ExecutorConfig("ray", cluster.address)),
                        on_result=on_result)
     assert killed, "the sweep ended before a node could be killed"
+    print(f"node killed after 12 of {len(local_result)} cases: {report.executor_note}")  # pytest -s shows it
     assert report.cases_rerun >= 1, report.executor_note  # the killed node was running cases
     assert set(seen.values()) == {1} and len(seen) == len(local_result)  # each case reported once
     assert results_digest(fresh_run) == local_result
@@ -170,6 +171,7 @@ def test_sigkill_of_the_driver_then_the_same_command_resumes(cluster, local_resu
     sigkill_sweep_after(command, fresh_run, 10)
     before = committed_cases(fresh_run)
     assert 10 <= len(before) < len(local_result)
+    print(f"driver killed with {len(before)} of {len(local_result)} cases committed")  # pytest -s shows it
 
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
     after = committed_cases(fresh_run)

@@ -130,9 +130,9 @@ class GroupRunner:
         self.supply.close()
 
 
-def request_for(sweep: SweepContext, case: Case, model_dir: str | None = None) -> CaseRequest:
+def request_for(sweep: SweepContext, case: Case) -> CaseRequest:
     config = sweep.config
-    return CaseRequest(model_dir or str(case.model_dir), case.setting.name, config.steps, config.lr, config.seed)
+    return CaseRequest(str(case.model_dir), case.setting.name, config.steps, config.lr, config.seed)
 
 
 class LocalExecutor:

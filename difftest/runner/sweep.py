@@ -166,7 +166,6 @@ def run_sweep(
         for case, reason in refused:
             record(case, CaseRecord(case.model_id, case.setting.name, "unsupported", reason), None)
 
-
         def report_result(case: Case, result: CaseResult) -> None:
             record(case, CaseRecord(case.model_id, case.setting.name, result.status, result.message, result.rank,
                                     round(result.wall_s, 4) if result.wall_s else None), result.outputs)

@@ -29,6 +29,12 @@ class ExecutorConfig:
     address: str | None = None  # ray: a running cluster (`auto`, HOST:PORT); None starts a Ray instance here
     cpus_per_rank: float = 1.0  # ray: CPUs each rank's bundle reserves
 
+    def __post_init__(self) -> None:
+        if self.kind not in EXECUTORS:
+            raise UserError(f"--executor {self.kind!r}: use one of {', '.join(EXECUTORS)}")
+        if self.address and self.kind != "ray":
+            raise UserError(f"--address {self.address}: a cluster address needs --executor ray")
+
 
 @dataclass(frozen=True)
 class SweepContext:
@@ -56,8 +62,6 @@ def make_executor(config: ExecutorConfig, warm: object | None = None) -> Executo
         from difftest.runner.local import LocalExecutor
 
         return LocalExecutor(warm)
-    if config.kind == "ray":
-        from difftest.runner.ray_executor import RayExecutor
+    from difftest.runner.ray_executor import RayExecutor
 
-        return RayExecutor(config)
-    raise UserError(f"--executor {config.kind!r}: use one of {', '.join(EXECUTORS)}")
+    return RayExecutor(config)

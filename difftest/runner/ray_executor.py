@@ -41,10 +41,10 @@ MAX_GANG_LOSSES = 3
 # beyond the case's own timeout (enforced inside the gang), what a call may take to start or replace a worker
 # group (two tries at its start-up timeout) and write its model to the node: past it the host itself is stuck
 CALL_ALLOWANCE_S = 2 * 180.0 + 60.0
-PLACEMENT_POLL_S = 10.0
+PLACEMENT_POLL_S = 10.0  # how often a gang waiting for resources checks that some live node can still hold it
 # a further gang joins a bucket only while each of its gangs would still have this many cases: a gang's start (its
 # placement and a warm group's imports, ~6 s on two cores) costs about as much as that many cases
-MIN_CASES_PER_GANG = 8  # how often a gang waiting for resources checks that some live node can still hold it
+MIN_CASES_PER_GANG = 8
 
 
 def import_ray() -> Any:
@@ -86,11 +86,6 @@ class GangHost:
         self.root = Path(tempfile.gettempdir()) / "difftest-ray"
         self.runner = GroupRunner(world_size, self.root / "logs" / log_name, plugins, device=device, backend=backend,
                                   timeout_s=timeout_s, recycle_after=recycle_after)
-
-    def where(self) -> dict:
-        import ray
-
-        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def run_case(self, model: tuple[str, str, list], request: dict, process_affinity: str) -> tuple[CaseResult, int]:
         name, digest, (files_ref,) = model
@@ -266,10 +261,14 @@ class RayExecutor:
             bundle["GPU"] = 1.0
         return bundle
 
+    @staticmethod
+    def _live_nodes(ray: Any) -> list[dict]:
+        return [n for n in ray.nodes() if n.get("Alive")]
+
     def _refusal(self, ray: Any, world_size: int, device: str) -> str | None:
         """Why no live node can hold a gang of `world_size` ranks, or None if one can."""
         need = {k: v * world_size for k, v in self._bundle(device).items()}
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        nodes = self._live_nodes(ray)
         if any(all(n["Resources"].get(k, 0.0) >= v for k, v in need.items()) for n in nodes):
             return None
         biggest = max((n["Resources"].get("GPU" if device == "cuda" else "CPU", 0.0) for n in nodes), default=0)
@@ -280,7 +279,7 @@ class RayExecutor:
     def _slots(self, ray: Any, jobs: int | None) -> int:
         if jobs:
             return jobs
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        nodes = self._live_nodes(ray)
         # as many gangs as the cluster holds at two ranks each (the commonest world size)
         per_gang = 2 * self.config.cpus_per_rank
         return max(1, sum(int(n["Resources"].get("CPU", 0.0) // per_gang) for n in nodes))
@@ -301,7 +300,7 @@ class RayExecutor:
                         report(case, CaseResult("unsupported", message=reason))
                 else:
                     runnable[key] = cases
-            self.stats.nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+            self.stats.nodes = len(self._live_nodes(ray))
             queue = _WorkQueue(runnable)
             slots = self._slots(ray, sweep.options.jobs)
             errors: list[BaseException] = []

@@ -25,7 +25,8 @@ app = typer.Typer(
 settings_app = typer.Typer(help="Inspect the registered settings.", no_args_is_help=True)
 app.add_typer(settings_app, name="settings")
 console = Console(stderr=True)
-out_console = Console()
+# off a terminal (CI logs, files, pipes) nothing limits the width: tables keep full kind and setting names
+out_console = Console() if sys.stdout.isatty() else Console(width=1000)
 
 DEFAULT_OUT = Path("results/default")
 FINDINGS = ("inconsistent", "nondeterministic", "error", "crash", "timeout")
@@ -53,7 +54,9 @@ TierOpt = Annotated[Optional[str], typer.Option("--tier", help="default: every f
 MinimizeOpt = Annotated[float, typer.Option("--minimize-budget", min=0, help="Seconds per finding to shrink its example case (fewer tables, layers, rows, ranks) while it still fails the same way; 0: no minimisation.")]
 # the default job's models per kind where not --models: one each of the larger kinds keeps it within minutes
 DEFAULT_JOB_MODELS_OF = "torchrec-dlrm=1,torchrec-deepfm=1,transformer=1,keras-dag=1,keras-transformer=1"
+DEFAULT_MODELS = 2
 ModelsOfOpt = Annotated[str, typer.Option("--models-of", help="Comma-separated kind=N: models of those kinds, instead of --models ('' for none).")]
+RunModelsOfOpt = Annotated[Optional[str], typer.Option("--models-of", help=f"Comma-separated kind=N: models of those kinds, instead of --models ('' for none). Default with --kind all: {DEFAULT_JOB_MODELS_OF}; with one --kind, --models is that kind's count.")]
 ModelsFilterOpt = Annotated[Optional[str], typer.Option("--models-filter", help="Comma-separated globs over model ids to sweep.")]
 
 
@@ -72,6 +75,26 @@ def _models_of(text: str) -> dict[str, int]:
             raise UserError(f"--models-of {text!r}: {item!r} is not kind=N; write e.g. --models-of transformer=3,keras-dag=1")
         counts[name.strip()] = int(number)
     return counts
+
+
+def model_counts(models: int | None, models_of: str | None, kind: str,
+                 default_models_of: str = DEFAULT_JOB_MODELS_OF) -> tuple[int, str, str | None]:
+    """(models per kind, --models-of, one line saying which option won where they disagree) for `run`: `--kind K`
+    makes `--models` mean K's count; otherwise the larger kinds keep their own default counts unless --models-of
+    says otherwise."""
+    count = DEFAULT_MODELS if models is None else models
+    if models_of is not None:  # written by the user: it wins for the kinds it names
+        named = _models_of(models_of)
+        if models is not None and kind != "all" and kind in named and named[kind] != models:
+            return count, models_of, (f"--models-of {kind}={named[kind]} wins over --models {models} for kind {kind}")
+        return count, models_of, None
+    if kind != "all":
+        return count, "", None
+    if models is None:
+        return count, default_models_of, None
+    larger = ", ".join(f"{k} {n}" for k, n in _models_of(default_models_of).items())
+    return count, default_models_of, (f"--models {models} applies to the kinds without a count of their own; "
+                                      f"the default job keeps {larger} (--models-of '' gives every kind --models)")
 
 
 def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: float, batch_size: int,
@@ -239,8 +262,8 @@ def _print_findings(out: Path, findings: list, minimised: list, report: Path) ->
 @app.command()
 def run(
     out: Annotated[Path, typer.Option("--out", help="Run folder; an existing one is resumed.")] = DEFAULT_OUT,
-    models: Annotated[int, typer.Option("--models", min=1, help="Models per kind.")] = 2,
-    models_of: ModelsOfOpt = DEFAULT_JOB_MODELS_OF,
+    models: Annotated[Optional[int], typer.Option("--models", min=1, help=f"Models per kind (default {DEFAULT_MODELS}); with --kind all the larger kinds keep --models-of's counts.")] = None,
+    models_of: RunModelsOfOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
     kind: KindOpt = "all",
     settings: SettingsOpt = None,
@@ -269,7 +292,10 @@ def run(
     load_plugins(plugins)
     select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
     where = _executor(executor, address, cpus_per_rank)
-    _generate(out, models, seed, kind, steps, lr, batch_size, plugins, models_of)
+    count, models_of, which_wins = model_counts(models, models_of, kind)
+    if which_wins:
+        console.print(which_wins, highlight=False)
+    _generate(out, count, seed, kind, steps, lr, batch_size, plugins, models_of)
     _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where)
     _analyze(out, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
@@ -412,41 +438,64 @@ def repro(
 def settings_list(
     tier: Annotated[Optional[str], typer.Option("--tier", help="Only the settings of this tier (default or full); the table always says which tier each is in.")] = None,
     names: Annotated[bool, typer.Option("--names", help="One full setting name per line, nothing else (for scripts).")] = False,
+    derived: Annotated[bool, typer.Option("--derived", help="Only the derived families (<prefix>/<any setting>), one per line: prefix, then what it runs.")] = False,
     plugin: PluginOpt = None,
 ) -> None:
-    """Every registered setting, its tier, what it runs, and whether this machine supports it."""
-    from difftest.registry import all_settings, derived_prefixes, load_plugins
+    """Every registered setting, its tier, what it runs, and whether this machine supports it; then one line per
+    derived family (`rerun/<setting>`, `calib-…/<setting>`), selectable but not listed one by one."""
+    from difftest.registry import all_settings, load_plugins
     from difftest.registry import tier as tier_members
 
     load_plugins(tuple(plugin or ()))
+    families = derived_families()
+    if derived:
+        for prefix, description in families:
+            print(f"{prefix}/<setting>\t{description}")
+        return
     default = {s.name for s in tier_members("default")}
     shown = tier_members(tier) if tier else all_settings()
     if names:
         for setting in shown:
             print(setting.name)
         return
+    rows = [(s.name, "default" if s.name in default else "full", s.family, str(s.world_size), s.describe(),
+             "yes" if (reason := s.available()) is None else f"no: {reason}") for s in shown]
+    rows += [(f"{prefix}/<setting>", "derived", prefix, "as <setting>", description, "where <setting> runs")
+             for prefix, description in families]
     if not out_console.is_terminal:  # a pipe or a file: full names, tab-separated, one setting per line
         print("setting\ttier\tfamily\tranks\truns\there")
-        for setting in shown:
-            reason = setting.available()
-            print("\t".join((setting.name, "default" if setting.name in default else "full", setting.family,
-                             str(setting.world_size), setting.describe(), "yes" if reason is None else f"no: {reason}")))
+        for row in rows:
+            print("\t".join(row))
         return
     table = Table()
     for column in ("setting", "tier", "family", "ranks", "runs", "here"):
         table.add_column(column, overflow="fold")
-    for setting in shown:
-        reason = setting.available()
-        here = "yes" if reason is None else f"no: {reason}"
-        table.add_row(setting.name, "default" if setting.name in default else "full", setting.family,
-                      str(setting.world_size), escape(setting.describe()), escape(here))
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
     out_console.print(table)
     out_console.print(
-        f"{len(shown)} settings ({len(default)} in the default tier, which `difftest run` runs; --tier full runs all). "
-        + "".join(f"Derived, selectable but not listed: {p}/<any setting>, e.g. --settings '{p}/ddp/*'. "
-                  for p in derived_prefixes()),
-        highlight=False,
-    )
+        f"{len(shown)} settings ({len(default)} in the default tier, which `difftest run` runs; --tier full runs all) "
+        f"and {len(families)} derived families, selectable as <prefix>/<setting>, e.g. --settings "
+        f"'{families[0][0] if families else 'rerun'}/ddp/*'.", highlight=False)
+
+
+def derived_families() -> list[tuple[str, str]]:
+    """(prefix, what it runs) per derived family, described on the first registered setting it applies to."""
+    from difftest.registry import all_settings, derived_prefixes, get_setting
+
+    families = []
+    for prefix in derived_prefixes():
+        example = None
+        for setting in all_settings():
+            try:
+                example = get_setting(f"{prefix}/{setting.name}")
+            except KeyError:
+                continue
+            if example is not None:
+                break
+        described = example.describe().replace(example.base.name, "<setting>") if example is not None else ""
+        families.append((prefix, described or f"{prefix} of a setting"))
+    return families
 
 
 def main() -> None:

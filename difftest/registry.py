@@ -63,6 +63,11 @@ def register_calibration(prefix: str, factory: Callable[[Setting], Setting | Non
         _CALIBRATION_CENTRE[:] = [prefix]
 
 
+def is_calibration(name: str) -> bool:
+    """Whether a setting name is a calibration run (`<calibration prefix>/<root>`): a measurement, not a claim."""
+    return name.split("/", 1)[0] in _CALIBRATIONS
+
+
 def calibration_prefixes(precision: str) -> list[str]:
     return [p for p, needed in _CALIBRATIONS.items() if precision in needed]
 

@@ -46,13 +46,20 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list, minimised: l
     smallest = {m.finding_id: m for m in (minimised or [])}
     parts = [f"<h1>difftest report</h1><p class='muted'>{html.escape(str(run_dir))} · written "
              f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p>", _counts(analysis), _findings_table(run_dir, findings, smallest)]
-    figures = [_heatmap(analysis), _distances(analysis, tol)]
+    claims, calibrations = heatmap_rows(analysis.cases)
+    figures = [("", _heatmap(analysis.cases, claims, "Verdicts: settings × models, failing settings first")),
+               (f"Calibration runs ({len(calibrations)}): the calibrated oracle's measurements of each root's noise, "
+                "not claims", _heatmap(analysis.cases, calibrations, "Calibration runs × models")),
+               ("", _distances(analysis, tol))]
     first = True
-    for title, figure in figures:
+    for folded, (title, figure) in figures:
         if figure is None:
             continue
-        parts.append(f"<h2>{html.escape(title)}</h2>")
-        parts.append(figure.to_html(full_html=False, include_plotlyjs=first, config={"displaylogo": False}))
+        drawn = figure.to_html(full_html=False, include_plotlyjs=first, config={"displaylogo": False})
+        if folded:  # shown on request: a reader asked for the settings, not for the oracle's bookkeeping
+            parts.append(f"<details id='calibration-runs'><summary>{html.escape(folded)}</summary>{drawn}</details>")
+        else:
+            parts.append(f"<h2>{html.escape(title)}</h2>{drawn}")
         first = False
     parts += [_finding_section(run_dir, f, smallest.get(f.id)) for f in findings]
     page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>difftest: {html.escape(run_dir.name)}"
@@ -105,14 +112,25 @@ def _findings_table(run_dir: Path, findings: list, smallest: dict) -> str:
             f"<table id='findings'><thead>{head}</thead><tbody>{''.join(rows)}</tbody></table>")
 
 
-def _heatmap(analysis: Analysis) -> tuple[str, Any]:
+def heatmap_rows(cases: pd.DataFrame) -> tuple[list[str], list[str]]:
+    """(the settings a reader asked about, the calibration runs), each ordered with the most failing cases first,
+    then by name."""
+    from difftest.registry import is_calibration
+
+    if cases.empty:
+        return [], []
+    failing = (~cases["verdict"].isin(("ok", "unsupported", "pending"))).groupby(cases["setting"]).sum()
+    ordered = sorted(failing.index, key=lambda name: (-int(failing[name]), name))
+    return [n for n in ordered if not is_calibration(n)], [n for n in ordered if is_calibration(n)]
+
+
+def _heatmap(cases: pd.DataFrame, settings: list[str], title: str) -> tuple[str, Any]:
     import plotly.graph_objects as go
 
-    cases = analysis.cases
-    if cases.empty:
-        return "Verdicts", None
+    if not settings:
+        return title, None
     codes = {v: i for i, v in enumerate(VERDICT_COLOURS)}
-    grid = cases.pivot_table(index="setting", columns="model", values="verdict", aggfunc="first")
+    grid = cases.pivot_table(index="setting", columns="model", values="verdict", aggfunc="first").reindex(settings)
     z = grid.apply(lambda column: column.map(codes)).to_numpy(dtype=float)
     n = len(VERDICT_COLOURS)
     scale = []
@@ -124,7 +142,7 @@ def _heatmap(analysis: Analysis) -> tuple[str, Any]:
         colorbar={"tickvals": list(range(n)), "ticktext": list(VERDICT_COLOURS), "title": "verdict"}))
     figure.update_layout(height=max(400, 14 * len(grid.index) + 150), margin={"l": 320},
                          yaxis={"autorange": "reversed", "tickfont": {"size": 10}})
-    return "Verdicts: settings × models", figure
+    return title, figure
 
 
 def _distances(analysis: Analysis, tol: Any) -> tuple[str, Any]:

@@ -73,10 +73,30 @@ def normalise_message(message: str) -> str:
     """The part of a failure message that stays the same across models, ranks, shapes and runs."""
     text = str(message).split(" || ")[0].split("; log:")[0]
     text = re.sub(r"0x[0-9a-fA-F]+", "ADDR", text)
-    text = re.sub(r"(/[\w.\-]+)+/([\w.\-]+)", r"\2", text)  # paths → file names
+    text = _PATH.sub(_readable_path, text)
     text = re.sub(r"torch\.Size\(\[[^\]]*\]\)|\[[\d,\s]+\]|\(\d+(, \d+)+\)", "SHAPE", text)
     text = re.sub(r"\b\d+(\.\d+)?(e[-+]?\d+)?\b", "N", text)
     return re.sub(r"\s+", " ", text).strip()[:240]
+
+
+# a path token, absolute or relative (`results/default/models/…/model.onnx`), whole: a relative path's first folder
+# must not stay glued to its file name
+_PATH = re.compile(r"(?<![\w.\-/])(?:[\w.\-]+)?(?:/[\w.\-]+)+")
+_RUN_FOLDERS = ("models", "outputs", "logs", "findings")
+_MODEL_ID = re.compile(r"^[a-z][\w\-]*-s\d+-i\d+(-min)?$")
+
+
+def _readable_path(match: re.Match[str]) -> str:
+    """A path inside a run folder relative to the run, its model id generic (`<run>/models/<model>/model.onnx`), so
+    one failure on several models reads and groups as one; any other path as its file name."""
+    token = match.group(0)
+    parts = [p for p in token.split("/") if p]
+    if not token.startswith("/") and "." not in parts[-1]:
+        return token  # `fp16/int2`, `quant/torchrec/fp16/out-fp16`: a setting's name or words, not a file
+    for i, part in enumerate(parts[:-1]):
+        if part in _RUN_FOLDERS:
+            return "/".join(["<run>", *("<model>" if _MODEL_ID.match(p) else p for p in parts[i:])])
+    return parts[-1] if parts else match.group(0)
 
 
 def innermost_library_frame(message: str) -> str:

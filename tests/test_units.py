@@ -139,6 +139,9 @@ def test_the_default_tier_covers_every_class_and_every_tier_axis_value_at_the_sm
         tier("huge")
 
 
+FP32_MONTE_CARLO = ("fp32-a", "fp32-b", "fp32-c")
+
+
 def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None:
     load_plugins()
     def chain(glob: str) -> list[str]:  # what it is judged against, then the calibration runs of the chain's root
@@ -148,9 +151,10 @@ def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None
     root = "accumulate/mb2/momentum0.9/steps4"
     assert chosen == ["rerun/repartition/gpipe/ws2/mb2/moved", "repartition/gpipe/ws2/mb2/moved",
                       "repartition/gpipe/ws2/mb2/uninterrupted", root,
-                      *(f"calib-{m}/{root}" for m in ("float64", "threads", "microbatch"))]
+                      *(f"calib-{m}/{root}" for m in ("float64", "threads", "microbatch", *FP32_MONTE_CARLO))]
     assert chain("rerun/ddp/default/ws3") == ["rerun/ddp/default/ws3", "ddp/default/ws3", "reference",
-                                              *(f"calib-{m}/reference" for m in ("float64", "order", "threads", "microbatch"))]
+                                              *(f"calib-{m}/reference" for m in ("float64", "order", "threads", "microbatch",
+                                                                                 *FP32_MONTE_CARLO))]
     # mixed precision: sharded bf16 against one-rank bf16 (what sharding adds), that against fp32 (what bf16 costs);
     # the bf16 ones are judged against the reference's Monte Carlo bf16 envelope
     assert chain("fsdp2/per-layer/reshard/bf16/ws3") == [
@@ -177,8 +181,14 @@ def test_settings_list_names_gives_one_full_name_per_line_per_tier() -> None:
     assert lines("-m", "difftest.cli", "settings", "list", "--names") == lines("-c", registry.format("full"))
     piped = lines("-m", "difftest.cli", "settings", "list")  # not a terminal: one tab-separated line per setting
     assert piped[0].split("\t")[:3] == ["setting", "tier", "family"]
-    assert [line.split("\t")[0] for line in piped[1:]] == lines("-c", registry.format("full"))
-    assert {line.split("\t")[1] for line in piped[1:]} == {"default", "full"}
+    listed = [line.split("\t") for line in piped[1:] if line.split("\t")[1] != "derived"]
+    assert [row[0] for row in listed] == lines("-c", registry.format("full"))
+    assert {row[1] for row in listed} == {"default", "full"}
+    # and one line per derived family, as in the terminal's table: a script can discover rerun/<setting>
+    derived = [line.split("\t")[0] for line in piped[1:] if line.split("\t")[1] == "derived"]
+    prefixes = "from difftest.registry import load_plugins, derived_prefixes; load_plugins(); print(*derived_prefixes(), sep=chr(10))"
+    assert derived == [f"{p}/<setting>" for p in lines("-c", prefixes)] and "rerun/<setting>" in derived
+    assert [line.split("\t")[0] for line in lines("-m", "difftest.cli", "settings", "list", "--derived")] == derived
 
 
 def test_progress_off_a_terminal_prints_plain_lines_with_counts_and_an_eta() -> None:
@@ -276,3 +286,57 @@ def test_help_lists_the_model_kinds() -> None:
         result = subprocess.run([sys.executable, "-m", "difftest.cli", command, "--help"], capture_output=True,
                                 text=True, timeout=60, env={**__import__("os").environ, "COLUMNS": "200"})
         assert all(kind in result.stdout for kind in BUILTIN_KINDS), result.stdout
+
+
+@pytest.mark.parametrize(("models", "models_of", "kind", "expected"), [
+    (6, None, "transformer", (6, "", None)),  # one kind: --models is its count
+    (None, None, "transformer", (2, "", None)),
+    (None, None, "all", (2, "torchrec-dlrm=1,transformer=1", None)),  # the default job
+    (6, "transformer=1", "transformer", (6, "transformer=1", "--models-of transformer=1 wins over --models 6 for kind transformer")),
+    (3, "", "all", (3, "", None)),
+])
+def test_run_says_how_many_models_of_which_kind(models, models_of, kind, expected) -> None:
+    from difftest.cli import model_counts
+
+    assert model_counts(models, models_of, kind, "torchrec-dlrm=1,transformer=1") == expected
+
+
+def test_run_with_models_and_every_kind_says_which_option_wins() -> None:
+    from difftest.cli import model_counts
+
+    count, models_of, line = model_counts(6, None, "all", "torchrec-dlrm=1,transformer=1")
+    assert (count, models_of) == (6, "torchrec-dlrm=1,transformer=1")
+    assert "torchrec-dlrm 1, transformer 1" in line and "--models-of ''" in line and "\n" not in line
+
+
+def test_failure_messages_keep_paths_readable_and_still_group() -> None:
+    from difftest.triage import normalise_message
+
+    a = normalise_message("Fail: Load model from results/default/models/keras-dag-s0-i1/model.onnx failed:Invalid graph")
+    b = normalise_message("Fail: Load model from /tmp/x/run/models/keras-dag-s3-i0-min/model.onnx failed:Invalid graph")
+    assert a == b == "Fail: Load model from <run>/models/<model>/model.onnx failed:Invalid graph"
+    assert normalise_message("no kernel in quant/torchrec/fp16/out-fp16") == "no kernel in quant/torchrec/fp16/out-fp16"
+    assert normalise_message("see torch/distributed/pipelining/stage.py") == "see stage.py"
+
+
+def test_the_report_folds_calibration_runs_and_puts_failing_settings_first() -> None:
+    import pandas as pd
+
+    from difftest.report import heatmap_rows
+
+    load_plugins()
+    cases = pd.DataFrame([("m0", "reference", "ok"), ("m0", "calib-float64/reference", "ok"),
+                          ("m0", "ddp/default/ws2", "ok"), ("m0", "torchrec/ebc/grid_shard/ws2", "inconsistent"),
+                          ("m1", "torchrec/ebc/grid_shard/ws2", "inconsistent"), ("m0", "fsdp1/full_shard/ws2", "error"),
+                          ("m0", "calib-fp32-a/reference", "unsupported")], columns=["model", "setting", "verdict"])
+    claims, calibrations = heatmap_rows(cases)
+    assert claims == ["torchrec/ebc/grid_shard/ws2", "fsdp1/full_shard/ws2", "ddp/default/ws2", "reference"]
+    assert calibrations == ["calib-float64/reference", "calib-fp32-a/reference"]
+
+
+def test_tables_off_a_terminal_keep_full_kind_names(tmp_path: Path) -> None:
+    script = ("from rich.table import Table; from difftest.cli import out_console; t = Table(); "
+              "[t.add_column(c) for c in ('kind', *(f'column{i}' for i in range(12)))]; "
+              "t.add_row('keras-transformer', *('123456' for _ in range(12))); out_console.print(t)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "keras-transformer" in result.stdout and "…" not in result.stdout

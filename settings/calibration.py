@@ -12,9 +12,15 @@ calibration runs that root's own code again, unchanged, with one thing changed a
 * `calib-microbatch/<root>` — fp32, every training forward run as two micro-batches whose predictions are
   concatenated: the same per-sample arithmetic, but each weight gradient is summed in two parts and then added, as
   gradient accumulation and data parallelism sum it;
-* `calib-bf16-{a,b,c}/<root>` — float64 with Monte Carlo arithmetic at bf16's unit roundoff: every floating tensor a
-  leaf module reads or writes and every gradient gets an independent relative error uniform in ±2⁻⁸ (three seeds):
-  how far a legitimately bf16 computation of the root may land, for the bf16 settings.
+* `calib-fp32-{a,b,c}/<root>` — float64 with Monte Carlo arithmetic at fp32's unit roundoff: every floating tensor a
+  leaf module reads or writes and every gradient gets an independent relative error uniform in ±2⁻²⁴ (three seeds):
+  how far rounding errors of fp32 size can carry the root, whatever kernels the machine's CPU happens to run. The
+  three fp32 runs above change one freedom each but keep most roundings identical to the root's, so on a model that
+  amplifies rounding (a keras-transformer's LayerNorm after four momentum steps multiplies a relative perturbation
+  by ~1e4) they land together and miss how far a setting that rounds differently everywhere (FSDP2's update on
+  sharded parameters; the same root on an AVX2 instead of an AVX-512 CPU) legitimately lands;
+* `calib-bf16-{a,b,c}/<root>` — the same Monte Carlo arithmetic at bf16's unit roundoff, ±2⁻⁸: how far a
+  legitimately bf16 computation of the root may land, for the bf16 settings.
 
 The fp32 runs and the root itself give the envelope of legitimate fp32 results; the `bf16` runs the bf16 one. The
 root's code is not told it is being calibrated: the model and inputs it receives are wrapped. A root that builds its
@@ -39,6 +45,9 @@ from difftest.setting import Outputs, Repeat, RunContext, Setting
 from generators.inputs import Batch
 
 BF16_UNIT = 2.0**-8
+FP32_UNIT = 2.0**-24
+# the Monte Carlo modes: name prefix -> unit roundoff
+MONTE_CARLO = {"bf16": BF16_UNIT, "fp32": FP32_UNIT}
 THREADS = 4
 EVAL_PHASES = ("eval_",)  # phases whose tensors have one row per eval sample
 
@@ -48,7 +57,7 @@ class Calibration(Repeat):
     """A root computation again, in float64 or with one legitimate freedom of fp32 arithmetic changed."""
 
     base: Setting
-    mode: str  # float64 | order | threads | microbatch | bf16-a | bf16-b | bf16-c
+    mode: str  # float64 | order | threads | microbatch | fp32-{a,b,c} | bf16-{a,b,c}
     family: ClassVar[str] = "calibration"
     deterministic: ClassVar[bool] = True
 
@@ -61,8 +70,12 @@ class Calibration(Repeat):
         return "float64" if self.float64 else "fp32"
 
     @property
+    def monte_carlo_unit(self) -> float | None:
+        return MONTE_CARLO.get(self.mode.split("-")[0])
+
+    @property
     def float64(self) -> bool:
-        return self.mode == "float64" or self.mode.startswith("bf16")
+        return self.mode == "float64" or self.monte_carlo_unit is not None
 
     def judges(self, tensor_name: str) -> bool:
         # a calibration run is a measurement of its root's noise, not a claim: a Monte Carlo bf16 run is meant to be off
@@ -111,8 +124,8 @@ class Calibration(Repeat):
                 yield
             finally:
                 torch.set_num_threads(before)
-        elif self.mode.startswith("bf16"):
-            with _monte_carlo_rounding(BF16_UNIT, seed=ord(self.mode[-1])):
+        elif (unit := self.monte_carlo_unit) is not None:
+            with _monte_carlo_rounding(unit, seed=ord(self.mode[-1])):
                 yield
         else:
             yield
@@ -122,6 +135,7 @@ _DESCRIPTIONS = {"float64": "in float64 (the calibrated oracle's centre)",
                  "microbatch": "fp32 with every training forward run as two micro-batches",
                  "order": "fp32 with the samples of every batch in another order",
                  "threads": f"fp32 with {THREADS} intra-op threads",
+                 "fp32": "float64 with Monte Carlo rounding errors of fp32 size on every module tensor and gradient",
                  "bf16": "float64 with Monte Carlo rounding errors of bf16 size on every module tensor and gradient"}
 
 
@@ -272,7 +286,7 @@ def _calibration(base: Setting, mode: str) -> Calibration | None:
     """None where the freedom does not exist or cannot be reached: TensorFlow fixes its thread pools when it starts,
     and trains its Keras model directly (no module hooks, no `forward` to split); a root whose result depends on which
     samples share a micro-batch or replica has no free sample order."""
-    if (mode in ("threads", "microbatch") or mode.startswith("bf16")) and base.framework != "torch":
+    if (mode in ("threads", "microbatch") or mode.split("-")[0] in MONTE_CARLO) and base.framework != "torch":
         return None
     if mode == "order" and not base.sample_order_free:
         return None
@@ -281,6 +295,7 @@ def _calibration(base: Setting, mode: str) -> Calibration | None:
 
 for _mode, _needed_by in (("float64", ("fp32", "bf16")), ("order", ("fp32",)), ("threads", ("fp32",)),
                           ("microbatch", ("fp32",)),
+                          ("fp32-a", ("fp32",)), ("fp32-b", ("fp32",)), ("fp32-c", ("fp32",)),
                           ("bf16-a", ("bf16",)), ("bf16-b", ("bf16",)), ("bf16-c", ("bf16",))):
     register_calibration(f"calib-{_mode}", lambda base, mode=_mode: _calibration(base, mode), _needed_by,
                          centre=_mode == "float64")

@@ -171,7 +171,7 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
 
 
 def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: float = 0.0, timeout: float = 120.0,
-             device: str = "cpu", oracle: str = "calibrated") -> None:
+             device: str = "cpu", oracle: str = "calibrated", new_only: bool = False) -> None:
     from difftest.analysis import analyze
     from difftest.oracle import Tolerance
     from difftest.spec import RunConfig
@@ -210,7 +210,7 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: f
     from difftest.report import write_report
 
     report = write_report(out, analysis, found, minimised, Tolerance(atol=atol, rtol=rtol))
-    _print_findings(out, found, minimised, report)
+    _print_findings(out, found, minimised, report, new_only)
     if fail and any(findings[s] for s in FINDINGS):
         raise typer.Exit(1)
 
@@ -237,13 +237,21 @@ def _minimize(out: Path, found: list, analysis, budget: float, timeout: float, d
     return done
 
 
-def _print_findings(out: Path, findings: list, minimised: list, report: Path) -> None:
+def _print_findings(out: Path, findings: list, minimised: list, report: Path, new_only: bool = False) -> None:
+    from collections import Counter
+
+    from difftest.known import Upstream
+
     if not findings:
         out_console.print(f"no findings: every case that ran agreed with its reference. Report: {report}")
         return
     smallest = {m.finding_id: m for m in minimised}
-    shown = findings[:30]
-    out_console.print(f"{len(findings)} distinct findings, most severe first ({out / 'findings.md'}):", highlight=False)
+    listed = [f for f in findings if f.upstream == Upstream.NEW] if new_only else findings
+    shown = listed[:30]
+    upstream = Counter(str(f.upstream) for f in findings)
+    out_console.print(f"{len(findings)} distinct findings, most severe first ({out / 'findings.md'}); upstream: "
+                      + ", ".join(f"{upstream.get(str(u), 0)} {u}" for u in Upstream)
+                      + (" (only the new ones below)" if new_only else "") + ":", highlight=False)
     for f in shown:
         m = smallest.get(f.id)
         minimal = ""
@@ -251,10 +259,10 @@ def _print_findings(out: Path, findings: list, minimised: list, report: Path) ->
             size = m.size()
             minimal = " — minimal: " + ", ".join(f"{k} {v}" for k, v in size.items() if k not in ("parameters",))
         title = f.title if len(f.title) <= 110 else f.title[:109] + "…"
-        out_console.print(f"  {f.id} {f.status:<12} {len(f.rows):>3} case(s)  {escape(title)}{minimal}",
+        out_console.print(f"  {f.id} {f.status:<12} {str(f.upstream):<10} {len(f.rows):>3} case(s)  {escape(title)}{minimal}",
                           highlight=False, soft_wrap=True)
-    if len(findings) > len(shown):
-        out_console.print(f"  … and {len(findings) - len(shown)} more in {out / 'findings.csv'}")
+    if len(listed) > len(shown):
+        out_console.print(f"  … and {len(listed) - len(shown)} more in {out / 'findings.csv'}")
     out_console.print(f"reproduce one alone: python {out / 'findings' / '<id>' / 'repro.py'}\nreport: {report}",
                       highlight=False)
 
@@ -404,11 +412,12 @@ def triage_command(
     minimize_budget: MinimizeOpt = 20.0,
     timeout: TimeoutOpt = 120.0,
     device: DeviceOpt = "cpu",
+    new_only: Annotated[bool, typer.Option("--new-only", help="List only the findings no entry of difftest/known_issues.toml explains (all are still written).")] = False,
 ) -> None:
     """Group every case that is not ok into distinct findings and shrink each one's example: findings.csv,
     findings.md, findings/<id>/{repro.py, minimize.json, run/}, report.html. A run whose sweep is still going is
     triaged as far as it has got (not minimised)."""
-    _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device, oracle)
+    _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device, oracle, new_only)
 
 
 @app.command()

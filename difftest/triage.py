@@ -26,10 +26,11 @@ import pandas as pd
 import numpy as np
 
 from difftest.analysis import Analysis
+from difftest.known import KnownIssue, Upstream, match
 from difftest.oracle import Tolerance
 from difftest.store import Store
 from difftest.errors import UserError
-from difftest.registry import get_generator, get_setting
+from difftest.registry import get_generator, get_setting, traits_of
 from difftest.repro import write_reproducer
 from difftest.runner.sweep import list_models
 
@@ -37,9 +38,9 @@ FAILURES = ("error", "crash", "timeout")
 DISAGREEMENTS = ("inconsistent", "nondeterministic")
 # most severe first: a wrong number nobody sees, then a run that dies, then one that refuses with an error
 SEVERITY = ("inconsistent", "nondeterministic", "crash", "timeout", "error")
-FINDINGS_COLUMNS = ["id", "status", "title", "signature", "cases", "models", "settings", "worst_linf",
-                    "worst_bound_ratio", "first_divergence", "distinguishing", "example_model", "example_setting",
-                    "example_message", "reproducer"]
+FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "title", "signature", "cases", "models",
+                    "settings", "worst_linf", "worst_bound_ratio", "first_divergence", "distinguishing",
+                    "example_model", "example_setting", "example_message", "reproducer"]
 
 _PHASE = re.compile(r"^(eval_before|train_step|param_after_step|eval_after_step)(\d*)$")
 _PHASE_RANK = {"eval_before": 0, "train_step": 1, "param_after_step": 2, "eval_after_step": 3}
@@ -63,6 +64,12 @@ class Finding:
     pairwise: dict[str, list[str]] = field(default_factory=dict)
     # the parameter values of the run's contrast that sign this finding's cases (its reproducer signs with them too)
     contrast: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
+    # the library bug of difftest/known_issues.toml that explains its cases, if any
+    known: KnownIssue | None = None
+
+    @property
+    def upstream(self) -> Upstream:
+        return self.known.upstream if self.known is not None else Upstream.NEW
 
     @property
     def example(self) -> pd.Series:
@@ -265,7 +272,8 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     for case in failed.itertuples():
         message = str(messages.get((case.model, case.setting), "") or "")
         row = {"model": case.model, "setting": case.setting, "status": case.verdict, "kind": case.kind,
-               "worst_linf": case.worst_linf, "message": message, "first_divergence": ""}
+               "d3_verdict": case.d3_verdict, "worst_linf": case.worst_linf, "message": message,
+               "first_divergence": ""}
         where = divergence.loc[(case.model, case.setting)] if (case.model, case.setting) in divergence.index else None
         if where is not None:
             row["first_divergence"] = f"{where['phase']}/{where['tensor']}"
@@ -282,11 +290,19 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         finding.first_divergence = next((d for d in frame["first_divergence"] if d), "")
         finding.distinguishing = _distinguishing(frame, cases, features)
         finding.contrast = contrast_of(finding.example["setting"], separating)
+        finding.known = known_issue_of(frame)
         findings.append(finding)
     findings.sort(key=lambda f: (SEVERITY.index(f.status), -len(f.rows), f.id))
     _pairwise(run_dir, findings)
     _write(run_dir, findings)
     return findings
+
+
+def known_issue_of(rows: pd.DataFrame) -> KnownIssue | None:
+    """The known library bug that explains most of a finding's cases (all of them, in a finding of one cause)."""
+    explained = Counter(issue for r in rows.itertuples()
+                        if (issue := match(r.setting, r.status, r.message, traits_of(r.kind), r.d3_verdict)) is not None)
+    return explained.most_common(1)[0][0] if explained else None
 
 
 def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance()) -> None:
@@ -352,7 +368,8 @@ def _reproducer(run_dir: Path, finding: Finding) -> str:
 
 def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict]:
     return [{
-        "id": f.id, "status": f.status, "title": f.title, "signature": f.signature, "cases": len(f.rows),
+        "id": f.id, "status": f.status, "upstream": str(f.upstream), "known_issue": f.known.id if f.known else "",
+        "references": "; ".join(str(r) for r in f.known.references) if f.known else "", "title": f.title, "signature": f.signature, "cases": len(f.rows),
         "models": f.rows["model"].nunique(), "settings": f.rows["setting"].nunique(),
         "worst_linf": f.rows["worst_linf"].max(), "worst_bound_ratio": f.rows["bound_ratio"].max(),
         "first_divergence": f.first_divergence, "distinguishing": "; ".join(f.distinguishing),
@@ -378,14 +395,20 @@ def _write(run_dir: Path, findings: list[Finding]) -> None:
     pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
                                                                                       index=False)
     cases = sum(len(f.rows) for f in findings)
+    by_upstream = Counter(str(f.upstream) for f in findings)
     lines = [f"# Findings in {run_dir}", "",
              f"{len(findings)} distinct findings cover the {cases} cases that are not ok "
-             "(every such case belongs to exactly one).", ""]
+             "(every such case belongs to exactly one); upstream: "
+             + ", ".join(f"{by_upstream.get(str(u), 0)} {u}" for u in Upstream) + ".", ""]
     for f in findings:
         settings = sorted(f.rows["setting"].unique())
         lines += [f"## {f.id}: {f.title}", "",
                   f"- **{f.status}**, {len(f.rows)} case(s) on {f.rows['model'].nunique()} model(s) under "
                   f"{len(settings)} setting(s): {', '.join(settings[:8])}{' …' if len(settings) > 8 else ''}"]
+        lines.append(f"- upstream: **{f.upstream}**" + (
+            f" — {f.known.title} (`{f.known.id}` in difftest/known_issues.toml"
+            + (f"; {', '.join(str(r) for r in f.known.references)})" if f.known.references else ")")
+            if f.known else " — no entry in difftest/known_issues.toml explains it: look at this one first"))
         if f.first_divergence:
             lines.append(f"- first diverges at `{f.first_divergence}`; worst L∞ {f.rows['worst_linf'].max():.3g}")
         if f.pairwise:

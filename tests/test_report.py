@@ -55,11 +55,12 @@ def test_report_loads_in_a_browser_without_errors_and_lists_every_finding(fresh_
         page.wait_for_selector(".js-plotly-plot .main-svg")  # plotly ran and drew
         ids = page.locator("#findings tbody tr td:first-child").all_inner_texts()
         plots = page.locator(".js-plotly-plot").count()
+        folded = page.locator("details#calibration-runs:not([open]) .js-plotly-plot").count()
         sections = page.locator("section.finding").count()
         SCREENSHOT.parent.mkdir(exist_ok=True)
         page.screenshot(path=str(SCREENSHOT), full_page=True)
         browser.close()
     assert problems == []
     assert ids == list(expected["id"])
-    assert plots == 2 and sections == len(findings)
+    assert plots == 3 and folded == 1 and sections == len(findings)  # the calibration runs' map folded away
     assert SCREENSHOT.stat().st_size > 10_000

@@ -6,6 +6,7 @@ Both check the same facts, on the settings the tier holds.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import subprocess
 import sys
@@ -14,10 +15,31 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from difftest import known
 from difftest.analysis import CSV_COLUMNS
 from difftest.registry import load_plugins, tier, traits_of, with_references
 
-CRASHING = {"quant/torchrec/bf16/out-fp32/unsharded", "quant/torchrec/bf16/out-fp16/unsharded"}
+
+
+def _check_library_findings(rows: pd.DataFrame, in_tier: set[str]) -> None:
+    """Every case that is not ok is a library bug difftest/known_issues.toml knows (anything else is a harness bug to
+    fix or a new finding to investigate and add there), and every known bug the default job shows on the installed
+    releases still shows (else upstream fixed it: narrow the entry's `affects`)."""
+    failing = rows[rows.status != "unsupported"].drop_duplicates(["model", "setting"])
+    explained: dict[str, int] = {}
+    unexplained = []
+    for case in failing.itertuples():
+        issue = known.match(case.setting, case.status, case.message, traits_of(case.kind), case.d3_status)
+        if issue is None:
+            unexplained.append(f"{case.status} {case.model} × {case.setting}: {str(case.message)[:200]}")
+        else:
+            explained[issue.id] = explained.get(issue.id, 0) + 1
+    assert not unexplained, "not ok, and no known library issue explains it:\n" + "\n".join(unexplained)
+    versions = known.installed_versions({i.library for i in known.manifest()})
+    expected = {i.id: i for i in known.manifest() if i.default_job and i.reproduces_on(versions)
+                and any(fnmatch.filter(in_tier, glob) for glob in i.settings)}
+    gone = [f"{i.id} ({i.library} {versions[i.library]})" for i in expected.values() if i.id not in explained]
+    assert not gone, f"known findings no longer reproduce on the installed releases: {gone}"
 
 
 def _run(out: Path, *extra: str, timeout: int) -> subprocess.CompletedProcess:
@@ -40,58 +62,17 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert int(cases["cases"].sum()) == len(kinds) * len(in_tier)
     assert cases.loc["reference", "ok"] == len(kinds) and cases.loc["tf/reference", "ok"] == keras_models == 4
     assert cases["timeout"].sum() == 0
-    # the only crashes: quantizing bf16 TorchRec tables dies in fbgemm (SIGFPE), on every model with TorchRec tables
-    crashed = cases[cases["crash"] > 0]
-    assert set(crashed.index) == CRASHING & in_tier and (crashed["crash"] == torchrec_models).all()
     rows = pd.read_csv(out / "inconsistencies.csv")
     assert list(rows.columns) == CSV_COLUMNS
-    assert rows[rows.status == "crash"].message.str.contains("SIGFPE").all()
-    # errors: converter limitations (onnx2torch lacks ReduceMean-18; ONNX Runtime rejects exact gelu's Erfc), TorchRec
-    # failing to shard fp16 and int2 tables, torch's zero-bubble schedules on gloo (eval() of the V schedule,
-    # non-contiguous gradient sends, the split backward), FSDP2 unable to reduce a DTensor gradient (finding 11)
-    errors = rows[rows.status == "error"]
-    converter = errors.setting.str.startswith(("convert/onnx2torch/", "convert/onnxruntime/"))
-    assert errors[converter].message.str.contains("ConversionFailed|INVALID_GRAPH").all()
-    known = (r"quant/torchrec/(fp16|int2)/out-fp(16|32)/\w+/sim-ws\d|pipeline/(interleaved-zero-bubble|zbv-zero-bubble)/"
-             r"|fsdp2-tp/")
-    assert errors[~converter].setting.str.match(known).all(), errors[~converter][["model", "setting", "message"]]
-    assert errors[errors.setting.str.startswith("fsdp2-tp/")].message.str.contains("chunk_cat").all()
+    assert set(rows.status) <= {"inconsistent", "error", "crash", "unsupported"}
     # each failing case names the rank that failed first, not a peer cut loose by it
-    assert not errors.message.str.contains("Connection closed by peer|Read error").any()
+    assert not rows[rows.status == "error"].message.str.contains("Connection closed by peer|Read error").any()
     # refusals are kind mismatches, engines refusing fp16 weights, TF-MOT missing, models without the layers a
     # parallelism needs (Linear pairs, positions, a vocabulary projection for loss parallel), each with its reason
     refused = rows[rows.status == "unsupported"]
     assert refused.message.str.contains("kind|refuses float16|tensorflow-model-optimization|layer units|Linear"
                                         "|positions|vocabulary").all(), refused.message.unique()
-    assert set(rows.status) <= {"inconsistent", "error", "crash", "unsupported"}
-    # DDP, the TF strategies, conversion and every quantized-vs-float setting agree with their references
-    inconsistent = rows[rows.status == "inconsistent"]
-    assert not inconsistent.setting.str.startswith((
-        "ddp/", "tf/", "convert/", "quant/dynamic/", "quant/bf16", "quant/tf", "fsdp2/", "fsdp2-tp/", "tp/",
-        "hybrid/", "accumulate/", "resume/", "repartition/", "async-pipeline/", "partial-reduce/", "calib-")).any()
-    # finding 10: the interleaved zero-bubble schedule trains TorchRec's models wrongly; other pipelines agree
-    pipelines = inconsistent[inconsistent.setting.str.startswith("pipeline/")]
-    assert pipelines.setting.str.startswith("pipeline/interleaved-zero-bubble/").all()
-    assert pipelines.kind.str.startswith("torchrec-").all()
-    inconsistent = inconsistent.setting
-    # legacy FSDP's finding: NO_SHARD + use_orig_params trains non-contiguous (converted) weights wrongly
-    fsdp1 = rows[(rows.status == "inconsistent") & rows.setting.str.startswith("fsdp1/")]
-    assert set(fsdp1.setting) == {f"fsdp1/no_shard/ws{w}" for w in (2, 3, 4)} & in_tier
-    assert fsdp1.kind.map(lambda k: "keras" in traits_of(k)).all()
-    assert not inconsistent.str.endswith("/unsharded").any()
-    # oracle 1's finding: row-wise sharded quantized MEAN bags on 2+ ranks
-    quantized = inconsistent[inconsistent.str.startswith("quant/")]
-    assert not quantized.empty and quantized.str.contains("/row_wise/sim-ws[234]").all()
-    # the two known TorchRec mean-pooling findings are reported; single-type settings other than grid are clean
-    assert "torchrec/ebc/grid_shard/ws2" in set(rows.setting)
-    clean = {f"torchrec/ebc/{t}/ws{w}" for t in ("table_wise", "row_wise", "column_wise", "table_row_wise",
-                                                 "table_column_wise", "data_parallel") for w in (2, 3, 4)}
-    assert not clean & set(rows[rows.d3_status == "inconsistent"].setting)
-    # TorchRec finding 7 (row-wise output scaled by 1 - 2**-20): D3 passes it, the calibrated oracle does not
-    calibrated_only = rows[(rows.status == "inconsistent") & (rows.d3_status == "ok")]
-    assert set(calibrated_only.setting) & clean <= {f"torchrec/ebc/{t}/ws{w}" for t in ("row_wise", "table_row_wise")
-                                                    for w in (2, 3, 4)}
-    assert "torchrec/ebc/row_wise/ws2" in set(calibrated_only.setting)
+    _check_library_findings(rows, in_tier)
     # the seeds' oracles: resume (bitwise in one process), re-partitioning, PipeDream, partial reduce all hold
     oracles = cases[cases.index.str.match(r"(resume|tf-resume|repartition|async-pipeline|partial-reduce)/")]
     assert len(oracles) >= 20 and (oracles["ok"] + oracles["unsupported"] == oracles["cases"]).all(), oracles
@@ -100,10 +81,16 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert (unsupported["unsupported"] == len(kinds) - keras_models).all()
     comparisons = pd.read_csv(out / "comparisons.csv")
     assert (comparisons.status == "ok").sum() > 1000
+    # a distributed resume (FSDP2 2 -> 4 ranks through DCP, DDP -> FSDP2) is judged by its root's envelope, the fp32
+    # Monte Carlo runs included: on a model that amplifies rounding ~1e4× (the keras-transformer after four momentum
+    # steps) it lands where fp32-sized errors carry the uninterrupted program, on AVX-512 and AVX2 kernels alike
+    resumed = comparisons[comparisons.setting.str.match(r"resume/(ddp|fsdp2)-")]
+    assert not resumed.empty and resumed.calibrated_ratio.notna().all() and (resumed.calibrated_ratio <= 1).all()
     # triage: every case that is not ok belongs to exactly one finding, far fewer findings than cases
     findings = pd.read_csv(out / "findings.csv")
     not_ok = int(cases[["inconsistent", "nondeterministic", "error", "crash", "timeout"]].sum().sum())
     assert findings["cases"].sum() == not_ok and len(findings) < not_ok
+    assert set(findings["upstream"]) <= {"known", "related", "unreported"}  # every one a known library bug
     assert all((out / "findings" / fid / "repro.py").is_file() for fid in findings["id"])
     assert "distinct findings" in result.stdout
     # each finding's example was shrunk (or it says why not) and the smaller case is what its repro.py runs

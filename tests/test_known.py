@@ -1,0 +1,61 @@
+"""difftest/known_issues.toml: the library findings difftest knows, and how triage matches cases to them."""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+from difftest import known
+from difftest.errors import UserError
+from difftest.registry import all_settings, generator_kinds, load_plugins, traits_of
+
+
+def test_every_entry_still_names_settings_and_traits_that_exist() -> None:
+    load_plugins()
+    names = [s.name for s in all_settings()]
+    traits = set().union(*(traits_of(k) for k in generator_kinds()))
+    issues = known.manifest()
+    assert len(issues) >= 10 and len({i.id for i in issues}) == len(issues)
+    stale = [f"{i.id}: {glob}" for i in issues for glob in i.settings if not fnmatch.filter(names, glob)]
+    assert not stale, f"manifest globs that match no registered setting: {stale}"
+    assert not [i.id for i in issues if set(i.traits) - traits], "traits no generator declares"
+    for issue in issues:
+        assert issue.statuses and set(issue.statuses) <= {"inconsistent", "nondeterministic", "error", "crash", "timeout"}
+        assert all(r.tracker.count("/") == 1 and r.number > 0 for r in issue.references)
+
+
+def test_a_case_is_matched_by_setting_status_message_traits_and_oracle() -> None:
+    gelu = known.match("convert/onnxruntime/eval", "error", "Fail: [ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model",
+                       {"keras"})
+    assert gelu is not None and gelu.id == "tf2onnx-exact-gelu-erfc" and gelu.upstream == known.Upstream.KNOWN
+    assert known.match("convert/onnxruntime/eval", "error", "some other failure", {"keras"}) is None
+    assert known.match("convert/onnxruntime/eval", "inconsistent", "", {"keras"}) is None  # not its status
+    row_wise = known.match("torchrec/ebc/row_wise/ws3", "inconsistent", "", {"torchrec"}, "ok")
+    assert row_wise is not None and row_wise.calibrated_only and row_wise.upstream == known.Upstream.UNREPORTED
+    # the 2^-20 scaling hides inside D3's tolerance: a row-wise case D3 also flags is something else
+    assert known.match("torchrec/ebc/row_wise/ws3", "inconsistent", "", {"torchrec"}, "inconsistent") is None
+    assert known.match("fsdp1/no_shard/ws2", "inconsistent", "", {"torchrec"}) is None  # needs a converted model
+    assert known.match("ddp/default/ws2", "inconsistent", "", {"torchrec", "keras"}) is None
+
+
+def test_an_entry_is_expected_only_on_the_releases_it_affects() -> None:
+    issue = next(i for i in known.manifest() if i.library == "torch")
+    assert issue.reproduces_on({"torch": "2.14.1+cu130"}) is True
+    assert issue.reproduces_on({"torch": "9.0.0"}) is False  # fixed upstream by then: not expected, still matched
+    assert issue.reproduces_on({}) is None
+    assert known.installed_version("torch") is not None and known.installed_version("fbgemm-gpu") is not None
+
+
+@pytest.mark.parametrize("entry", [
+    'id = "x"\ntitle = "t"\nlibrary = "torch"\naffects = "not a specifier"\nstatuses = ["error"]\nsettings = ["*"]',
+    'id = "x"\ntitle = "t"\nlibrary = "torch"\naffects = ">=2"\nstatuses = ["error"]',
+    'id = "x"\ntitle = "t"\nlibrary = "torch"\naffects = ">=2"\nstatuses = ["error"]\nsettings = ["*"]\nmessage = "("',
+])
+def test_a_malformed_manifest_is_one_line_naming_the_file_and_the_entry(tmp_path: Path, entry: str) -> None:
+    path = tmp_path / "known_issues.toml"
+    path.write_text(f"[[issue]]\n{entry}\n")
+    with pytest.raises(UserError) as raised:
+        known.load(path)
+    assert str(path) in str(raised.value) and "'x'" in str(raised.value) and "\n" not in str(raised.value)

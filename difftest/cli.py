@@ -502,7 +502,10 @@ def derived_families() -> list[tuple[str, str]]:
                 continue
             if example is not None:
                 break
-        described = example.describe().replace(example.base.name, "<setting>") if example is not None else ""
+        base = getattr(example, "base", None)  # a Repeat names the setting it derives from
+        described = example.describe() if example is not None else ""
+        if base is not None:
+            described = described.replace(base.name, "<setting>")
         families.append((prefix, described or f"{prefix} of a setting"))
     return families
 

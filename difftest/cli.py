@@ -154,8 +154,20 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
 
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r}: use cpu or cuda")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device on this machine; "
+                            "run on a machine with a GPU and a CUDA build of torch, or use --device cpu")
     options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice, executor=executor or ExecutorConfig())
     plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
+    from difftest import stack
+
+    before = stack.record(out / "run.json")
+    if before is not None and before.get("libraries") != stack.recorded(out).get("libraries"):
+        console.print(f"[yellow]{escape(str(out))} was swept before on another stack ({escape(stack.describe(before))}); "
+                      "run.json keeps both, and its results now mix them", highlight=False)
     started = time.perf_counter()
     with SweepProgress(console) as progress:
         report = run_sweep(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from difftest import stack
 from difftest.artifacts import atomic_write_text, save_model
 from difftest.errors import UserError
 from difftest.registry import get_generator, load_plugins
@@ -45,6 +46,7 @@ def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] |
     if config.batch_size % 12:
         raise UserError(f"--batch-size {config.batch_size}: must be a multiple of 12 so it splits over 1, 2, 3 and 4 ranks")
     config = prepare_run(run_dir, config)
+    stack.record(run_dir / RUN_FILE)
     ids = []
     for kind in config.kinds:
         generator = get_generator(kind)

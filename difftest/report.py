@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from difftest import stack
 from difftest.analysis import Analysis
 from difftest.triage import setting_family
 
@@ -45,7 +46,8 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list, minimised: l
     tol = tol or Tolerance()
     smallest = {m.finding_id: m for m in (minimised or [])}
     parts = [f"<h1>difftest report</h1><p class='muted'>{html.escape(str(run_dir))} · written "
-             f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p>", _counts(analysis), _findings_table(run_dir, findings, smallest)]
+             f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p><p id='stack' class='muted'>Stack: "
+             f"{html.escape(stack.describe(stack.recorded(run_dir)))}</p>", _counts(analysis), _findings_table(run_dir, findings, smallest)]
     claims, calibrations = heatmap_rows(analysis.cases)
     figures = [("", _heatmap(analysis.cases, claims, "Verdicts: settings × models, failing settings first")),
                (f"Calibration runs ({len(calibrations)}): the calibrated oracle's measurements of each root's noise, "

@@ -14,6 +14,7 @@ run triaged again gives the same ids.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import shutil
@@ -25,6 +26,7 @@ import pandas as pd
 
 import numpy as np
 
+from difftest import stack
 from difftest.analysis import Analysis
 from difftest.known import KnownIssue, Upstream, match
 from difftest.oracle import Tolerance
@@ -38,7 +40,7 @@ FAILURES = ("error", "crash", "timeout")
 DISAGREEMENTS = ("inconsistent", "nondeterministic")
 # most severe first: a wrong number nobody sees, then a run that dies, then one that refuses with an error
 SEVERITY = ("inconsistent", "nondeterministic", "crash", "timeout", "error")
-FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "title", "signature", "cases", "models",
+FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "merged", "title", "signature", "cases", "models",
                     "settings", "worst_linf", "worst_bound_ratio", "first_divergence", "distinguishing",
                     "example_model", "example_setting", "example_message", "reproducer"]
 
@@ -66,6 +68,9 @@ class Finding:
     contrast: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
     # the library bug of difftest/known_issues.toml that explains its cases, if any
     known: KnownIssue | None = None
+    # findings of other signatures merged into this one because one known library bug explains them all:
+    # (their id, signature, cases); the finding's own signature stays its example's, which its reproducer checks
+    merged: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def upstream(self) -> Upstream:
@@ -293,9 +298,31 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         finding.known = known_issue_of(frame)
         findings.append(finding)
     findings.sort(key=lambda f: (SEVERITY.index(f.status), -len(f.rows), f.id))
+    findings = merge_known(findings)
     _pairwise(run_dir, findings)
     _write(run_dir, findings)
     return findings
+
+
+def merge_known(findings: list[Finding]) -> list[Finding]:
+    """One root cause, one finding: findings whose cases one known library bug explains become one, led by the most
+    severe and largest of them (its example, signature and reproducer); the others are recorded in `merged`. Findings
+    no entry explains stay apart (their signatures are all the evidence there is). Order is kept."""
+    groups: dict[str, list[Finding]] = {}
+    for f in findings:
+        groups.setdefault(f.known.id if f.known is not None else f.id, []).append(f)
+    merged = []
+    for key, group in groups.items():
+        lead = group[0]
+        if len(group) > 1:
+            assert lead.known is not None
+            lead = dataclasses.replace(
+                lead, id=f"F{hashlib.sha1(f'known | {key}'.encode()).hexdigest()[:8]}",
+                title=f"{lead.status}: {lead.known.title}",
+                rows=pd.concat([f.rows for f in group]),  # the lead's rows first: its example stays the example
+                merged=[(f.id, f.signature, len(f.rows)) for f in group])
+        merged.append(lead)
+    return merged
 
 
 def known_issue_of(rows: pd.DataFrame) -> KnownIssue | None:
@@ -369,7 +396,8 @@ def _reproducer(run_dir: Path, finding: Finding) -> str:
 def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict]:
     return [{
         "id": f.id, "status": f.status, "upstream": str(f.upstream), "known_issue": f.known.id if f.known else "",
-        "references": "; ".join(str(r) for r in f.known.references) if f.known else "", "title": f.title, "signature": f.signature, "cases": len(f.rows),
+        "references": "; ".join(str(r) for r in f.known.references) if f.known else "",
+        "merged": "; ".join(i for i, _, _ in f.merged), "title": f.title, "signature": f.signature, "cases": len(f.rows),
         "models": f.rows["model"].nunique(), "settings": f.rows["setting"].nunique(),
         "worst_linf": f.rows["worst_linf"].max(), "worst_bound_ratio": f.rows["bound_ratio"].max(),
         "first_divergence": f.first_divergence, "distinguishing": "; ".join(f.distinguishing),
@@ -396,7 +424,7 @@ def _write(run_dir: Path, findings: list[Finding]) -> None:
                                                                                       index=False)
     cases = sum(len(f.rows) for f in findings)
     by_upstream = Counter(str(f.upstream) for f in findings)
-    lines = [f"# Findings in {run_dir}", "",
+    lines = [f"# Findings in {run_dir}", "", f"Stack: {stack.describe(stack.recorded(run_dir))}", "",
              f"{len(findings)} distinct findings cover the {cases} cases that are not ok "
              "(every such case belongs to exactly one); upstream: "
              + ", ".join(f"{by_upstream.get(str(u), 0)} {u}" for u in Upstream) + ".", ""]
@@ -409,6 +437,11 @@ def _write(run_dir: Path, findings: list[Finding]) -> None:
             f" — {f.known.title} (`{f.known.id}` in difftest/known_issues.toml"
             + (f"; {', '.join(str(r) for r in f.known.references)})" if f.known.references else ")")
             if f.known else " — no entry in difftest/known_issues.toml explains it: look at this one first"))
+        if f.merged:
+            lines.append(f"- one root cause: {len(f.merged)} signatures merged because `{f.known.id}` explains every "
+                         f"case of each (settings {', '.join(f.known.settings)}; statuses {', '.join(f.known.statuses)}"
+                         + (f"; message /{f.known.message}/" if f.known.message else "") + "): "
+                         + "; ".join(f"{i} ({n} case(s)): `{sig}`" for i, sig, n in f.merged))
         if f.first_divergence:
             lines.append(f"- first diverges at `{f.first_divergence}`; worst L∞ {f.rows['worst_linf'].max():.3g}")
         if f.pairwise:

@@ -59,3 +59,47 @@ def test_a_malformed_manifest_is_one_line_naming_the_file_and_the_entry(tmp_path
     with pytest.raises(UserError) as raised:
         known.load(path)
     assert str(path) in str(raised.value) and "'x'" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_findings_one_known_bug_explains_become_one_and_say_what_they_merged() -> None:
+    import pandas as pd
+
+    from difftest.triage import Finding, merge_known
+
+    scaling = next(i for i in known.manifest() if i.id == "torchrec-rowwise-scaled-by-one-minus-2-pow-20")
+
+    def finding(fid: str, setting: str, cases: int, issue: known.KnownIssue | None) -> Finding:
+        rows = pd.DataFrame({"model": [f"m{i}" for i in range(cases)], "setting": [setting] * cases})
+        return Finding(id=fid, status="inconsistent", title=fid, signature=f"sig {fid}", rows=rows, known=issue)
+
+    found = merge_known([finding("Fb", "torchrec/ebc/table_row_wise/ws2", 3, scaling),
+                         finding("Fn", "ddp/default/ws2", 1, None), finding("Fa", "torchrec/ebc/row_wise/ws2", 2, scaling)])
+    assert [len(f.rows) for f in found] == [5, 1]
+    one = found[0]
+    # the lead's signature and its example go together: that pair is what minimisation and repro.py check
+    assert one.signature == "sig Fb" and one.example["setting"] == "torchrec/ebc/table_row_wise/ws2"
+    assert one.merged == [("Fb", "sig Fb", 3), ("Fa", "sig Fa", 2)] and scaling.title in one.title
+    assert one.id == merge_known([finding("Fa", "x", 1, scaling), finding("Fc", "y", 1, scaling)])[0].id  # stable
+    assert found[1].id == "Fn" and not found[1].merged
+
+
+def test_a_run_records_its_stack_and_keeps_an_earlier_one(tmp_path: Path) -> None:
+    import json
+
+    from difftest import stack
+    from difftest.spec import RunConfig
+
+    run_file = tmp_path / "run.json"
+    run_file.write_text(RunConfig(seed=3).to_json())
+    assert stack.record(run_file) is None
+    recorded = stack.recorded(tmp_path)
+    assert recorded["libraries"]["torch"] == known.installed_version("torch")
+    assert recorded["cpu_capability"] and recorded["python"].startswith("3.")
+    assert stack.record(run_file) is None  # the same stack again: nothing changes
+    raw = json.loads(run_file.read_text())
+    raw["stack"]["libraries"]["torch"] = "2.10.0"
+    run_file.write_text(json.dumps(raw))
+    assert stack.record(run_file)["libraries"]["torch"] == "2.10.0"  # a sweep on another stack says so
+    assert json.loads(run_file.read_text())["earlier_stacks"][0]["libraries"]["torch"] == "2.10.0"
+    assert RunConfig.load(run_file) == RunConfig(seed=3)  # resuming still compares only how the run was made
+    assert "torch " + known.installed_version("torch") in stack.describe(stack.recorded(tmp_path))

@@ -7,6 +7,7 @@ Both check the same facts, on the settings the tier holds.
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import subprocess
 import sys
@@ -91,11 +92,13 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     not_ok = int(cases[["inconsistent", "nondeterministic", "error", "crash", "timeout"]].sum().sum())
     assert findings["cases"].sum() == not_ok and len(findings) < not_ok
     assert set(findings["upstream"]) <= {"known", "related", "unreported"}  # every one a known library bug
+    assert findings["known_issue"].is_unique  # one root cause, one finding
+    stack = json.loads((out / "run.json").read_text())["stack"]
+    assert stack["libraries"]["torch"] == known.installed_version("torch") and stack["cpu_capability"]
+    assert f"torch {stack['libraries']['torch']}" in (out / "findings.md").read_text()
     assert all((out / "findings" / fid / "repro.py").is_file() for fid in findings["id"])
     assert "distinct findings" in result.stdout
     # each finding's example was shrunk (or it says why not) and the smaller case is what its repro.py runs
-    import json
-
     for fid in findings["id"]:
         saved = json.loads((out / "findings" / fid / "minimize.json").read_text())
         before, after = saved["original"]["size"], saved["minimal"]["size"]

@@ -138,12 +138,12 @@ class Trainer:
         elif placement.strategy == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
-            from settings._training import device_mesh, parameter_holders
-            from settings.fsdp import make_contiguous
+            from settings._training import device_mesh
+            from settings.fsdp import fsdp2_units, make_contiguous
 
             make_contiguous(module)
             mesh = device_mesh(ctx)
-            for _, unit in reversed(parameter_holders(module)):
+            for _, unit in reversed(fsdp2_units(model, module)):  # as settings/fsdp.py shards per layer
                 fully_shard(unit, mesh=mesh)
             fully_shard(module, mesh=mesh)
         self.module = module

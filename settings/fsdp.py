@@ -63,8 +63,7 @@ class FullyShard(Setting):
         make_contiguous(module)
         blocks = model.blocks(module) if self.wrap == "per-layer" else None
         options = dict(mesh=device_mesh(ctx), reshard_after_forward=self.reshard_after_forward)
-        # per layer: a transformer's blocks (torchtitan's units), else every submodule that holds a parameter
-        units = (blocks or parameter_holders(module)) if self.wrap == "per-layer" else []
+        units = fsdp2_units(model, module) if self.wrap == "per-layer" else []
         for _, unit in reversed(units):  # innermost first: a unit owns what its wrapped children do not
             # a block hands bf16 activations to the next and to the root's own layers (torchtitan's policy); a unit
             # per layer hands back fp32, so what runs between units (activations, pooling) stays fp32
@@ -85,6 +84,17 @@ class FullyShard(Setting):
 
     def sharded(self, ctx: RunContext, module: Any) -> None:
         """Called once the model is sharded, before training (a hook for planted faults)."""
+
+
+def fsdp2_units(model: Any, module: Any) -> list[tuple[str, Any]]:
+    """The submodules FSDP2 shards as units of their own, innermost last: a transformer's blocks (torchtitan's
+    units), else every submodule that holds a parameter. A unit holding a tied parameter (an embedding shared with the
+    output projection) is left to the root: FSDP2 refuses a parameter managed by two groups, and one group has it."""
+    units = model.blocks(module) or parameter_holders(module)
+    names: dict[int, int] = {}
+    for _, parameter in module.named_parameters(remove_duplicate=False):
+        names[id(parameter)] = names.get(id(parameter), 0) + 1
+    return [(n, u) for n, u in units if all(names[id(p)] == 1 for p in u.parameters())]
 
 
 def make_contiguous(module: Any) -> None:

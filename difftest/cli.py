@@ -40,6 +40,7 @@ CpusPerRankOpt = Annotated[float, typer.Option("--cpus-per-rank", min=0.01, help
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds a case may take before its group is killed and it is recorded as timeout.")]
 PluginOpt = Annotated[Optional[list[str]], typer.Option("--plugin", help="Extra module registering settings/generators (repeatable); workers import it too.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl, one GPU per rank).")]
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="gloo or nccl (default: gloo on cpu, nccl on cuda). With --device cuda, gloo lets several ranks share one GPU (rank r on GPU r mod the GPUs there are).")]
 AtolOpt = Annotated[float, typer.Option("--atol", min=0, help="Absolute tolerance of the allclose verdict.")]
 RtolOpt = Annotated[float, typer.Option("--rtol", min=0, help="Relative tolerance of the allclose verdict.")]
 OracleOpt = Annotated[str, typer.Option(
@@ -144,7 +145,7 @@ def _executor(executor: str, address: Optional[str], cpus_per_rank: float):
     return config
 
 
-def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: Optional[int], timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None, executor=None) -> None:
+def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: Optional[int], timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None, executor=None, backend: Optional[str] = None) -> None:
     from difftest.registry import load_plugins
     from difftest.runner.executor import ExecutorConfig
     from difftest.runner.sweep import SweepOptions, plan_cases, run_sweep
@@ -160,7 +161,11 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
         if not torch.cuda.is_available():
             raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device on this machine; "
                             "run on a machine with a GPU and a CUDA build of torch, or use --device cpu")
-    options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice, executor=executor or ExecutorConfig())
+    if backend not in (None, "gloo", "nccl"):
+        raise UserError(f"--backend {backend!r}: use gloo or nccl")
+    if backend == "nccl" and device != "cuda":
+        raise UserError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only); use gloo on the CPU")
+    options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice, executor=executor or ExecutorConfig(), backend=backend)
     plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
     from difftest import stack
 
@@ -300,6 +305,7 @@ def run(
     rtol: RtolOpt = 1e-4,
     oracle: OracleOpt = "calibrated",
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = None,
     plugin: PluginOpt = None,
     fail_on_inconsistency: FailOpt = False,
     minimize_budget: MinimizeOpt = 20.0,
@@ -316,7 +322,7 @@ def run(
     if which_wins:
         console.print(which_wins, highlight=False)
     _generate(out, count, seed, kind, steps, lr, batch_size, plugins, models_of)
-    _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where)
+    _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where, backend=backend)
     _analyze(out, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
 
@@ -348,6 +354,7 @@ def sweep(
     cpus_per_rank: CpusPerRankOpt = 1.0,
     timeout: TimeoutOpt = 120.0,
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = None,
     plugin: PluginOpt = None,
     twice: Annotated[bool, typer.Option("--twice", help="Also run every selected setting a second time (rerun/<name>), judged bitwise against the first: differences are `nondeterministic`.")] = False,
     atol: AtolOpt = 5e-4,
@@ -357,7 +364,7 @@ def sweep(
 ) -> None:
     """Run every (model, setting) case not yet committed in RUN_DIR (a rerun resumes), then analyse and triage."""
     where = _executor(executor, address, cpus_per_rank)
-    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where)
+    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where, backend)
     _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device, oracle)
 
 
@@ -374,6 +381,7 @@ def quant(
     rtol: RtolOpt = 1e-4,
     oracle: OracleOpt = "calibrated",
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = None,
     plugin: PluginOpt = None,
     executor: ExecutorOpt = "local",
     address: AddressOpt = None,
@@ -395,7 +403,8 @@ def quant(
         raise UserError(f"{run_dir}: no run.json; make the run first with `difftest generate --out {run_dir}`")
     load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
     where = _executor(executor, address, cpus_per_rank)
-    _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, None, timeout, device, plugins, executor=where)
+    _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, None, timeout, device, plugins, executor=where,
+           backend=backend)
     _analyze(run_dir, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
 

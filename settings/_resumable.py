@@ -25,12 +25,14 @@ from typing import Any
 
 import numpy as np
 
+from difftest.devices import device_refusal, rank_device, visible_gpus
 from difftest.errors import Unsupported
 from difftest.setting import Outputs, RunContext
 from generators.inputs import Batch
 from settings._training import build_for_training, canonical_parameters, gather_to_rank0, loss_record, to_numpy
 
 TOTAL_STEPS = 5
+RENDEZVOUS_S = 30  # how long a phase's rank waits for its peers to join
 MOMENTUM = 0.9
 LR_HALVING_EVERY = 2
 # what a full checkpoint carries; a planted fault leaves some out
@@ -241,9 +243,14 @@ def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpo
     """Run `phase` in `phase.placement.world_size` fresh interpreters joined in a new process group (rendezvous
     through a file in `workdir`, no port at all); returns rank 0's outputs."""
     tag = f"{phase.first_step}-{phase.last_step}"
+    kind = ctx.device.split(":")[0]
+    if kind == "cuda":  # the sweep checked the warm group's world size; a phase's own processes are checked here
+        why = device_refusal(kind, ctx.backend, phase.placement.world_size, visible_gpus())
+        if why:
+            raise Unsupported(f"the {phase.placement.label} phase {why}")
     request = {
         "model_dir": str(model_dir), "checkpoint": str(checkpoint), "workdir": str(workdir),
-        "seed": ctx.seed, "lr": ctx.lr, "steps": ctx.steps, "device": ctx.device, "backend": ctx.backend,
+        "seed": ctx.seed, "lr": ctx.lr, "steps": ctx.steps, "device": kind, "backend": ctx.backend,
         "placement": dataclasses.asdict(phase.placement), "first_step": phase.first_step, "last_step": phase.last_step,
         "load": phase.load, "save": phase.save, "carried": sorted(phase.carried),
     }
@@ -280,17 +287,22 @@ def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, 
                for r, log in enumerate(logs)]
     for process in running:
         process.start()
-    deadline = time.monotonic() + timeout_s
+    deadline, first_failed = time.monotonic() + timeout_s, None
     try:
-        for process in running:
-            process.join(max(0.0, deadline - time.monotonic()))
+        # until all are done, one has failed (its peers would wait for it in a collective or the rendezvous: they
+        # are stopped at once, and the failure reported is the first one's), or the deadline
+        while time.monotonic() < deadline and any(p.is_alive() for p in running):
+            first_failed = next((r for r, p in enumerate(running) if p.exitcode not in (None, 0)), None)
+            if first_failed is not None:
+                break
+            time.sleep(0.02)
     finally:
         for process in running:
             if process.is_alive():
                 process.kill()
                 process.join()
     codes = [p.exitcode for p in running]
-    failed = [r for r, code in enumerate(codes) if code != 0]
+    failed = [first_failed] if first_failed is not None else [r for r, code in enumerate(codes) if code != 0]
     if failed:
         tail = logs[failed[0]].read_text().strip().splitlines()[-3:]
         last = tail[-1] if tail else ""
@@ -330,12 +342,15 @@ def main(request_path: str, rank: int) -> None:
     phase = Phase(placement, request["first_step"], request["last_step"], request["load"], request["save"],
                   frozenset(request["carried"]))
     torch.set_num_threads(1)
-    device = f"cuda:{rank}" if request["device"].startswith("cuda") else "cpu"
+    device = rank_device(request["device"], request["backend"], rank,
+                         visible_gpus() if request["device"] == "cuda" else 0)
     if device != "cpu":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(torch.device(device))
     store = dist.FileStore(str(Path(request["workdir"]) / f"rendezvous-{phase.first_step}"), placement.world_size)
+    store.set_timeout(timedelta(seconds=RENDEZVOUS_S))  # a peer that never comes fails the phase in seconds
     dist.init_process_group(request["backend"], store=store, rank=rank, world_size=placement.world_size,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=120),
+                            device_id=torch.device(device) if request["backend"] == "nccl" else None)
     try:
         load_plugins(request.get("plugins", ("generators",)))
         model, inputs = load_model(Path(request["model_dir"]))

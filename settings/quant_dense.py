@@ -47,23 +47,30 @@ class _DenseQuantization(Setting):
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch
 
+        device, why = self.compute_device(ctx)
+        if device != ctx.device:
+            ctx.notes["device"] = f"ran on {device}, not {ctx.device}: {why}"
         # fresh builds rather than deep copies: a converted graph can hold references that do not copy
-        with self.quantized(ctx, build_for_training(model, ctx.device).eval()) as forward:
+        with self.quantized(ctx, build_for_training(model, device).eval()) as forward:
             with torch.no_grad():
-                predicted = forward(lambda m: model.evaluate(m, inputs.eval, ctx.device))
+                predicted = forward(lambda m: model.evaluate(m, inputs.eval, device))
         # the bounds cover the model's outputs; a layer's own activation is not bounded, so it is not recorded
         outputs = {f"eval_before/{name}": to_numpy(value.float()) for name, value in predicted.items()
                    if not name.endswith(ACTIVATION)}
-        reference = bounds.all_trainable(build_for_training(model, ctx.device).eval())
+        reference = bounds.all_trainable(build_for_training(model, device).eval())
         perturbations = bounds.Perturbations()
         with perturbations.hooked(self.rounding_sites(reference), self.rounding):
-            evaluated = model.evaluate(reference, inputs.eval, ctx.device)
+            evaluated = model.evaluate(reference, inputs.eval, device)
         for name, value in evaluated.items():
             if name.endswith(ACTIVATION):
                 continue
             bound = bounds.first_order_bound(value, perturbations.sources)
             outputs[f"allowed/eval_before/{name}"] = (bound + self.final_rounding(to_numpy(value))).astype(np.float32)
         return outputs
+
+    def compute_device(self, ctx: RunContext) -> tuple[str, str]:
+        """(where the quantized and the float model run, why there if not on the case's device)."""
+        return ctx.device, ""
 
     def quantized(self, ctx: RunContext, module: Any) -> Any:
         """Context yielding `forward(evaluate)`, which runs `evaluate` on the quantized form of `module`."""
@@ -132,6 +139,10 @@ class DynamicQuantization(_DenseQuantization):
             return f"this torch build has no {self.engine} quantized engine ({torch.backends.quantized.supported_engines})"
         return None
 
+    def compute_device(self, ctx: RunContext) -> tuple[str, str]:
+        # by design: on a GPU machine both models are built on the CPU, where the quantized kernels are
+        return "cpu", "torch.ao's dynamic quantized Linear has CPU kernels only (quantized engines are CPU backends)"
+
     @contextlib.contextmanager
     def quantized(self, ctx: RunContext, module: Any) -> Iterator[Any]:
         import torch
@@ -163,7 +174,8 @@ class DynamicQuantization(_DenseQuantization):
         weight = module.weight.detach()
         if self.dtype == "float16":
             # fp16 weights, fp32 activations and accumulation
-            error = torch.nn.functional.linear(x.abs(), torch.from_numpy(bounds.fp16_rounding(weight.numpy())).float())
+            error = torch.nn.functional.linear(
+                x.abs(), torch.from_numpy(bounds.fp16_rounding(weight.cpu().numpy())).float().to(x.device))
             return None, error + _reordered_sum(module, x)
         # the input is quantized per tensor over [min(x, 0), max(x, 0)], and the zero point rounded: one step
         step_x = float((x.max().clamp(min=0) - x.min().clamp(max=0)) / ACTIVATION_LEVELS)

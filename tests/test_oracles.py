@@ -97,3 +97,31 @@ def test_every_case_prefers_deterministic_kernels_and_a_rerun_insists(fresh_run:
              if r.setting.endswith("probes/determinism_mode")}  # the sweep also brings `reference`
     store.close()
     assert modes == {"probes/determinism_mode": [1, 1], "rerun/probes/determinism_mode": [1, 0]}
+
+
+def test_a_phase_whose_rank_fails_stops_its_waiting_peers_at_once(tmp_path: Path) -> None:
+    """A resume phase's processes: the first failure ends the phase (its peers are stopped, not waited for), and the
+    error names the rank that failed, not a peer that was cut loose."""
+    import time
+
+    import pytest
+
+    from settings._resumable import launch
+    from tests.faults.failing_phase import WAIT_S
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited 1.*planted: rank 1 fails at once"):
+        launch("tests.faults.failing_phase", {}, 2, tmp_path / "work", "0-3")
+    assert time.monotonic() - started < WAIT_S / 5
+
+
+def test_ranks_map_onto_the_gpus_there_are_and_too_few_is_a_reason() -> None:
+    from difftest.devices import device_refusal, rank_device
+
+    assert [rank_device("cuda", "nccl", r, 4) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert [rank_device("cuda", "gloo", r, 1) for r in range(3)] == ["cuda:0"] * 3  # gloo: ranks share a GPU
+    assert rank_device("cpu", "gloo", 3, 0) == "cpu"
+    assert device_refusal("cuda", "nccl", 2, 1) == ("needs 2 CUDA devices (NCCL runs one rank per GPU), this machine "
+                                                    "has 1; --backend gloo lets ranks share a GPU")
+    assert device_refusal("cuda", "gloo", 4, 1) is None and device_refusal("cpu", "gloo", 4, 0) is None
+    assert device_refusal("cuda", "gloo", 2, 0) == "needs a CUDA device, this machine has none"

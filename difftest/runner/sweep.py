@@ -111,12 +111,9 @@ def _plan_pairs(run_dir: Path, pairs: tuple[tuple[str, str], ...],
 def _device_refusal(options: SweepOptions, world_size: int) -> str | None:
     if options.device != "cuda":
         return None
-    import torch
+    from difftest.devices import device_refusal, visible_gpus
 
-    available = torch.cuda.device_count()
-    if available < world_size:
-        return f"needs {world_size} CUDA devices, this machine has {available}"
-    return None
+    return device_refusal(options.device, options.resolved_backend, world_size, visible_gpus())
 
 
 def run_sweep(

@@ -39,7 +39,9 @@ def _redirect_output(log_path: str) -> None:
 
 
 def _device_for(config: WorkerConfig) -> str:
-    return f"cuda:{config.rank}" if config.device == "cuda" else "cpu"
+    from difftest.devices import rank_device, visible_gpus
+
+    return rank_device(config.device, config.backend, config.rank, visible_gpus() if config.device == "cuda" else 0)
 
 
 def _reset_global_state(seed: int) -> None:
@@ -111,7 +113,7 @@ def _serve(config: WorkerConfig, conn: Any) -> None:
         port = conn.recv()
         store = dist.TCPStore("127.0.0.1", port, config.world_size, is_master=False, timeout=timeout)
     if config.device == "cuda":
-        torch.cuda.set_device(config.rank)
+        torch.cuda.set_device(torch.device(_device_for(config)))
     load_plugins(config.plugins)
     serial = 0
     _open_world(config, store, serial, timeout)
@@ -178,12 +180,16 @@ def _open_world(config: WorkerConfig, store: Any, serial: int, timeout: Any) -> 
 
     global _SOCKETS_BEFORE_WORLD
     _SOCKETS_BEFORE_WORLD = _open_sockets()
+    import torch
+
     dist.init_process_group(
         config.backend,
         store=dist.PrefixStore(f"case{serial}", store),
         rank=config.rank,
         world_size=config.world_size,
         timeout=timeout,
+        # NCCL binds its communicator to the rank's GPU instead of guessing it
+        device_id=torch.device(_device_for(config)) if config.backend == "nccl" else None,
     )
 
 

@@ -1,0 +1,14 @@
+"""A program for `settings._resumable.launch`: rank 1 fails at once while rank 0 waits for it, as a rank waits in a
+rendezvous or a collective for a peer that died."""
+
+from __future__ import annotations
+
+import time
+
+WAIT_S = 300
+
+
+def main(request_path: str, rank: int) -> None:
+    if rank == 1:
+        raise RuntimeError("planted: rank 1 fails at once")
+    time.sleep(WAIT_S)

@@ -130,6 +130,19 @@ def manifest() -> tuple[KnownIssue, ...]:
     return load()
 
 
+def get(issue_id: str) -> KnownIssue:
+    found = next((i for i in manifest() if i.id == issue_id), None)
+    if found is None:
+        raise KeyError(f"{MANIFEST}: no entry {issue_id!r}")
+    return found
+
+
+def reproduces_here(issue_id: str) -> bool:
+    """Whether the installed release of the entry's library is one the bug is known on (tests expect it there)."""
+    issue = get(issue_id)
+    return bool(issue.reproduces_on({issue.library: installed_version(issue.library)}))
+
+
 def match(setting: str, status: str, message: str, traits: Iterable[str], d3_status: str = "",
           issues: Iterable[KnownIssue] | None = None) -> KnownIssue | None:
     """The first entry that explains one case that is not ok, or None (a new finding)."""

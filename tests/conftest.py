@@ -14,9 +14,19 @@ from difftest.generate import generate
 from difftest.spec import RunConfig
 
 PLANTED = "tests.faults.planted"
+
+
+def _reference_calibrations() -> int:
+    from difftest.registry import calibrations_of, get_setting, load_plugins
+
+    load_plugins()
+    centre, runs = calibrations_of(get_setting("reference"), "fp32")
+    return (centre is not None) + len(runs) - 1  # the root is one of its own runs
+
+
 # what a sweep adds per model to judge settings whose root is `reference` with the calibrated oracle
-# (difftest.envelope): calib-{float64,order,threads,microbatch}/reference
-REFERENCE_CALIBRATIONS = 4
+# (difftest.envelope): calib-{float64,order,threads,microbatch,fp32-a,fp32-b,fp32-c}/reference
+REFERENCE_CALIBRATIONS = _reference_calibrations()
 
 
 @pytest.fixture(scope="session")

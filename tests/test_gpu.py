@@ -1,0 +1,31 @@
+"""The CUDA path, where a GPU exists (marker `gpu`; skipped with its reason elsewhere, as in CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the GPU path is not run")]
+
+
+def test_several_ranks_share_one_gpu_with_gloo_and_nothing_errors_of_our_making(tmp_path: Path) -> None:
+    from difftest.analysis import analyze
+    from difftest.generate import generate
+    from difftest.runner.sweep import SweepOptions, run_sweep
+    from difftest.spec import RunConfig
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",)))
+    settings = ["reference", "ddp/default/ws2", "fsdp2/per-layer/reshard/fp32/ws2", "tp/colwise-rowwise/ws2",
+                "quant/dynamic/qint8/x86", "resume/ddp-ws2/fsdp2-ws2/k3"]
+    report = run_sweep(run_dir, SweepOptions(settings=",".join(settings), device="cuda", backend="gloo", timeout_s=180))
+    assert report.statuses.get("error", 0) == report.statuses.get("crash", 0) == report.statuses.get("timeout", 0) == 0
+    cases = analyze(run_dir).cases.set_index("setting")
+    assert (cases.loc[settings, "verdict"] == "ok").all(), cases.loc[settings, "verdict"]
+    rows = pd.read_csv(run_dir / "inconsistencies.csv")
+    assert rows.empty or not rows.status.isin(["error", "crash", "timeout"]).any()

@@ -145,6 +145,22 @@ def _executor(executor: str, address: Optional[str], cpus_per_rank: float):
     return config
 
 
+def _check_devices(device: str, backend: Optional[str], executor: object = None) -> None:
+    """One line, before anything runs, when the device options cannot work here."""
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r}: use cpu or cuda")
+    if backend not in (None, "gloo", "nccl"):
+        raise UserError(f"--backend {backend!r}: use gloo or nccl")
+    if backend == "nccl" and device != "cuda":
+        raise UserError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only); use gloo on the CPU")
+    if device == "cuda" and getattr(executor, "kind", "local") == "local":  # a Ray cluster's GPUs are on its nodes
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device on this machine; "
+                            "run on a machine with a GPU and a CUDA build of torch, or use --device cpu")
+
+
 def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: Optional[int], timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None, executor=None, backend: Optional[str] = None) -> None:
     from difftest.registry import load_plugins
     from difftest.runner.executor import ExecutorConfig
@@ -153,18 +169,7 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
 
     load_plugins(RunConfig.load(out / "run.json").plugins + plugins)
 
-    if device not in ("cpu", "cuda"):
-        raise UserError(f"--device {device!r}: use cpu or cuda")
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device on this machine; "
-                            "run on a machine with a GPU and a CUDA build of torch, or use --device cpu")
-    if backend not in (None, "gloo", "nccl"):
-        raise UserError(f"--backend {backend!r}: use gloo or nccl")
-    if backend == "nccl" and device != "cuda":
-        raise UserError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only); use gloo on the CPU")
+    _check_devices(device, backend, executor)
     options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice, executor=executor or ExecutorConfig(), backend=backend)
     plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
     from difftest import stack
@@ -318,6 +323,7 @@ def run(
     load_plugins(plugins)
     select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
     where = _executor(executor, address, cpus_per_rank)
+    _check_devices(device, backend, where)
     count, models_of, which_wins = model_counts(models, models_of, kind)
     if which_wins:
         console.print(which_wins, highlight=False)

@@ -229,15 +229,24 @@ def test_unreadable_tensor_file_is_a_user_error(tmp_path: Path) -> None:
         (["generate", "--out", "{tmp}", "--batch-size", "13"], "multiple of 12"),
         (["generate", "--out", "{tmp}", "--kind", "bogus"], "unknown model kind"),
         (["run", "--out", "{tmp}", "--tier", "huge"], "unknown tier"),
+        (["run", "--out", "{tmp}", "--backend", "nccl"], "--backend nccl needs --device cuda"),
+        (["run", "--out", "{tmp}", "--backend", "mpi"], "use gloo or nccl"),
+        (["run", "--out", "{tmp}", "--device", "cuda"], "sees no CUDA device"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], needle: str) -> None:
+    if "cuda" in args:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a CUDA device: --device cuda is no error here")
     args = [a.replace("{tmp}", str(tmp_path / "run")) for a in args]
     result = subprocess.run([sys.executable, "-m", "difftest.cli", *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip() and "━" not in line]
     assert lines[-1].startswith("difftest: error:") and needle in lines[-1], result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "models").exists()  # nothing generated before the error
     if args[0] == "run":
         assert not (tmp_path / "run").exists()  # rejected before anything was generated
 

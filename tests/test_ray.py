@@ -33,14 +33,27 @@ def _copy_unswept(source: Path, target: Path) -> Path:
     return target
 
 
+def _descends_from_this_test(pid: int) -> bool:
+    """Whether `pid` was started, through any number of parents, by this process (the Ray it started itself)."""
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
 def _kill_a_gang_host() -> int | None:
-    """SIGKILL the process of a running gang's host actor (Ray names it in its process title); its pid, or None."""
+    """SIGKILL the process of a running gang's host actor (Ray names it in its process title) of the Ray instance
+    this test started, never another one on the machine; its pid, or None."""
     for entry in os.listdir("/proc"):
         try:
             title = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, ValueError):
             continue
-        if entry.isdigit() and title.startswith("ray::GangHost"):
+        if entry.isdigit() and title.startswith("ray::GangHost") and _descends_from_this_test(int(entry)):
             os.kill(int(entry), signal.SIGKILL)
             return int(entry)
     return None

@@ -59,6 +59,9 @@ class Envelope:
                 if r is None or r.shape != c.shape:
                     continue  # an activation one run did not record; the others measure it
                 d = np.abs(r.astype(np.float64) - c64)
+                # a run that is not finite where the exact result is measured nothing there: it cannot widen the
+                # envelope to infinity (every verdict would pass) nor poison it with NaN (every verdict would fail)
+                d = np.where(np.isfinite(d) | ~np.isfinite(c64), d, 0.0)
                 spread[name] = d if name not in spread else np.maximum(spread[name], d)
         return cls({n: c.astype(np.float64) for n, c in centre.items() if n in spread}, spread, unit, tuple(runs))
 

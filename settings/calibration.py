@@ -242,8 +242,9 @@ class _Float64Generator:
 
 @contextlib.contextmanager
 def _monte_carlo_rounding(unit: float, seed: int) -> Iterator[None]:
-    """Every floating tensor a leaf module reads or writes, and every parameter gradient, times (1 + d), d uniform in
-    [-unit, unit], independently per element (Parker's Monte Carlo arithmetic at module granularity)."""
+    """Every floating tensor a leaf module reads or writes (scalar constants aside), and every parameter gradient, times
+    (1 + d), d uniform in [-unit, unit], independently per element (Parker's Monte Carlo arithmetic at module
+    granularity)."""
     import torch
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -252,7 +253,9 @@ def _monte_carlo_rounding(unit: float, seed: int) -> Iterator[None]:
     handles: list[Any] = []
 
     def noisy(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
+        # a 0-d tensor a module reads is one of the program's constants (an exponent, an epsilon, a scale): real
+        # arithmetic never rounds it differently, and a perturbed exponent (x ** 2.9999998 for x < 0) is NaN
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
             noise = torch.rand(value.shape, generator=generator, dtype=torch.float64) * (2 * unit) - unit
             return value * (1 + noise.to(value.device, value.dtype))
         if isinstance(value, tuple):

@@ -30,6 +30,28 @@ def test_envelope_rule_is_distance_to_float64_against_the_largest_legitimate_dev
     assert not judged.consistent and judged.mismatches == 1 and judged.ratio == pytest.approx(1.1)
     assert not envelope.judge("eval_before/prediction", np.array([1.0, 0.5, np.nan, -2.0])).consistent
     assert envelope.judge("eval_before/missing", inside) is None  # the D3 verdict stands there
+    # a calibration run that broke (NaN where the exact result is finite) measures nothing there: the envelope is
+    # the other runs', not NaN (every verdict inconsistent) nor infinite (every verdict ok)
+    broken = {**runs, "calib-fp32-a/reference": {"eval_before/prediction": np.array([np.nan, 0.5, np.inf, -2.0])}}
+    assert Envelope.measure(centre, broken, unit=2.0**-24).judge("eval_before/prediction", inside).consistent
+    assert not Envelope.measure(centre, broken, unit=2.0**-24).judge("eval_before/prediction", outside).consistent
+
+
+def test_monte_carlo_rounding_leaves_a_programs_scalar_constants_alone() -> None:
+    """x ** 3 with the exponent perturbed to 2.9999998 is NaN for x < 0 (tanh-gelu's Pow): constants are exact."""
+    import torch
+
+    from settings.calibration import FP32_UNIT, _monte_carlo_rounding
+
+    class Cube(torch.nn.Module):
+        def forward(self, x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+            return torch.pow(x, exponent)
+
+    x = -torch.linspace(1, 2, 16, dtype=torch.float64)
+    with _monte_carlo_rounding(FP32_UNIT, seed=1):
+        y = Cube()(x, torch.tensor(3.0, dtype=torch.float64))
+    assert torch.isfinite(y).all() and not torch.equal(y, x ** 3)  # the data is perturbed, the exponent is not
+    assert torch.allclose(y, x ** 3, rtol=1e-6, atol=0)
 
 
 def test_every_root_a_tier_judges_down_to_is_calibrated() -> None:

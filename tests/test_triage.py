@@ -11,8 +11,8 @@ import pandas as pd
 
 from difftest.analysis import analyze
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.triage import (computation_order, innermost_library_frame, normalise_message, setting_family,
-                             tensor_class, triage)
+from difftest.triage import (FINDINGS_COLUMNS, computation_order, innermost_library_frame, normalise_message,
+                             setting_family, tensor_class, triage)
 from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS
 
 ZBV = ("AssertionError: can't steal_bwd_input if this stage doesn't have backward || File \"/x/.venv/lib/python3.11/"
@@ -96,7 +96,7 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
 def test_unreadable_outputs_and_a_run_with_nothing_wrong(fresh_run: Path) -> None:
     run_sweep(fresh_run, SweepOptions(settings="torchrec/ebc/table_wise/ws2"))
     assert triage(fresh_run, analyze(fresh_run)) == []  # nothing wrong: no finding, and the CSV has its header
-    assert list(pd.read_csv(fresh_run / "findings.csv").columns)[:3] == ["id", "status", "title"]
+    assert list(pd.read_csv(fresh_run / "findings.csv").columns) == FINDINGS_COLUMNS
     broken = next((fresh_run / "outputs").rglob("*table_wise*"))
     broken.write_bytes(b"truncated")
     findings = triage(fresh_run, analyze(fresh_run))

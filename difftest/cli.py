@@ -260,9 +260,8 @@ def _minimize(out: Path, found: list, analysis, budget: float, timeout: float, d
 
 
 def _print_findings(out: Path, findings: list, minimised: list, report: Path, new_only: bool = False) -> None:
-    from collections import Counter
-
     from difftest.known import Upstream
+    from difftest.triage import upstream_counts
 
     if not findings:
         out_console.print(f"no findings: every case that ran agreed with its reference. Report: {report}")
@@ -270,10 +269,9 @@ def _print_findings(out: Path, findings: list, minimised: list, report: Path, ne
     smallest = {m.finding_id: m for m in minimised}
     listed = [f for f in findings if f.upstream == Upstream.NEW] if new_only else findings
     shown = listed[:30]
-    upstream = Counter(str(f.upstream) for f in findings)
     out_console.print(f"{len(findings)} distinct findings, most severe first ({out / 'findings.md'}); upstream: "
-                      + ", ".join(f"{upstream.get(str(u), 0)} {u}" for u in Upstream)
-                      + (" (only the new ones below)" if new_only else "") + ":", highlight=False)
+                      f"{upstream_counts(findings)}" + (" (only the new ones below)" if new_only else "") + ":",
+                      highlight=False)
     for f in shown:
         m = smallest.get(f.id)
         minimal = ""

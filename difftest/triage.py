@@ -325,6 +325,12 @@ def merge_known(findings: list[Finding]) -> list[Finding]:
     return merged
 
 
+def upstream_counts(findings: list[Finding]) -> str:
+    """`1 known, 7 related, 5 unreported, 0 new`: how many findings upstream has, in the order of `Upstream`."""
+    counted = Counter(f.upstream for f in findings)
+    return ", ".join(f"{counted.get(u, 0)} {u}" for u in Upstream)
+
+
 def known_issue_of(rows: pd.DataFrame) -> KnownIssue | None:
     """The known library bug that explains most of a finding's cases (all of them, in a finding of one cause)."""
     explained = Counter(issue for r in rows.itertuples()
@@ -423,11 +429,9 @@ def _write(run_dir: Path, findings: list[Finding]) -> None:
     pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
                                                                                       index=False)
     cases = sum(len(f.rows) for f in findings)
-    by_upstream = Counter(str(f.upstream) for f in findings)
     lines = [f"# Findings in {run_dir}", "", f"Stack: {stack.describe(stack.recorded(run_dir))}", "",
              f"{len(findings)} distinct findings cover the {cases} cases that are not ok "
-             "(every such case belongs to exactly one); upstream: "
-             + ", ".join(f"{by_upstream.get(str(u), 0)} {u}" for u in Upstream) + ".", ""]
+             f"(every such case belongs to exactly one); upstream: {upstream_counts(findings)}.", ""]
     for f in findings:
         settings = sorted(f.rows["setting"].unique())
         lines += [f"## {f.id}: {f.title}", "",

@@ -27,7 +27,7 @@ import numpy as np
 from difftest.oracle import BOUND_PREFIX
 
 K = 4.0
-UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8}
+UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-8}
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,7 @@ def with_references(settings: list[Setting], calibrate: bool = True) -> list[Set
     """`settings` followed by every setting they are judged against, transitively (a rerun needs its first run, a
     moved pipeline its uninterrupted one, that one its accumulation), so that any selection can be judged on its own;
     with `calibrate`, also the calibration runs of the roots they are judged down to (without them a case keeps D3's
-    verdict)."""
+    verdict), for the settings this machine can run."""
     chosen = {s.name: s for s in settings}
     pending = [s.reference for s in settings]
     while pending:
@@ -241,6 +241,8 @@ def with_references(settings: list[Setting], calibrate: bool = True) -> list[Set
     for setting in list(chosen.values()) if calibrate else []:
         if setting.reference == setting.name or setting.family == "calibration" or _bitwise(setting):
             continue
+        if setting.available() is not None:
+            continue  # it is `unsupported` here: nothing to judge, no noise to measure for it
         root = root_of(setting)
         for prefix in calibration_prefixes(setting.precision):
             calibration = _derived(f"{prefix}/{root.name}")

@@ -20,7 +20,8 @@ calibration runs that root's own code again, unchanged, with one thing changed a
   by ~1e4) they land together and miss how far a setting that rounds differently everywhere (FSDP2's update on
   sharded parameters; the same root on an AVX2 instead of an AVX-512 CPU) legitimately lands;
 * `calib-bf16-{a,b,c}/<root>` — the same Monte Carlo arithmetic at bf16's unit roundoff, ±2⁻⁸: how far a
-  legitimately bf16 computation of the root may land, for the bf16 settings.
+  legitimately bf16 computation of the root may land, for the bf16 settings; `calib-tf32-{a,b,c}/<root>` likewise at
+  TF32's, ±2⁻¹¹, for a root run on CUDA with TF32 on (`settings.device`).
 
 The fp32 runs and the root itself give the envelope of legitimate fp32 results; the `bf16` runs the bf16 one. The
 root's code is not told it is being calibrated: the model and inputs it receives are wrapped. A root that builds its
@@ -39,15 +40,14 @@ from typing import Any, ClassVar, Iterator
 import numpy as np
 
 from difftest.artifacts import Inputs, LoadedModel
+from difftest.envelope import UNIT_ROUNDOFF
 from difftest.errors import Unsupported
 from difftest.registry import register_calibration
 from difftest.setting import Outputs, Repeat, RunContext, Setting
 from generators.inputs import Batch
 
-BF16_UNIT = 2.0**-8
-FP32_UNIT = 2.0**-24
 # the Monte Carlo modes: name prefix -> unit roundoff
-MONTE_CARLO = {"bf16": BF16_UNIT, "fp32": FP32_UNIT}
+MONTE_CARLO = dict(UNIT_ROUNDOFF)
 THREADS = 4
 EVAL_PHASES = ("eval_",)  # phases whose tensors have one row per eval sample
 
@@ -135,8 +135,8 @@ _DESCRIPTIONS = {"float64": "in float64 (the calibrated oracle's centre)",
                  "microbatch": "fp32 with every training forward run as two micro-batches",
                  "order": "fp32 with the samples of every batch in another order",
                  "threads": f"fp32 with {THREADS} intra-op threads",
-                 "fp32": "float64 with Monte Carlo rounding errors of fp32 size on every module tensor and gradient",
-                 "bf16": "float64 with Monte Carlo rounding errors of bf16 size on every module tensor and gradient"}
+                 **{unit: f"float64 with Monte Carlo rounding errors of {unit} size on every module tensor and gradient"
+                    for unit in MONTE_CARLO}}
 
 
 def _unpermute(value: np.ndarray, order: np.ndarray, samples: int) -> np.ndarray:
@@ -299,6 +299,7 @@ def _calibration(base: Setting, mode: str) -> Calibration | None:
 for _mode, _needed_by in (("float64", ("fp32", "bf16")), ("order", ("fp32",)), ("threads", ("fp32",)),
                           ("microbatch", ("fp32",)),
                           ("fp32-a", ("fp32",)), ("fp32-b", ("fp32",)), ("fp32-c", ("fp32",)),
+                          ("tf32-a", ("tf32",)), ("tf32-b", ("tf32",)), ("tf32-c", ("tf32",)),
                           ("bf16-a", ("bf16",)), ("bf16-b", ("bf16",)), ("bf16-c", ("bf16",))):
     register_calibration(f"calib-{_mode}", lambda base, mode=_mode: _calibration(base, mode), _needed_by,
                          centre=_mode == "float64")

@@ -29,3 +29,34 @@ def test_several_ranks_share_one_gpu_with_gloo_and_nothing_errors_of_our_making(
     assert (cases.loc[settings, "verdict"] == "ok").all(), cases.loc[settings, "verdict"]
     rows = pd.read_csv(run_dir / "inconsistencies.csv")
     assert rows.empty or not rows.status.isin(["error", "crash", "timeout"]).any()
+
+
+def test_cpu_versus_gpu_strict_fp32_lies_in_the_cpu_envelope_and_a_cuda_rerun_is_bitwise(tmp_path: Path) -> None:
+    from difftest.analysis import analyze
+    from difftest.generate import generate
+    from difftest.runner.sweep import SweepOptions, run_sweep
+    from difftest.spec import RunConfig
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=2, kinds=("transformer",)))
+    settings = ["cuda/reference", "cuda-tf32/reference", "rerun/cuda/reference", "cuda/ddp/default/ws2"]
+    report = run_sweep(run_dir, SweepOptions(settings=",".join(settings), device="cpu", timeout_s=180))
+    assert report.statuses.get("error", 0) == report.statuses.get("crash", 0) == report.statuses.get("unsupported", 0) == 0
+    cases = analyze(run_dir).cases.set_index("setting")
+    strict = cases.loc[["cuda/reference", "cuda/ddp/default/ws2"]]
+    assert (strict.verdict == "ok").all() and (strict.calibrated == "yes").all(), strict
+    assert (cases.loc["cuda-tf32/reference", "calibrated"] == "yes").all()  # judged by the TF32 envelope
+    assert (cases.loc["rerun/cuda/reference", "verdict"] == "ok").all()  # cuBLAS with CUBLAS_WORKSPACE_CONFIG
+
+
+def test_a_cuda_setting_in_a_cuda_sweep_says_it_has_no_cpu_run_to_compare_with(tmp_path: Path) -> None:
+    from difftest.generate import generate
+    from difftest.runner.sweep import SweepOptions, run_sweep
+    from difftest.spec import RunConfig
+    from difftest.store import Store
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",)))
+    run_sweep(run_dir, SweepOptions(settings="cuda/reference", device="cuda", timeout_s=180))
+    records = {r.setting: r for r in Store(run_dir).records()}
+    assert records["cuda/reference"].status == "unsupported" and "--device cpu" in records["cuda/reference"].message

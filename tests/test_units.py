@@ -113,10 +113,12 @@ def test_the_default_tier_covers_every_class_and_every_tier_axis_value_at_the_sm
     load_plugins()
     full, default = tier("full"), tier("default")
     # (the calibration runs the default tier brings along are derived settings, counted apart)
-    assert full == all_settings() and len([s for s in default if not isinstance(s, Repeat)]) < len(full) / 3
+    registered = [s for s in default if s in full]
+    assert full == all_settings() and len(registered) < len(full) / 3
     assert select_settings(None) == default and select_settings(None, "full") == full
     # every class, plus the calibration runs of the roots it is judged down to (derived: not in `full`)
-    assert {type(s) for s in default if not isinstance(s, Repeat)} == {type(s) for s in full}
+    assert {type(s) for s in registered} == {type(s) for s in full}
+    assert all(isinstance(s, Repeat) for s in default if s not in full)
     chosen = {s.name for s in default}
     for cls in {type(s) for s in full}:
         members = [s for s in full if type(s) is cls]
@@ -165,6 +167,25 @@ def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None
         "faults/stash_queue_one_short/stages2", "async-pipeline/simulator/stash/stages2/mb4"]
     assert [s.name for s in with_references(select_settings("faults/repartition_loses_key/ws2"))][1] == \
         "repartition/gpipe/ws2/mb2/uninterrupted"
+
+
+def test_the_device_family_is_unsupported_with_its_reason_without_cuda_and_calibrated_at_tf32_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import settings.device as device
+
+    load_plugins()
+    assert {"cuda/reference", "cuda-tf32/reference"} <= {s.name for s in tier("default")}
+    tf32 = select_settings("cuda-tf32/reference")[0]
+    assert (tf32.precision, tf32.reference, select_settings("cuda/ddp/default/ws2")[0].world_size) == \
+        ("tf32", "reference", 2)
+    tf32_calibrations = {f"calib-tf32-{s}/reference" for s in "abc"}
+    monkeypatch.setattr(device, "visible_gpus", lambda: 0)
+    assert tf32.available() == "needs a CUDA device, this machine has none"
+    assert not tf32_calibrations & {s.name for s in with_references([tf32])}  # nothing to calibrate for
+    monkeypatch.setattr(device, "visible_gpus", lambda: 1)
+    assert tf32.available() is None
+    assert tf32_calibrations <= {s.name for s in with_references([tf32])}
+    assert "TensorFlow" in (select_settings("cuda/tf/reference")[0].supports(None) or "")
 
 
 def test_settings_list_names_gives_one_full_name_per_line_per_tier() -> None:

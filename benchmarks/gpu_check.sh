@@ -46,13 +46,13 @@ for step in "$@"; do
       done
       ;;
     cuda-sweep)
-      difftest generate --models 2 --kind transformer --out "$work/cuda" >/dev/null
-      runs=("$work/cuda")
-      if [ -n "${KERAS_RUN:-}" ]; then cp -r "$KERAS_RUN" "$work/kcuda" && rm -rf "$work"/kcuda/models/transformer* \
-        && runs+=("$work/kcuda"); fi
-      for run in "${runs[@]}"; do
-        /usr/bin/time -f "sweep %e s" python3 -c 'from difftest.cli import main; main()' sweep "$run" \
-          --device cuda --backend gloo --jobs "${JOBS:-4}" 2>&1 | tail -4
+      if [ -n "${KERAS_RUN:-}" ]; then cp -r "$KERAS_RUN" "$work/cuda"
+      else difftest generate --models 2 --kind transformer --out "$work/cuda" >/dev/null; fi
+      for run in "$work/cuda"; do
+        # a sweep cut off by $SWEEP_LIMIT is judged as far as it got (a rerun would resume it)
+        /usr/bin/time -f "sweep %e s" timeout "${SWEEP_LIMIT:-3600}" python3 -c 'from difftest.cli import main; main()' \
+          sweep "$run" --device cuda --backend gloo --jobs "${JOBS:-4}" --models-filter "${MODELS:-*}" \
+          --minimize-budget 0 2>&1 | tail -4
         difftest analyze "$run" --minimize-budget 0 > "$run/analyze.log" 2>&1
         tail -40 "$run/analyze.log"
         python3 - "$run" <<'EOF' | tee "$OUT/cuda_sweep_$(basename "$run").txt"
@@ -60,7 +60,7 @@ import sys, pandas as pd
 rows = pd.read_csv(f"{sys.argv[1]}/inconsistencies.csv")
 bad = rows[rows.status.isin(["error", "crash", "timeout"])].drop_duplicates(["setting", "message"])
 for r in bad.itertuples():
-    print(f"{r.status}\t{r.setting}\t{str(r.message)[:300]}")
+    print(f"{r.status}\t{r.setting}\t{str(r.message)[:700]}")
 EOF
         table "$run" > "$OUT/cuda_sweep_$(basename "$run")_ratios.txt"
       done

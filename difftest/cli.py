@@ -101,21 +101,22 @@ def model_counts(models: int | None, models_of: str | None, kind: str,
 def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: float, batch_size: int,
               plugins: tuple[str, ...], models_of: str = "") -> None:
     from difftest.generate import generate
-    from difftest.registry import generator_kinds, get_generator, load_plugins
+    from difftest.registry import generator_kinds, get_generator, kind_unavailable, load_plugins
     from difftest.spec import RunConfig
 
     load_plugins(plugins)
     if kind == "all":
         kinds = []
         for name in generator_kinds():
-            why = _unavailable(get_generator(name))
+            why = kind_unavailable(name)
             if why:
                 console.print(f"[yellow]kind {name!r} left out: it {escape(why)}")
             else:
                 kinds.append(name)
         kinds = tuple(kinds)
     else:
-        why = _unavailable(get_generator(kind))
+        get_generator(kind)  # an unknown kind: one line naming the known ones
+        why = kind_unavailable(kind)
         if why:
             raise UserError(f"--kind {kind}: this kind {why}")
         kinds = (kind,)
@@ -125,11 +126,6 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
     with _progress() as progress:
         task = progress.add_task("generate", total=sum(config.count(k) for k in kinds), detail="")
         generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m))
-
-
-def _unavailable(generator: object) -> str | None:
-    check = getattr(generator, "available", None)
-    return check() if check is not None else None
 
 
 def _executor(executor: str, address: Optional[str], cpus_per_rank: float):

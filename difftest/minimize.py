@@ -27,7 +27,7 @@ from typing import Any, Callable
 from difftest.analysis import Analysis, analyze
 from difftest.artifacts import load_spec
 from difftest.errors import UserError
-from difftest.registry import all_settings, get_generator, get_setting
+from difftest.registry import all_settings, get_generator, get_setting, kind_unavailable
 from difftest.spec import ModelSpec, RunConfig
 
 PER_FINDING_PER_ROUND = 8  # proposals a finding runs per round: a round's time is what every finding is charged
@@ -214,7 +214,9 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
         spec = load_spec(run_dir / "models" / finding.example["model"])
         original = Trial(spec, finding.example["setting"], _batch_of(run_dir / "models" / spec.model_id))
         m = Minimisation(finding.id, finding.signature, original, original, status=finding.status, budget_s=budget_s)
-        if finding.status == "timeout" and budget_s < 2 * timeout_s:
+        if (why := kind_unavailable(spec.kind)) is not None:  # its smaller models cannot be made on this machine
+            m.active, m.outcome = False, f"not minimised: the {spec.kind} generator {why}"
+        elif finding.status == "timeout" and budget_s < 2 * timeout_s:
             m.active, m.outcome = False, (f"not minimised: each try waits for the {timeout_s:g} s timeout; "
                                           f"a --minimize-budget of {2 * timeout_s:g} s or more tries")
         work.append(m)

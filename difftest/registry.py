@@ -269,6 +269,12 @@ def generator_kinds() -> list[str]:
     return sorted(_GENERATORS)
 
 
+def kind_unavailable(kind: str) -> str | None:
+    """None if this machine can generate models of `kind` (its libraries import), else why not."""
+    check = getattr(get_generator(kind), "available", None)
+    return check() if check is not None else None
+
+
 def traits_of(kind: str) -> frozenset[str]:
     """What a model kind is made of, as its generator declares (`traits`): "torchrec" (EmbeddingBagCollections),
     "keras" (a Keras model with a converted PyTorch form), "transformer", … Settings decide `supports` by these,

@@ -71,6 +71,7 @@ def test_raise_abort_hang_and_refusal_become_rows_and_the_sweep_finishes(fresh_r
     assert records["faults/raises/ws2"].rank == 1
     assert records["faults/aborts/ws2"].status == "crash"
     assert "SIGABRT" in records["faults/aborts/ws2"].message and records["faults/aborts/ws2"].rank == 1
+    assert "planted.py" in records["faults/aborts/ws2"].message  # the Python frame it died in (faulthandler)
     assert records["faults/hangs/ws2"].status == "timeout"
     assert "no answer from rank(s)" in records["faults/hangs/ws2"].message  # rank 0 waits in its barrier too
     assert records["faults/refuses/ws2"].status == "unsupported"

@@ -52,10 +52,15 @@ class GroupBroken(RuntimeError):
 
 
 def _tail(path: Path, lines: int = 6) -> str:
+    """The log's last lines; after a fatal signal, the innermost Python frames faulthandler wrote instead."""
     try:
         text = path.read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
+    fatal = [i for i, line in enumerate(text) if line.startswith("Fatal Python error")]
+    if fatal:
+        frames = [line.strip() for line in text[fatal[-1]:] if line.strip().startswith(("Fatal", "File"))]
+        return " | ".join(frames[:lines])
     noise = ("Warning", "warnings.warn", "W1", "is_fx_tracing")
     kept = [line for line in text if not any(n in line for n in noise)]
     return " | ".join(kept[-lines:])

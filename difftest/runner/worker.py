@@ -6,6 +6,7 @@ parent sends until told to stop (or until its pipe closes, e.g. when the parent 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -36,6 +37,8 @@ def _redirect_output(log_path: str) -> None:
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    # a segfault or abort writes the Python frames it died in to the log, and the crash record quotes them
+    faulthandler.enable(file=sys.stderr, all_threads=False)
 
 
 def _device_for(config: WorkerConfig) -> str:

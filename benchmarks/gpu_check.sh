@@ -61,6 +61,9 @@ rows = pd.read_csv(f"{sys.argv[1]}/inconsistencies.csv")
 bad = rows[rows.status.isin(["error", "crash", "timeout"])].drop_duplicates(["setting", "message"])
 for r in bad.itertuples():
     print(f"{r.status}\t{r.setting}\t{str(r.message)[:700]}")
+rows = pd.read_csv(f"{sys.argv[1]}/comparisons.csv")
+flagged = rows[rows.status.isin(["inconsistent", "nondeterministic"])].sort_values("linf", ascending=False)
+print(flagged[["model", "setting", "phase", "tensor", "linf", "calibrated_ratio"]].head(12).to_string())
 EOF
         table "$run" > "$OUT/cuda_sweep_$(basename "$run")_ratios.txt"
       done

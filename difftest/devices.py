@@ -28,6 +28,40 @@ def device_refusal(device: str, backend: str, world_size: int, gpus: int) -> str
     return None
 
 
+# what gloo carries on CUDA tensors, per torch.distributed's backend table (docs: "Backends"): send/recv, reduce,
+# all_gather, gather, scatter, reduce_scatter and all_to_all are CPU-only there. Used beyond it, gloo fails in ways
+# that look like library bugs (writev "Bad address" on a device pointer, segfaults); they are not findings.
+GLOO_ON_CUDA = frozenset({"all_reduce", "broadcast", "barrier"})
+
+
+# the collectives of the usual strategies, for settings to declare theirs with (`Setting.collectives`)
+DATA_PARALLEL = frozenset({"all_reduce", "broadcast"})
+SHARDED = frozenset({"all_gather", "reduce_scatter"})
+POINT_TO_POINT = frozenset({"send", "recv"})
+
+
+def across(ranks: int, collectives: frozenset[str]) -> frozenset[str]:
+    """`collectives` where `ranks` processes exchange tensors; none on one rank."""
+    return collectives if ranks > 1 else frozenset()
+
+
+def collective_refusal(device: str, backend: str, world_size: int, collectives: frozenset[str] | None) -> str | None:
+    """Why a setting's collectives cannot run with `backend` on `device` tensors, or None. `collectives` None: the
+    setting does not declare them, which passes where gloo carries everything (the CPU) and on one rank."""
+    if not device.startswith("cuda") or backend != "gloo":
+        return None
+    hint = "run it with --device cuda --backend nccl, one GPU per rank"
+    if collectives is None:
+        return None if world_size < 2 else (
+            "gloo carries only all_reduce and broadcast on CUDA tensors (torch.distributed's backend table) and this "
+            f"setting does not declare which collectives it uses: {hint}")
+    beyond = sorted(collectives - GLOO_ON_CUDA)
+    if beyond:
+        return (f"uses {', '.join(beyond)}, which gloo does not carry on CUDA tensors (torch.distributed's backend "
+                f"table): {hint}")
+    return None
+
+
 def visible_gpus() -> int:
     import torch
 

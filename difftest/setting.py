@@ -112,6 +112,13 @@ class Setting(abc.ABC):
         """None if this machine can run the setting (libraries, devices), else the reason it cannot."""
         return None
 
+    @property
+    def collectives(self) -> frozenset[str] | None:
+        """The torch.distributed operations it runs on tensors of its device ("all_reduce", "all_gather", "send", …),
+        including those of processes it starts itself; None: not declared. A backend that does not carry one on the
+        sweep's device makes the setting `unsupported` (`difftest.devices.collective_refusal`)."""
+        return None
+
     @abc.abstractmethod
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         """Train/evaluate on every rank; rank 0 returns the full logical tensors, other ranks None."""
@@ -140,6 +147,10 @@ class Repeat(Setting):
 
     def available(self) -> str | None:
         return self.base.available()
+
+    @property
+    def collectives(self) -> frozenset[str] | None:
+        return self.base.collectives
 
 
 def variant_of(base: type[SettingT], setting: Setting, **changes: Any) -> SettingT:

@@ -25,7 +25,8 @@ class BatchSource:
         if self.batch is None:
             raise RuntimeError("the chain was not fed a batch")
         start = int(positions[0]) if positions.numel() else 0
-        if positions.numel() and not torch.equal(positions, torch.arange(start, start + positions.numel())):
+        expected = torch.arange(start, start + positions.numel(), device=positions.device)
+        if positions.numel() and not torch.equal(positions, expected):
             raise ValueError("a chain reads contiguous sample positions only")
         return self.batch.slice(start, start + positions.numel())
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from difftest.devices import device_refusal, rank_device, visible_gpus
+from difftest.devices import DATA_PARALLEL, SHARDED, across, device_refusal, rank_device, visible_gpus
 from difftest.errors import Unsupported
 from difftest.setting import Outputs, RunContext
 from generators.inputs import Batch
@@ -49,6 +49,10 @@ class Placement:
     @property
     def label(self) -> str:
         return "single" if self.strategy == "single" else f"{self.strategy}-ws{self.world_size}"
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, {"ddp": DATA_PARALLEL, "fsdp2": SHARDED}.get(self.strategy, frozenset()))
 
 
 @dataclass(frozen=True)

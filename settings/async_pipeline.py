@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
+from difftest.devices import POINT_TO_POINT, across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from generators.inputs import Batch
@@ -189,6 +190,10 @@ class AsyncPipeline(Setting):
     def stash_capacity(self, stage: int) -> int:
         """Micro-batches in flight on `stage` (a planted fault makes the queue one short)."""
         return min(self.stages - stage, self.microbatches)
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, POINT_TO_POINT)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         from generators.chain import ChainStage

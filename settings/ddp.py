@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest.errors import Unsupported
+from difftest.devices import DATA_PARALLEL, across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import build_for_training, canonical_parameters, record_training
@@ -44,6 +45,10 @@ class DataParallel(Setting):
         if self.variant == "no-sync":
             options = "2 micro-batches, no_sync() on the first"
         return f"DDP over {self.world_size} ranks ({options})"
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, DATA_PARALLEL)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch

@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
-from difftest.devices import rank_device, visible_gpus
+from difftest.devices import collective_refusal, rank_device, visible_gpus
 from difftest.envelope import UNIT_ROUNDOFF
 from difftest.errors import Unsupported
 from difftest.oracle import Tolerance
@@ -68,7 +68,8 @@ class OnCuda(Repeat):
     def available(self) -> str | None:
         if not visible_gpus():
             return "needs a CUDA device, this machine has none"
-        return self.base.available()
+        # a CPU sweep's group is gloo's (a --device cuda sweep refuses these settings when they run)
+        return collective_refusal("cuda", "gloo", self.world_size, self.base.collectives) or self.base.available()
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         if ctx.device.startswith("cuda"):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest.oracle import Tolerance
+from difftest.devices import SHARDED, across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from settings._training import (
@@ -55,6 +56,10 @@ class FullyShard(Setting):
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return BF16_TOLERANCE if self.precision == "bf16" else default
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, SHARDED)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         from torch.distributed.fsdp import fully_shard

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from difftest.devices import DATA_PARALLEL, SHARDED, across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import build_for_training, canonical_parameters, train_data_parallel
@@ -29,6 +30,10 @@ class LegacyFsdp(Setting):
 
     def describe(self) -> str:
         return f"legacy FSDP over {self.world_size} ranks, ShardingStrategy.{self.strategy.upper()}"
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, DATA_PARALLEL | (SHARDED if self.strategy != "no_shard" else frozenset()))
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from difftest.devices import SHARDED, across
 from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import build_for_training, parameter_holders
@@ -38,6 +39,10 @@ class FsdpTensorParallel(Setting):
     def describe(self) -> str:
         return (f"FSDP2 over {self.data_parallel} data-parallel groups × tensor parallel over {self.tensor_parallel} "
                 f"ranks{' with sequence parallel' if self.sequence_parallel else ''} (2-D mesh)")
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, SHARDED | {"all_reduce"})
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         from torch.distributed.fsdp import fully_shard

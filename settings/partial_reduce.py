@@ -25,6 +25,7 @@ import numpy as np
 
 from difftest.errors import InvariantViolated, Unsupported
 from difftest.oracle import Tolerance
+from difftest.devices import across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from settings._training import (
@@ -119,6 +120,10 @@ class PartialReduce(Setting):
     def average(self, members: list[Any]) -> Any:
         """A group's average (a planted fault forgets a member)."""
         return group_average(members)
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, frozenset({"all_reduce", "all_gather"}))
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from difftest.errors import ConversionFailed, Unsupported
+from difftest.devices import DATA_PARALLEL, POINT_TO_POINT, SHARDED, across
 from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from generators.inputs import Batch
@@ -140,6 +141,10 @@ class Pipeline(Setting):
 
     def judges(self, tensor_name: str) -> bool:
         return "/pooled." not in tensor_name  # a pipeline returns the prediction, not the embedding stage's outputs
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, POINT_TO_POINT | (DATA_PARALLEL | SHARDED if self.data_parallel > 1 else frozenset()))
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
+from difftest.devices import POINT_TO_POINT, across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from generators.inputs import Batch
@@ -127,6 +128,10 @@ class Repartition(Setting):
 
     def load_moved(self, stages: _Stages, state: dict[str, Any]) -> None:
         stages.load(state)
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, POINT_TO_POINT)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch

@@ -50,6 +50,10 @@ class Uninterrupted(Setting):
         return (f"{TOTAL_STEPS} steps of SGD+momentum, step LR, shuffling loader, {self.placement.label}, "
                 "no interruption" + (" (the resume reference)" if self.name == RESUME_REFERENCE else ""))
 
+    @property
+    def collectives(self) -> frozenset[str]:
+        return self.placement.collectives
+
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         return run_phase(ctx, model, inputs, Phase(self.placement, 0, TOTAL_STEPS), None)
 
@@ -84,6 +88,10 @@ class Resume(Setting):
     def tolerance(self, default: Tolerance) -> Tolerance:
         single = self.before.strategy == self.after.strategy == "single"
         return BITWISE if single else default
+
+    @property
+    def collectives(self) -> frozenset[str]:  # the phases' own process groups
+        return self.before.collectives | self.after.collectives
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         if model.model_dir is None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest.errors import Unsupported
+from difftest.devices import SHARDED, across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import build_for_training, device_mesh, gathered_parameters, record_training
@@ -101,6 +102,10 @@ class TensorParallel(Setting):
         if self.sequence_parallel and position_dim is not None:
             return RowwiseParallel(output_layouts=Shard(position_dim), use_local_output=False)
         return RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, SHARDED | {"all_reduce"})
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         module = build_for_training(model, ctx.device)

@@ -75,6 +75,10 @@ class TensorFlowStrategy(Setting):
     def available(self) -> str | None:
         return _tf.missing()
 
+    @property
+    def collectives(self) -> frozenset[str]:
+        return frozenset()  # TensorFlow runs its own; torch's group only swaps the workers' ports, as CPU objects
+
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         tf, keras = _tf.import_tensorflow()
         strategy = self._strategy(ctx, tf)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from difftest.errors import Unsupported
+from difftest.devices import SHARDED, across
 from difftest.registry import register_settings, register_world_reset, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import assemble, gather_to_rank0, record_training, to_numpy
@@ -63,6 +64,10 @@ class TorchRecSharding(Setting):
         except Exception as exc:  # a broken fbgemm raises OSError/RuntimeError, not only ImportError
             return f"torchrec/fbgemm do not import ({type(exc).__name__}: {exc}); run ./install.sh"
         return None
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, SHARDED | {"all_to_all", "all_reduce"})
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch

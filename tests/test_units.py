@@ -186,6 +186,28 @@ def test_the_device_family_is_unsupported_with_its_reason_without_cuda_and_calib
     assert tf32.available() is None
     assert tf32_calibrations <= {s.name for s in with_references([tf32])}
     assert "TensorFlow" in (select_settings("cuda/tf/reference")[0].supports(None) or "")
+    # a strategy whose collectives gloo does not carry on CUDA tensors is refused there, before it runs
+    assert "all_gather, reduce_scatter" in (select_settings("cuda/fsdp2/per-layer/reshard/fp32/ws2")[0].available() or "")
+    assert select_settings("cuda/ddp/default/ws2")[0].available() is None
+
+
+def test_collectives_gloo_does_not_carry_on_cuda_are_refused_and_nothing_else() -> None:
+    from difftest.devices import SHARDED, collective_refusal
+    from difftest.registry import get_setting
+
+    load_plugins()
+    def refusal(name: str, device: str = "cuda", backend: str = "gloo") -> str | None:
+        setting = get_setting(name)
+        return collective_refusal(device, backend, setting.world_size, setting.collectives)
+
+    assert "recv, send" in (refusal("pipeline/1f1b/ws2/stages2/mb2/balanced") or "")
+    assert "all_gather, reduce_scatter" in (refusal("resume/ddp-ws2/fsdp2-ws2/k3") or "")  # its phases' groups
+    assert refusal("ddp/default/ws2") is refusal("resume/ddp-ws2/ddp-ws2/k3") is None
+    assert refusal("fsdp2/per-layer/reshard/bf16/ws1") is None  # one rank exchanges nothing
+    assert refusal("pipeline/1f1b/ws2/stages2/mb2/balanced", backend="nccl") is None
+    assert refusal("pipeline/1f1b/ws2/stages2/mb2/balanced", device="cpu") is None
+    assert "does not declare" in (collective_refusal("cuda", "gloo", 2, None) or "")
+    assert collective_refusal("cuda", "gloo", 2, SHARDED) is not None
 
 
 def test_settings_list_names_gives_one_full_name_per_line_per_tier() -> None:

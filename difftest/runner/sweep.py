@@ -108,12 +108,17 @@ def _plan_pairs(run_dir: Path, pairs: tuple[tuple[str, str], ...],
     return list(cases.values())
 
 
-def _device_refusal(options: SweepOptions, world_size: int) -> str | None:
+def _device_refusal(options: SweepOptions, setting: Setting) -> str | None:
+    """Why the sweep's device and backend cannot run `setting`: collectives the backend does not carry there (on any
+    executor), or too few GPUs on this machine (local executor; a cluster's GPUs are its nodes')."""
     if options.device != "cuda":
         return None
-    from difftest.devices import device_refusal, visible_gpus
+    from difftest.devices import collective_refusal, device_refusal, visible_gpus
 
-    return device_refusal(options.device, options.resolved_backend, world_size, visible_gpus())
+    backend = options.resolved_backend
+    return collective_refusal(options.device, backend, setting.world_size, setting.collectives) or (
+        device_refusal(options.device, backend, setting.world_size, visible_gpus())
+        if options.executor.kind == "local" else None)
 
 
 def run_sweep(
@@ -150,7 +155,7 @@ def run_sweep(
             reason = (
                 case.setting.supports(case.spec)
                 or case.setting.available()
-                or (_device_refusal(options, case.setting.world_size) if options.executor.kind == "local" else None)
+                or _device_refusal(options, case.setting)
             )
             if reason:
                 refused.append((case, reason))

@@ -38,7 +38,7 @@ def _redirect_output(log_path: str) -> None:
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     # a segfault or abort writes the Python frames it died in to the log, and the crash record quotes them
-    faulthandler.enable(file=sys.stderr, all_threads=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a gloo thread has no Python frames
 
 
 def _device_for(config: WorkerConfig) -> str:

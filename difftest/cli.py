@@ -33,7 +33,7 @@ FINDINGS = ("inconsistent", "nondeterministic", "error", "crash", "timeout")
 
 # Shared options --------------------------------------------------------------------------------------
 SettingsOpt = Annotated[Optional[str], typer.Option("--settings", help="Comma-separated globs over setting names, e.g. 'reference,torchrec/*/ws2'.")]
-JobsOpt = Annotated[Optional[int], typer.Option("--jobs", min=1, help="Worker groups running at once (default: 1 locally; with --executor ray, as many gangs of two ranks as the cluster's CPUs hold).")]
+JobsOpt = Annotated[Optional[int], typer.Option("--jobs", min=1, help="Worker groups running at once (default: locally, as many as the machine's cores hold ranks, one core per rank; with --executor ray, as many gangs of two ranks as the cluster's CPUs hold).")]
 ExecutorOpt = Annotated[str, typer.Option("--executor", help="local: worker groups on this machine; ray: gangs on a Ray cluster (the [ray] extra; see --address).")]
 AddressOpt = Annotated[Optional[str], typer.Option("--address", help="With --executor ray: the cluster to run on ('auto' or HOST:PORT of its head, as `ray start --head` prints); without it, Ray starts on this machine alone.")]
 CpusPerRankOpt = Annotated[float, typer.Option("--cpus-per-rank", min=0.01, help="With --executor ray: CPUs each rank's bundle reserves on its node.")]
@@ -157,6 +157,14 @@ def _check_devices(device: str, backend: Optional[str], executor: object = None)
                             "run on a machine with a GPU and a CUDA build of torch, or use --device cpu")
 
 
+def _check_jobs(jobs: Optional[int], executor: object = None) -> None:
+    from difftest.runner.scheduler import machine_ranks
+
+    if jobs is not None and getattr(executor, "kind", "local") == "local" and jobs > (ranks := machine_ranks()):
+        raise UserError(f"--jobs {jobs}: this machine runs {ranks} ranks at once (one per core), so at most {ranks} "
+                        "worker groups; leave --jobs out to use them all")
+
+
 def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: Optional[int], timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None, executor=None, backend: Optional[str] = None) -> None:
     from difftest.registry import load_plugins
     from difftest.runner.executor import ExecutorConfig
@@ -166,6 +174,7 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
     load_plugins(RunConfig.load(out / "run.json").plugins + plugins)
 
     _check_devices(device, backend, executor)
+    _check_jobs(jobs, executor)
     options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice, executor=executor or ExecutorConfig(), backend=backend)
     plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
     from difftest import stack
@@ -318,6 +327,7 @@ def run(
     select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
     where = _executor(executor, address, cpus_per_rank)
     _check_devices(device, backend, where)
+    _check_jobs(jobs, where)
     count, models_of, which_wins = model_counts(models, models_of, kind)
     if which_wins:
         console.print(which_wins, highlight=False)

@@ -41,14 +41,15 @@ def test_monte_carlo_rounding_leaves_a_programs_scalar_constants_alone() -> None
     """x ** 3 with the exponent perturbed to 2.9999998 is NaN for x < 0 (tanh-gelu's Pow): constants are exact."""
     import torch
 
-    from settings.calibration import FP32_UNIT, _monte_carlo_rounding
+    from difftest.envelope import UNIT_ROUNDOFF
+    from settings.calibration import _monte_carlo_rounding
 
     class Cube(torch.nn.Module):
         def forward(self, x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
             return torch.pow(x, exponent)
 
     x = -torch.linspace(1, 2, 16, dtype=torch.float64)
-    with _monte_carlo_rounding(FP32_UNIT, seed=1):
+    with _monte_carlo_rounding(UNIT_ROUNDOFF["fp32"], seed=1):
         y = Cube()(x, torch.tensor(3.0, dtype=torch.float64))
     assert torch.isfinite(y).all() and not torch.equal(y, x ** 3)  # the data is perturbed, the exponent is not
     assert torch.allclose(y, x ** 3, rtol=1e-6, atol=0)

@@ -193,7 +193,7 @@ def test_after_a_crash_the_next_case_runs_on_a_replacement_and_gives_a_fresh_gro
     first = _probe_in_a_fresh_group(fresh_run)
     order: list[str] = []
     report = run_sweep(fresh_run, SweepOptions(settings=f"faults/aborts/ws2,{PROBE}", models="*-i0",
-                                               plugins=(PLANTED,), timeout_s=60),
+                                               plugins=(PLANTED,), timeout_s=60, jobs=1),
                        on_result=lambda case, record: order.append(record.setting))
     assert order.index("faults/aborts/ws2") < order.index(PROBE)
     assert report.statuses == {"crash": 1, "ok": 2 + REFERENCE_CALIBRATIONS}  # the probe, its reference, calibrations
@@ -212,12 +212,29 @@ def test_a_group_is_recycled_after_its_case_budget_and_the_results_do_not_change
     selection = "torchrec/ebc/table_wise/ws2,torchrec/ebc/row_wise/ws2"
     twin = tmp_path / "twin"
     shutil.copytree(fresh_run, twin)
-    recycled = run_sweep(fresh_run, SweepOptions(settings=selection, recycle_after=2))
+    recycled = run_sweep(fresh_run, SweepOptions(settings=selection, recycle_after=2, jobs=1))
     assert recycled.statuses == {"ok": 6 + 2 * REFERENCE_CALIBRATIONS}
     # a group per 2 cases: ws1 runs 2 references and their calibration runs, ws2 the 4 sharded cases
     assert recycled.groups_started == 2 * (1 + REFERENCE_CALIBRATIONS) // 2 + 4 // 2
-    kept = run_sweep(twin, SweepOptions(settings=selection))
+    kept = run_sweep(twin, SweepOptions(settings=selection, jobs=1))
     assert kept.groups_started == 2
+    first, second = _outputs(fresh_run), _outputs(twin)
+    assert first.keys() == second.keys()
+    for key in first:
+        _assert_same_bytes(first[key], second[key])
+
+
+def test_groups_side_by_side_give_the_bytes_one_group_gives(fresh_run: Path, tmp_path: Path) -> None:
+    """The scheduler decides where a case runs, never what it computes: two groups at once (one of them moving to the
+    other's bucket when its own is done) give byte for byte what one group gives running every case in turn."""
+    import shutil
+
+    selection = "reference,ddp/default/ws2,accumulate/mb2,torchrec/ebc/row_wise/ws2"
+    twin = tmp_path / "twin"
+    shutil.copytree(fresh_run, twin)
+    alone = run_sweep(fresh_run, SweepOptions(settings=selection, jobs=1))
+    side_by_side = run_sweep(twin, SweepOptions(settings=selection, jobs=2))
+    assert alone.statuses == side_by_side.statuses and set(alone.statuses) == {"ok"}
     first, second = _outputs(fresh_run), _outputs(twin)
     assert first.keys() == second.keys()
     for key in first:

@@ -1,4 +1,5 @@
-"""The local executor: warm worker groups on this machine, `jobs` buckets at a time, each bucket on one group."""
+"""The local executor: warm worker groups on this machine, as many at once as its cores hold ranks, fed by one queue
+of cases (`difftest.runner.scheduler`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 from difftest.runner.executor import BucketKey, ExecutorReport, SweepContext
 from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
+from difftest.runner.scheduler import WorkQueue, machine_ranks
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -136,51 +138,81 @@ def request_for(sweep: SweepContext, case: Case) -> CaseRequest:
 
 
 class LocalExecutor:
-    """`jobs` threads, each taking the largest bucket left and running it on one warm group of its world size."""
+    """`jobs` worker groups at once (default: as many as the machine's cores hold ranks), each running the cases of
+    its bucket and then taking over the bucket with the most work left (`difftest.runner.scheduler`)."""
 
     def __init__(self, warm: WarmGroups | None = None) -> None:
         self.warm = warm
 
     def run(self, sweep: SweepContext, work: dict[BucketKey, list[Case]],
             report: Callable[[Case, CaseResult], None]) -> ExecutorReport:
-        buckets = sorted(work.items(), key=lambda item: -len(item[1]) * item[0][0])
+        capacity = machine_ranks()
+        queue: WorkQueue[BucketKey, Case] = WorkQueue(work.items(), capacity)
         lock = threading.Lock()
         started = [0]
+        failures: list[BaseException] = []
 
-        def next_bucket() -> tuple[BucketKey, list[Case]] | None:
-            with lock:
-                return buckets.pop(0) if buckets else None
+        def serve() -> None:
+            key: BucketKey | None = None
+            runner: GroupRunner | None = None
+            try:
+                while (item := queue.next(key)) is not None:
+                    if item[0] != key:
+                        if runner is not None:
+                            self._put_away(sweep, key, runner)
+                            with lock:
+                                started[0] += runner.supply.started
+                        key, runner = item[0], self._runner(sweep, item[0])
+                    case = item[1]
+                    report(case, runner.run(request_for(sweep, case), case.setting.process_affinity))
+                if runner is not None:
+                    self._put_away(sweep, key, runner)
+            except BaseException as exc:  # a bug of ours (the store, a report): the sweep stops and says so
+                failures.append(exc)
+                if key is not None:
+                    queue.leave(key)
+                if runner is not None:
+                    runner.close()
+                raise
+            finally:
+                if runner is not None:
+                    with lock:
+                        started[0] += runner.supply.started
 
-        def drain() -> None:
-            while (bucket := next_bucket()) is not None:
-                count = self._run_bucket(sweep, bucket[0], bucket[1], report)
-                with lock:
-                    started[0] += count
-
-        threads = [threading.Thread(target=drain, daemon=True) for _ in range(sweep.options.jobs or 1)]
+        jobs = sweep.options.jobs or default_jobs(work, capacity)
+        threads = [threading.Thread(target=serve, daemon=True) for _ in range(jobs)]
         for thread in threads:
             thread.start()
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.5)  # short joins keep Ctrl-C responsive
+        if failures:
+            raise failures[0]
         return ExecutorReport(groups_started=started[0])
 
-    def _run_bucket(self, sweep: SweepContext, key: BucketKey, cases: list[Case],
-                    report: Callable[[Case, CaseResult], None]) -> int:
+    def _warm_key(self, sweep: SweepContext, key: BucketKey) -> tuple:
         options = sweep.options
-        warm_key = (*key, options.device, options.resolved_backend, sweep.plugins, options.timeout_s)
-        runner = GroupRunner(key[0], sweep.run_dir / "logs", sweep.plugins, device=options.device,
-                             backend=options.resolved_backend, timeout_s=options.timeout_s,
-                             recycle_after=options.recycle_after,
-                             group=self.warm.take(warm_key) if self.warm is not None else None)
-        completed = False  # a group given back to `warm` has finished its last case
-        try:
-            for case in cases:
-                report(case, runner.run(request_for(sweep, case), case.setting.process_affinity))
-            completed = True
-        finally:
-            group = runner.release() if completed and self.warm is not None else None
-            if group is not None:
-                self.warm.give(warm_key, group)
-            runner.close()
-        return runner.supply.started
+        return (*key, options.device, options.resolved_backend, sweep.plugins, options.timeout_s)
+
+    def _runner(self, sweep: SweepContext, key: BucketKey) -> GroupRunner:
+        options = sweep.options
+        warm = self.warm.take(self._warm_key(sweep, key)) if self.warm is not None else None
+        return GroupRunner(key[0], sweep.run_dir / "logs", sweep.plugins, device=options.device,
+                           backend=options.resolved_backend, timeout_s=options.timeout_s,
+                           recycle_after=options.recycle_after, group=warm)
+
+    def _put_away(self, sweep: SweepContext, key: BucketKey | None, runner: GroupRunner) -> None:
+        """A runner whose bucket is done: its healthy group is kept warm for the next sweep, if there is one."""
+        group = runner.release() if self.warm is not None and key is not None else None
+        if group is not None:
+            self.warm.give(self._warm_key(sweep, key), group)
+        runner.close()
+
+
+def default_jobs(work: dict[BucketKey, list[Case]], capacity: int) -> int:
+    """As many groups as the machine's cores hold ranks of the smallest world waiting (the queue keeps the ranks
+    running at once within the cores), and no more than there are cases."""
+    if not work:
+        return 1
+    smallest = min(key[0] for key, cases in work.items() if cases) if any(work.values()) else 1
+    return max(1, min(capacity // smallest, sum(len(cases) for cases in work.values())))

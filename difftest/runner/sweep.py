@@ -28,7 +28,7 @@ class SweepOptions:
     settings: str | None = None  # comma-separated globs over setting names
     tier: str | None = None  # default | full; None: `default` without globs, `full` with them
     models: str | None = None  # comma-separated globs over model ids
-    jobs: int | None = None  # worker groups running at once (local: 1; ray: as many as the cluster holds)
+    jobs: int | None = None  # worker groups running at once (local: as many as the cores hold ranks; ray: the cluster's)
     timeout_s: float = 120.0
     device: str = "cpu"
     backend: str | None = None  # default: gloo on cpu, nccl on cuda

@@ -1,0 +1,71 @@
+"""How the local executor scales with --jobs on this machine: cases per minute at 1, 2, … N worker groups.
+
+    python -m benchmarks.scaling [--kind transformer] [--models 8] [--settings GLOBS] [--jobs 1,2,4,8]
+
+One run folder is generated once; each --jobs value sweeps a fresh copy of it (same models, same cases) and the
+table gives, per value: wall time, cases per minute, speed-up and efficiency against --jobs 1 times the jobs, the
+groups started, and where the wall time went — the cases' own compute (the sum of every case's time in its worker)
+against the wall time times the groups, the rest being start-up, rendezvous and idle groups waiting for work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+# one- and two-rank settings of the PyTorch families every model kind has
+DEFAULT_SETTINGS = "reference,accumulate/mb2,ddp/default/ws2,ddp/no-sync/ws2,fsdp2/per-layer/reshard/fp32/ws2,rerun/reference"
+
+
+def main() -> None:
+    from difftest.generate import generate
+    from difftest.registry import load_plugins
+    from difftest.runner.scheduler import machine_ranks
+    from difftest.runner.sweep import SweepOptions, run_sweep
+    from difftest.spec import RunConfig
+    from difftest.store import Store
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", default="transformer")
+    parser.add_argument("--models", type=int, default=8)
+    parser.add_argument("--settings", default=DEFAULT_SETTINGS)
+    parser.add_argument("--jobs", default="", help="comma-separated; default 1, 2, 4, … up to the machine's cores")
+    args = parser.parse_args()
+    ranks = machine_ranks()
+    jobs = [int(j) for j in args.jobs.split(",")] if args.jobs else [1 << i for i in range(ranks.bit_length())]
+    load_plugins()
+    work = Path(tempfile.mkdtemp(prefix="difftest-scaling-"))
+    try:
+        generated = work / "generated"
+        generate(generated, RunConfig(seed=0, models=args.models, kinds=(args.kind,)))
+        rows = []
+        for j in jobs:
+            run = work / f"jobs{j}"
+            shutil.copytree(generated, run)
+            started = time.perf_counter()
+            report = run_sweep(run, SweepOptions(settings=args.settings, jobs=j))
+            wall = time.perf_counter() - started
+            store = Store(run)
+            try:
+                compute = sum(r.wall_s or 0.0 for r in store.records())
+            finally:
+                store.close()
+            cases = sum(report.statuses.values())
+            rows.append((j, cases, wall, 60 * cases / wall, report.groups_started, compute,
+                         dict(report.statuses)))
+        base = rows[0][3] / rows[0][0]
+        print(f"{args.models} {args.kind} models, settings {args.settings}; this machine runs {ranks} ranks at once")
+        print(f"{'jobs':>4} {'cases':>6} {'wall s':>7} {'cases/min':>9} {'speed-up':>8} {'efficiency':>10} "
+              f"{'groups':>6} {'compute/(wall×jobs)':>19}  statuses")
+        for j, cases, wall, per_min, groups, compute, statuses in rows:
+            print(f"{j:>4} {cases:>6} {wall:>7.1f} {per_min:>9.1f} {per_min / rows[0][3]:>8.2f} "
+                  f"{per_min / (base * j):>10.2f} {groups:>6} {compute / (wall * j):>19.2f}  {statuses}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

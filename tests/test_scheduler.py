@@ -1,0 +1,67 @@
+"""The work queue every local sweep runs on: groups keep to their bucket, move to the one with most work left, never
+run more ranks at once than the machine has cores, and each case is handed out once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from difftest.runner.scheduler import MIN_CASES_TO_JOIN, WorkQueue
+
+
+def _drain(queue: WorkQueue, workers: int, hold_s: float = 0.0) -> tuple[list[tuple], int]:
+    """Run `workers` threads over the queue; (every (key, item) handed out, the most ranks busy at a hand-out)."""
+    handed: list[tuple] = []
+    most = [0]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        key = None
+        while (item := queue.next(key)) is not None:
+            busy = queue.ranks_busy
+            with lock:
+                key = item[0]
+                handed.append(item)
+                most[0] = max(most[0], busy)
+            time.sleep(hold_s)
+
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert not any(t.is_alive() for t in threads), "a worker never got its None"
+    return handed, most[0]
+
+
+def test_every_case_is_handed_out_once_and_ranks_stay_within_the_cores() -> None:
+    work = {(1, ""): list(range(40)), (2, ""): list(range(100, 130)), (4, ""): list(range(200, 206)),
+            (2, "tf"): list(range(300, 303))}
+    handed, most = _drain(WorkQueue(work.items(), capacity=4), workers=4, hold_s=0.002)
+    assert sorted(i for _, i in handed) == sorted(i for items in work.values() for i in items)
+    assert all(i in work[key] for key, i in handed)  # an item comes with its own bucket's key
+    assert 2 <= most <= 4  # groups ran side by side, never more ranks than cores
+
+
+def test_a_world_larger_than_the_machine_still_runs_alone() -> None:
+    handed, _ = _drain(WorkQueue([((8, ""), [1, 2]), ((1, ""), [3])], capacity=2), workers=2)
+    assert sorted(i for _, i in handed) == [1, 2, 3]
+
+
+def test_an_idle_group_joins_a_busy_bucket_only_when_enough_cases_are_left() -> None:
+    queue: WorkQueue = WorkQueue([((1, ""), list(range(MIN_CASES_TO_JOIN * 2 + 1)))], capacity=4)
+    first = queue.next(None)
+    second = queue.next(None)  # 2·MIN left, MIN per group once two serve it: worth a second group
+    assert first is not None and second is not None and first[0] == second[0]
+    small: WorkQueue = WorkQueue([((1, ""), list(range(MIN_CASES_TO_JOIN)))], capacity=4)
+    assert small.next(None) is not None
+    joined: list = []
+    waiter = threading.Thread(target=lambda: joined.append(small.next(None)))
+    waiter.start()
+    time.sleep(0.1)
+    assert not joined  # too few left to pay for a group's start: it waits for the serving one to finish
+    key = (1, "")
+    while small.next(key) is not None:
+        pass  # the serving worker takes the rest, then leaves
+    waiter.join(2)
+    assert joined == [None]

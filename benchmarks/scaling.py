@@ -41,7 +41,10 @@ def main() -> None:
     try:
         generated = work / "generated"
         generate(generated, RunConfig(seed=0, models=args.models, kinds=(args.kind,)))
-        rows = []
+        print(f"{args.models} {args.kind} models, settings {args.settings}; this machine runs {ranks} ranks at once")
+        print(f"{'jobs':>4} {'cases':>6} {'wall s':>7} {'cases/min':>9} {'speed-up':>8} {'efficiency':>10} "
+              f"{'groups':>6} {'compute/(wall×jobs)':>19}  statuses", flush=True)
+        first_per_min = None
         for j in jobs:
             run = work / f"jobs{j}"
             shutil.copytree(generated, run)
@@ -54,15 +57,11 @@ def main() -> None:
             finally:
                 store.close()
             cases = sum(report.statuses.values())
-            rows.append((j, cases, wall, 60 * cases / wall, report.groups_started, compute,
-                         dict(report.statuses)))
-        base = rows[0][3] / rows[0][0]
-        print(f"{args.models} {args.kind} models, settings {args.settings}; this machine runs {ranks} ranks at once")
-        print(f"{'jobs':>4} {'cases':>6} {'wall s':>7} {'cases/min':>9} {'speed-up':>8} {'efficiency':>10} "
-              f"{'groups':>6} {'compute/(wall×jobs)':>19}  statuses")
-        for j, cases, wall, per_min, groups, compute, statuses in rows:
-            print(f"{j:>4} {cases:>6} {wall:>7.1f} {per_min:>9.1f} {per_min / rows[0][3]:>8.2f} "
-                  f"{per_min / (base * j):>10.2f} {groups:>6} {compute / (wall * j):>19.2f}  {statuses}")
+            per_min = 60 * cases / wall
+            first_per_min = first_per_min or per_min / j  # the first row's rate per job is the ideal's unit
+            print(f"{j:>4} {cases:>6} {wall:>7.1f} {per_min:>9.1f} {per_min / (first_per_min * jobs[0]):>8.2f} "
+                  f"{per_min / (first_per_min * j):>10.2f} {report.groups_started:>6} {compute / (wall * j):>19.2f}"
+                  f"  {dict(report.statuses)}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

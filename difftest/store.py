@@ -72,11 +72,7 @@ class Store:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(run_dir / "store.sqlite", check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL: in WAL mode a commit survives the process being killed (a rerun resumes after kill -9); only a power
-        # loss may forget the last few, which a rerun recomputes. FULL's fsync per commit, under the store's one lock,
-        # capped a 16-core sweep at the disk's fsync rate. An outputs file is fsynced before its row is committed, so a
-        # row never points at a file the disk does not hold.
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
 
     def close(self) -> None:

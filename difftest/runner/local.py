@@ -153,31 +153,36 @@ class LocalExecutor:
         failures: list[BaseException] = []
 
         def serve() -> None:
-            key: BucketKey | None = None
-            runner: GroupRunner | None = None
+            key: BucketKey | None = None  # the bucket the queue counts this worker as serving
+            held: tuple[BucketKey, GroupRunner] | None = None  # the group it runs cases on, and its bucket
             try:
                 while (item := queue.next(key)) is not None:
-                    if item[0] != key:
-                        if runner is not None:
-                            self._put_away(sweep, key, runner)
-                            with lock:
-                                started[0] += runner.supply.started
-                        key, runner = item[0], self._runner(sweep, item[0])
-                    case = item[1]
-                    report(case, runner.run(request_for(sweep, case), case.setting.process_affinity))
-                if runner is not None:
-                    self._put_away(sweep, key, runner)
+                    key, case = item
+                    if held is None or held[0] != key:
+                        previous, held = held, None
+                        if previous is not None:
+                            put_away(previous)
+                        held = (key, self._runner(sweep, key))
+                    report(case, held[1].run(request_for(sweep, case), case.setting.process_affinity))
+                key = None  # the queue let it go with its None
             except BaseException as exc:  # a bug of ours (the store, a report): the sweep stops and says so
                 failures.append(exc)
                 if key is not None:
                     queue.leave(key)
-                if runner is not None:
-                    runner.close()
                 raise
             finally:
-                if runner is not None:
-                    with lock:
-                        started[0] += runner.supply.started
+                if held is not None:
+                    put_away(held, keep=not failures)
+
+        def put_away(held: tuple[BucketKey, GroupRunner], keep: bool = True) -> None:
+            """A runner whose bucket is done: its healthy group is kept warm for the next sweep, if there is one."""
+            key, runner = held
+            group = runner.release() if keep and self.warm is not None else None
+            if group is not None:
+                self.warm.give(self._warm_key(sweep, key), group)
+            runner.close()
+            with lock:
+                started[0] += runner.supply.started
 
         jobs = sweep.options.jobs or default_jobs(work, capacity)
         threads = [threading.Thread(target=serve, daemon=True) for _ in range(jobs)]
@@ -200,13 +205,6 @@ class LocalExecutor:
         return GroupRunner(key[0], sweep.run_dir / "logs", sweep.plugins, device=options.device,
                            backend=options.resolved_backend, timeout_s=options.timeout_s,
                            recycle_after=options.recycle_after, group=warm)
-
-    def _put_away(self, sweep: SweepContext, key: BucketKey | None, runner: GroupRunner) -> None:
-        """A runner whose bucket is done: its healthy group is kept warm for the next sweep, if there is one."""
-        group = runner.release() if self.warm is not None and key is not None else None
-        if group is not None:
-            self.warm.give(self._warm_key(sweep, key), group)
-        runner.close()
 
 
 def default_jobs(work: dict[BucketKey, list[Case]], capacity: int) -> int:

@@ -15,9 +15,7 @@ table() {
   python3 - "$1" <<'EOF'
 import sys
 import pandas as pd
-run = sys.argv[1]
-cases = pd.read_csv(f"{run}/cases.csv") if __import__("os").path.exists(f"{run}/cases.csv") else None
-rows = pd.read_csv(f"{run}/comparisons.csv")
+rows = pd.read_csv(f"{sys.argv[1]}/comparisons.csv")
 rows = rows[~rows.setting.str.startswith("calib-")]
 by = rows.groupby("setting").agg(cases=("model", "nunique"), worst_ratio=("calibrated_ratio", "max"),
                                  worst_linf=("linf", "max"), not_ok=("status", lambda s: int((s != "ok").sum())))

@@ -239,3 +239,16 @@ def test_groups_side_by_side_give_the_bytes_one_group_gives(fresh_run: Path, tmp
     assert first.keys() == second.keys()
     for key in first:
         _assert_same_bytes(first[key], second[key])
+
+
+def test_an_error_of_ours_while_recording_a_case_ends_the_sweep_with_that_error(fresh_run: Path) -> None:
+    """A worker thread that raises (here: in the callback the store commits through) is not lost: the sweep raises it,
+    and its peers stop instead of waiting for a group that is gone."""
+    def broken(case, record) -> None:
+        raise RuntimeError("planted: recording failed")
+
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="planted: recording failed"):
+        run_sweep(fresh_run, SweepOptions(settings="reference,ddp/default/ws2", models="*-i0", jobs=2),
+                  on_result=broken)
+    assert time.perf_counter() - started < 120

@@ -165,11 +165,10 @@ class LocalExecutor:
                         held = (key, self._runner(sweep, key))
                     report(case, held[1].run(request_for(sweep, case), case.setting.process_affinity))
                 key = None  # the queue let it go with its None
-            except BaseException as exc:  # a bug of ours (the store, a report): the sweep stops and says so
+            except BaseException as exc:  # a bug of ours (the store, a report): the sweep stops and run() raises it
                 failures.append(exc)
                 if key is not None:
                     queue.leave(key)
-                raise
             finally:
                 if held is not None:
                     put_away(held, keep=not failures)
@@ -210,7 +209,7 @@ class LocalExecutor:
 def default_jobs(work: dict[BucketKey, list[Case]], capacity: int) -> int:
     """As many groups as the machine's cores hold ranks of the smallest world waiting (the queue keeps the ranks
     running at once within the cores), and no more than there are cases."""
-    if not work:
+    waiting = [key[0] for key, cases in work.items() if cases]
+    if not waiting:
         return 1
-    smallest = min(key[0] for key, cases in work.items() if cases) if any(work.values()) else 1
-    return max(1, min(capacity // smallest, sum(len(cases) for cases in work.values())))
+    return max(1, min(capacity // min(waiting), sum(len(cases) for cases in work.values())))

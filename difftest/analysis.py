@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
@@ -13,7 +14,9 @@ from difftest.envelope import UNIT_ROUNDOFF, Envelope
 from difftest.oracle import BOUND_PREFIX, Tolerance, compare
 from difftest.registry import calibrations_of, get_generator, get_setting, load_plugins, root_of
 from difftest.runner.sweep import list_models
-from difftest.store import STATUSES, Store
+from difftest.setting import Setting, SettingRole
+from difftest.spec import ModelSpec
+from difftest.store import STATUSES, CaseRecord, Store
 
 CSV_COLUMNS = [
     "model", "input", "kind", "setting", "reference", "phase", "tensor",
@@ -60,92 +63,24 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
     store = Store(run_dir)
     try:
         records = store.records()
-        by_model = {(r.model, r.setting): r for r in records}
-        reference_outputs: dict[tuple[str, str], dict] = {}
-
-        def outputs_of_reference(model: str, reference: str) -> dict | None:
-            key = (model, reference)
-            if key not in reference_outputs:
-                ref = by_model.get(key)
-                loaded = _load(store, ref) if ref is not None and ref.status == "ok" else None
-                reference_outputs[key] = loaded if isinstance(loaded, dict) else None
-            return reference_outputs[key]
-
-        envelopes: dict[tuple[str, str, str], tuple[Envelope | None, str]] = {}
-
-        def envelope_of(model: str, setting) -> tuple[Envelope | None, str]:
-            """The envelope judging `setting` on `model`, or why the D3 verdict stands."""
-            if oracle != "calibrated":
-                return None, "d3 oracle chosen"
-            if setting is None or setting.family == "calibration":
-                return None, "a calibration run is what the envelope is made of"
-            if setting.tolerance(tol) == Tolerance(0.0, 0.0):
-                return None, "judged bitwise"
-            if setting.precision not in UNIT_ROUNDOFF:
-                return None, f"{setting.precision} arithmetic: judged by its scheme's bound"
-            root = root_of(setting)
-            key = (model, root.name, setting.precision)
-            if key not in envelopes:
-                envelopes[key] = _measure_envelope(model, root, setting.precision, by_model, outputs_of_reference)
-            return envelopes[key]
-
+        # while a sweep runs, a case not committed yet may be one it has still to run
+        judge = Judge(store, tol, oracle, will_run=lambda model, setting: running)
+        for record in records:
+            judge.add(record)
         rows: list[dict] = []
         verdicts: list[dict] = []
         for record in records:
             spec = specs.get(record.model)
             if spec is None:
                 continue  # a model deleted from the run after its cases ran
-            setting = _registered(record.setting)
-            reference = setting.reference if setting is not None else "reference"
-            base = {"model": record.model, "input": spec.input_id, "kind": spec.kind, "setting": record.setting, "reference": reference}
-            worst = math.nan
-            calibrated, d3_verdict = "", ""
-            if record.status != "ok":
-                verdict = record.status
-                rows.append(_case_row(base, record.status, record.message))
-            elif record.setting == reference:
-                verdict = "ok"
-            elif running and (record.model, reference) not in by_model:
-                verdict = "pending"  # judged once the sweep has run its reference
-            elif outputs_of_reference(record.model, reference) is None:
-                ref = by_model.get((record.model, reference))
-                why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
-                verdict = "error"
-                rows.append(_case_row(base, "error", f"cannot judge: the reference case {why}"))
-            elif isinstance(actual := _load(store, record), str):
-                verdict = "error"  # a finding of its own in triage, not a traceback that ends the analysis
-                rows.append(_case_row(base, "error", f"outputs unreadable: {actual}"))
-            else:
-                expected = outputs_of_reference(record.model, reference) or {}
-                if setting is not None:
-                    expected = {k: v for k, v in expected.items() if setting.judges(k)}
-                    # (a bound `allowed/<name>` goes with its tensor)
-                    actual = {k: v for k, v in actual.items() if setting.judges(k.removeprefix(BOUND_PREFIX))}
-                judged_by = setting.tolerance(tol) if setting is not None else tol
-                comparisons = compare(actual, expected, judged_by)
-                mismatch = setting.mismatch_status if setting is not None else "inconsistent"
-                envelope, why_not = envelope_of(record.model, setting)
-                calibrated = "yes" if envelope is not None else f"no: {why_not}"
-                finals, d3 = [], []
-                for c in comparisons:
-                    name = f"{c.phase}/{c.tensor}"
-                    judged = (envelope.judge(name, actual[name])
-                              if envelope is not None and name in actual and c.oracle != "bound" else None)
-                    ok = judged.consistent if judged is not None else c.consistent
-                    finals.append(ok)
-                    d3.append(c.consistent)
-                    rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
-                                 "status": "ok" if ok else mismatch, "message": c.message or record.message,
-                                 "calibrated_linf": judged.linf if judged else math.nan,
-                                 "calibrated_ratio": judged.ratio if judged else math.nan,
-                                 "d3_status": "ok" if c.consistent else mismatch})
-                worst = max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan)
-                verdict = "ok" if all(finals) else mismatch
-                d3_verdict = "ok" if all(d3) else mismatch
-            d3_verdict = d3_verdict or verdict  # a case not compared tensor by tensor has one verdict
+            judged = judge.judge(record, spec)
+            if judged is None:
+                judged = Judgement("pending")  # judged once the sweep has run its reference and calibrations
+            rows.extend(judged.rows)
             verdicts.append({"model": record.model, "kind": spec.kind, "setting": record.setting,
-                             "verdict": verdict, "d3_verdict": d3_verdict, "calibrated": calibrated,
-                             "worst_linf": worst, "wall_s": record.wall_s})
+                             "verdict": judged.verdict, "d3_verdict": judged.d3_verdict or judged.verdict,
+                             "calibrated": judged.calibrated, "worst_linf": judged.worst_linf,
+                             "wall_s": record.wall_s})
     finally:
         store.close()
 
@@ -160,19 +95,130 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
     return analysis
 
 
-def _measure_envelope(model: str, root, precision: str, records: dict, outputs_of) -> tuple[Envelope | None, str]:
-    centre_name, run_names = calibrations_of(root, precision)
-    if centre_name is None:
-        return None, f"{root.name} has no float64 calibration"
-    centre = outputs_of(model, centre_name)
-    if centre is None:
-        record = records.get((model, centre_name))
-        why = "never ran" if record is None else f"ended {record.status}: {record.message[:160]}"
-        return None, f"{centre_name} {why}"
-    runs = {name: out for name in run_names if (out := outputs_of(model, name)) is not None}
-    if not runs:
-        return None, f"none of {', '.join(run_names) or 'its runs'} ran ok"
-    return Envelope.measure(centre, runs, UNIT_ROUNDOFF[precision]), ""
+@dataclass
+class Judgement:
+    """One case's verdicts and its comparisons rows (one per tensor compared, or one for a case judged whole)."""
+
+    verdict: str
+    d3_verdict: str = ""  # "": the case was not compared tensor by tensor, its one verdict is D3's too
+    calibrated: str = ""  # "yes", or why the envelope does not judge it
+    worst_linf: float = math.nan
+    rows: list[dict] = field(default_factory=list)
+
+
+_PENDING = "pending"  # what an envelope is while a calibration it is made of has still to run
+
+
+class Judge:
+    """Judges one case at a time against its setting's reference (`Setting.reference`) on the tensors it `judges`: by
+    the calibrated oracle where its root was calibrated (`oracle="calibrated"`), else by the fixed D3 one. Reference
+    and calibration outputs are read from the store once per model. `will_run(model, setting)`: whether a case not
+    committed yet is one the sweep will still run; a case that needs it is then pending, not an error."""
+
+    def __init__(self, store: Store, tol: Tolerance = Tolerance(), oracle: str = "calibrated",
+                 will_run: Callable[[str, str], bool] = lambda model, setting: False) -> None:
+        self.store, self.tol, self.oracle, self.will_run = store, tol, oracle, will_run
+        self.records: dict[tuple[str, str], CaseRecord] = {}
+        self._outputs: dict[tuple[str, str], dict | None] = {}
+        self._envelopes: dict[tuple[str, str, str], tuple[Envelope | None, str]] = {}
+
+    def add(self, record: CaseRecord) -> None:
+        self.records[(record.model, record.setting)] = record
+
+    def forget(self, model: str) -> None:
+        """Let go of the outputs and envelopes read for `model` (every case of it is judged)."""
+        self._outputs = {k: v for k, v in self._outputs.items() if k[0] != model}
+        self._envelopes = {k: v for k, v in self._envelopes.items() if k[0] != model}
+
+    def _missing(self, model: str, setting: str) -> bool:
+        return (model, setting) not in self.records and self.will_run(model, setting)
+
+    def _reference_outputs(self, model: str, reference: str) -> dict | None:
+        key = (model, reference)
+        if key not in self._outputs:
+            ref = self.records.get(key)
+            loaded = _load(self.store, ref) if ref is not None and ref.status == "ok" else None
+            self._outputs[key] = loaded if isinstance(loaded, dict) else None
+        return self._outputs[key]
+
+    def _envelope(self, model: str, setting: Setting | None) -> tuple[Envelope | None, str]:
+        """The envelope judging `setting` on `model`, or why the D3 verdict stands (`_PENDING`: not yet known)."""
+        if self.oracle != "calibrated":
+            return None, "d3 oracle chosen"
+        if setting is None or setting.role is SettingRole.CALIBRATION:
+            return None, "a calibration run is what the envelope is made of"
+        if setting.tolerance(self.tol) == Tolerance(0.0, 0.0):
+            return None, "judged bitwise"
+        if setting.precision not in UNIT_ROUNDOFF:
+            return None, f"{setting.precision} arithmetic: judged by its scheme's bound"
+        root = root_of(setting)
+        centre_name, run_names = calibrations_of(root, setting.precision)
+        if any(self._missing(model, name) for name in [centre_name, *run_names] if name is not None):
+            return None, _PENDING
+        key = (model, root.name, setting.precision)
+        if key not in self._envelopes:
+            self._envelopes[key] = self._measure(model, root, setting.precision, centre_name, run_names)
+        return self._envelopes[key]
+
+    def _measure(self, model: str, root: Setting, precision: str, centre_name: str | None,
+                 run_names: list[str]) -> tuple[Envelope | None, str]:
+        if centre_name is None:
+            return None, f"{root.name} has no float64 calibration"
+        centre = self._reference_outputs(model, centre_name)
+        if centre is None:
+            record = self.records.get((model, centre_name))
+            why = "never ran" if record is None else f"ended {record.status}: {record.message[:160]}"
+            return None, f"{centre_name} {why}"
+        runs = {name: out for name in run_names if (out := self._reference_outputs(model, name)) is not None}
+        if not runs:
+            return None, f"none of {', '.join(run_names) or 'its runs'} ran ok"
+        return Envelope.measure(centre, runs, UNIT_ROUNDOFF[precision]), ""
+
+    def judge(self, record: CaseRecord, spec: ModelSpec) -> Judgement | None:
+        """`record`'s verdicts; None while what judges it (its reference, its root's calibrations) has still to run."""
+        setting = _registered(record.setting)
+        reference = setting.reference if setting is not None else "reference"
+        base = {"model": record.model, "input": spec.input_id, "kind": spec.kind, "setting": record.setting,
+                "reference": reference}
+        if record.status != "ok":
+            return Judgement(record.status, rows=[_case_row(base, record.status, record.message)])
+        if record.setting == reference:
+            return Judgement("ok")
+        if self._missing(record.model, reference):
+            return None
+        expected = self._reference_outputs(record.model, reference)
+        if expected is None:
+            ref = self.records.get((record.model, reference))
+            why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
+            return Judgement("error", rows=[_case_row(base, "error", f"cannot judge: the reference case {why}")])
+        envelope, why_not = self._envelope(record.model, setting)
+        if why_not == _PENDING:
+            return None
+        actual = _load(self.store, record)
+        if isinstance(actual, str):  # a finding of its own in triage, not a traceback that ends the analysis
+            return Judgement("error", rows=[_case_row(base, "error", f"outputs unreadable: {actual}")])
+        if setting is not None:
+            expected = {k: v for k, v in expected.items() if setting.judges(k)}
+            # (a bound `allowed/<name>` goes with its tensor)
+            actual = {k: v for k, v in actual.items() if setting.judges(k.removeprefix(BOUND_PREFIX))}
+        comparisons = compare(actual, expected, setting.tolerance(self.tol) if setting is not None else self.tol)
+        mismatch = setting.mismatch_status if setting is not None else "inconsistent"
+        rows, finals, d3 = [], [], []
+        for c in comparisons:
+            name = f"{c.phase}/{c.tensor}"
+            judged = (envelope.judge(name, actual[name])
+                      if envelope is not None and name in actual and c.oracle != "bound" else None)
+            ok = judged.consistent if judged is not None else c.consistent
+            finals.append(ok)
+            d3.append(c.consistent)
+            rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
+                         "status": "ok" if ok else mismatch, "message": c.message or record.message,
+                         "calibrated_linf": judged.linf if judged else math.nan,
+                         "calibrated_ratio": judged.ratio if judged else math.nan,
+                         "d3_status": "ok" if c.consistent else mismatch})
+        return Judgement("ok" if all(finals) else mismatch, "ok" if all(d3) else mismatch,
+                         "yes" if envelope is not None else f"no: {why_not}",
+                         max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan), rows)
 
 
 def sweep_in_progress(run_dir: Path) -> bool:

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from difftest.errors import UserError
+from difftest.oracle import Tolerance
 from difftest.progress import SweepProgress
 
 app = typer.Typer(
@@ -165,7 +166,7 @@ def _check_jobs(jobs: Optional[int], executor: object = None) -> None:
                         "worker groups; leave --jobs out to use them all")
 
 
-def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: Optional[int], timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None, executor=None, backend: Optional[str] = None) -> None:
+def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: Optional[int], timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None, executor=None, backend: Optional[str] = None, tol=None, oracle: str = "calibrated") -> None:
     from difftest.registry import load_plugins
     from difftest.runner.executor import ExecutorConfig
     from difftest.runner.sweep import SweepOptions, plan_cases, run_sweep
@@ -183,24 +184,37 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
     if before is not None and before.get("libraries") != stack.recorded(out).get("libraries"):
         console.print(f"[yellow]{escape(str(out))} was swept before on another stack ({escape(stack.describe(before))}); "
                       "run.json keeps both, and its results now mix them", highlight=False)
+    from difftest.live import LiveFindings
+
     started = time.perf_counter()
     with SweepProgress(console) as progress:
-        report = run_sweep(
-            out, options,
-            on_result=lambda case, record: progress.result(record.setting, record.status),
-            on_planned=lambda cases, refused: progress.planned([c.setting.name for c in cases], refused),
-        )
+        live = LiveFindings(out, tol or Tolerance(), oracle, on_new=progress.finding)
+
+        def on_result(case, record) -> None:
+            live.result(case, record)
+            progress.result(record.setting, record.status, findings=len(live.found))
+
+        def on_planned(cases, refused: int) -> None:
+            live.planned(cases)
+            progress.planned([c.setting.name for c in cases], refused)
+
+        try:
+            report = run_sweep(out, options, on_result=on_result, on_planned=on_planned)
+        finally:
+            live.close()
+    first = min((f.seconds for f in live.found.values()), default=None)
     console.print(
         f"sweep: {report.total} cases, {report.skipped_done} already done, ran {sum(report.statuses.values())} "
         f"({dict(report.statuses)}) with {report.groups_started} worker group(s) in {time.perf_counter() - started:.1f}s"
         + (f"; {report.executor_note}" if report.executor_note else "")
+        + (f"; {live.cases_not_ok} case(s) not ok under {len(live.found)} signature(s) so far, the first after "
+           f"{first:.0f}s" if first is not None else "")
     )
 
 
 def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: float = 0.0, timeout: float = 120.0,
              device: str = "cpu", oracle: str = "calibrated", new_only: bool = False) -> None:
     from difftest.analysis import analyze
-    from difftest.oracle import Tolerance
     from difftest.spec import RunConfig
     from difftest.triage import triage
 
@@ -332,7 +346,8 @@ def run(
     if which_wins:
         console.print(which_wins, highlight=False)
     _generate(out, count, seed, kind, steps, lr, batch_size, plugins, models_of)
-    _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where, backend=backend)
+    _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where, backend=backend,
+           tol=Tolerance(atol=atol, rtol=rtol), oracle=oracle)
     _analyze(out, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
 
@@ -374,7 +389,8 @@ def sweep(
 ) -> None:
     """Run every (model, setting) case not yet committed in RUN_DIR (a rerun resumes), then analyse and triage."""
     where = _executor(executor, address, cpus_per_rank)
-    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where, backend)
+    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where, backend,
+           Tolerance(atol=atol, rtol=rtol), oracle)
     _analyze(run_dir, atol, rtol, False, minimize_budget, timeout, device, oracle)
 
 
@@ -414,7 +430,7 @@ def quant(
     load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
     where = _executor(executor, address, cpus_per_rank)
     _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, None, timeout, device, plugins, executor=where,
-           backend=backend)
+           backend=backend, tol=Tolerance(atol=atol, rtol=rtol), oracle=oracle)
     _analyze(run_dir, atol, rtol, fail_on_inconsistency, minimize_budget, timeout, device, oracle)
 
 

@@ -3,8 +3,8 @@
 Delta debugging over the case, greedy and batched: a round proposes, for every finding still shrinking, smaller
 cases one step away from its smallest so far (a table, feature or layer dropped, rows/dims/widths cut, a smaller
 batch, the same setting at a smaller world size — the generator of the model's kind says what can go); all
-proposals of all findings run as one sweep over a private run (one worker group per world size for the whole
-round, a model shared by two findings built once), and a finding moves to its smallest proposal whose case is
+proposals of all findings run as one sweep over a private run (the sweep's work queue: as many worker groups at
+once as the cores hold, kept warm from round to round; a model shared by two findings built once), and a finding moves to its smallest proposal whose case is
 signed as the finding is (`difftest.triage.case_signature`, with the original run's contrast). The changes that
 succeeded are tried together first in the next round. A finding stops when no proposal one step away reproduces,
 or when its time budget is spent: it keeps the smallest case found so far and says so.
@@ -278,7 +278,7 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
                 calibrated = tuple(dict.fromkeys((t.model_id, t.setting) for f, ts in planned.items()
                                                  if f in needs_envelope for t in ts))
                 run_sweep(private, SweepOptions(pairs=pairs, calibrated_pairs=calibrated, timeout_s=timeout_s,
-                                                device=device, plugins=plugins, jobs=2), on_result=charge, warm=warm)
+                                                device=device, plugins=plugins), on_result=charge, warm=warm)
                 signed = signatures(analyze(private, plugins=config.plugins + plugins), separating)
             else:
                 signed = {}

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
@@ -40,6 +41,7 @@ class SweepProgress:
         self.done = 0
         self.started = time.perf_counter()
         self.refused = 0
+        self.findings = 0  # distinct signatures of the cases judged not ok so far
         self.running_since: float | None = None
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
@@ -77,7 +79,8 @@ class SweepProgress:
                                highlight=False)
 
     def _counts(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+        found = f" findings so far={self.findings}" if self.findings else ""
+        return " ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) + found
 
     def _eta(self) -> float | None:
         ran = self.done - self.refused
@@ -94,7 +97,16 @@ class SweepProgress:
             highlight=False, soft_wrap=True,
         )
 
-    def result(self, setting_name: str, status: str) -> None:
+    def finding(self, finding: Any) -> None:
+        """A case whose signature is new (`difftest.live.LiveFinding`): one line, above the bars on a terminal."""
+        line = (f"[{_format_seconds(finding.seconds)}] finding {finding.number} so far: {finding.title} "
+                f"({finding.setting} on {finding.model})")
+        console = self._progress.console if self._progress is not None else self.console
+        console.print(escape(line), highlight=False, soft_wrap=True)
+
+    def result(self, setting_name: str, status: str, findings: int | None = None) -> None:
+        if findings is not None:
+            self.findings = findings
         self.done += 1
         if self.done == self.refused:
             self.running_since = time.perf_counter()

@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable, Iterable
 
 from difftest.errors import UserError
-from difftest.setting import Setting
+from difftest.setting import Setting, SettingRole
 
 _SETTINGS: dict[str, Setting] = {}
 _GENERATORS: dict[str, Any] = {}
@@ -239,7 +239,7 @@ def with_references(settings: list[Setting], calibrate: bool = True) -> list[Set
             chosen[name] = get_setting(name)
             pending.append(chosen[name].reference)
     for setting in list(chosen.values()) if calibrate else []:
-        if setting.reference == setting.name or setting.family == "calibration" or _bitwise(setting):
+        if setting.role in (SettingRole.ROOT, SettingRole.CALIBRATION) or _bitwise(setting):
             continue
         if setting.available() is not None:
             continue  # it is `unsupported` here: nothing to judge, no noise to measure for it

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypeVar
 
@@ -40,6 +41,15 @@ class RunContext:
     seed: int
     # what a setting wants kept with its case (e.g. the sharding plan it ran); rank 0's are stored
     notes: dict[str, str] = field(default_factory=dict)
+
+
+class SettingRole(enum.Enum):
+    """What a setting is for, as the engine sees it."""
+
+    JUDGED = "judged"  # judged against its reference
+    ROOT = "root"  # its own reference: what other settings are judged against
+    JUDGE_ONLY = "judge-only"  # exists to judge others (a simulator of their schedule), never a family's representative
+    CALIBRATION = "calibration"  # a root run again to measure the noise its envelope is made of
 
 
 class Setting(abc.ABC):
@@ -89,6 +99,12 @@ class Setting(abc.ABC):
         """True for a setting that exists only to judge others (a simulator of their schedule): tiers run it as
         their reference, never as a representative of its family."""
         return False
+
+    @property
+    def role(self) -> SettingRole:
+        if self.reference == self.name:
+            return SettingRole.ROOT
+        return SettingRole.JUDGE_ONLY if self.judge_only else SettingRole.JUDGED
 
     @property
     def process_affinity(self) -> str:

@@ -6,6 +6,7 @@ any moment leaves either a committed case or none; a rerun executes exactly the 
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import threading
 import time
@@ -78,7 +79,8 @@ class Store:
     def close(self) -> None:
         self._db.close()
 
-    def commit(self, record: CaseRecord, outputs: dict[str, np.ndarray] | None) -> None:
+    def commit(self, record: CaseRecord, outputs: dict[str, np.ndarray] | None) -> CaseRecord:
+        """Stores `record` and its outputs; the record as committed (with its outputs file)."""
         rel = None
         if outputs is not None:
             rel = outputs_filename(record.model, record.setting)
@@ -90,6 +92,7 @@ class Store:
                 "INSERT OR REPLACE INTO cases VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (record.model, record.setting, record.status, record.message, record.rank, record.wall_s, rel, time.time()),
             )
+        return dataclasses.replace(record, outputs=rel)
 
     def forget(self, cases: list[tuple[str, str]]) -> None:
         """Uncommit (model, setting) cases, so the next sweep runs them again."""

@@ -43,7 +43,7 @@ from difftest.artifacts import Inputs, LoadedModel
 from difftest.envelope import UNIT_ROUNDOFF
 from difftest.errors import Unsupported
 from difftest.registry import register_calibration
-from difftest.setting import Outputs, Repeat, RunContext, Setting
+from difftest.setting import Outputs, Repeat, RunContext, Setting, SettingRole
 from generators.inputs import Batch
 
 # the Monte Carlo modes: name prefix -> unit roundoff
@@ -68,6 +68,10 @@ class Calibration(Repeat):
     @property
     def precision(self) -> str:  # type: ignore[override]
         return "float64" if self.float64 else "fp32"
+
+    @property
+    def role(self) -> SettingRole:
+        return SettingRole.CALIBRATION
 
     @property
     def monte_carlo_unit(self) -> float | None:

@@ -94,34 +94,6 @@ def test_an_address_nothing_listens_at_is_one_line_of_error(fresh_run: Path) -> 
         run_sweep(fresh_run, SweepOptions(settings="ddp/*/ws2", executor=ExecutorConfig("ray", "127.0.0.1:1")))
 
 
-def test_the_queue_keeps_a_gang_on_its_model_and_spreads_gangs_over_buckets() -> None:
-    from types import SimpleNamespace
-
-    from difftest.runner.ray_executor import _WorkQueue
-
-    def case(model: str, setting: str) -> SimpleNamespace:
-        return SimpleNamespace(model_id=model, setting=SimpleNamespace(name=setting))
-
-    ws2 = [case(m, f"s{i}") for m in ("a", "b") for i in range(8)]
-    ws4 = [case("a", "t0")]
-    queue = _WorkQueue({(2, ""): ws2, (4, ""): ws4})
-    assert queue.pick_bucket() == (2, "")  # 32 rank-cases against 4, neither served yet
-    assert queue.pick_bucket() == (4, "")  # a bucket nobody serves comes before a second gang on another
-    assert queue.pick_bucket() == (2, "")  # 16 cases on one gang: a second gang's start is worth it
-    assert queue.pick_bucket() is None  # a third would get fewer than MIN_CASES_PER_GANG
-    one = queue.take((2, ""), None)
-    other = queue.take((2, ""), None)
-    assert (one.model_id, other.model_id) == ("a", "b")  # the second gang starts on the model nobody is on
-    assert queue.take((2, ""), "a").model_id == "a"  # and each keeps to the model its ranks have loaded
-    queue.put_back((2, ""), one)  # its node went away: it is the next case of its model
-    assert queue.take((2, ""), "a") is one
-    model, taken = "a", []
-    while (case := queue.take((2, ""), model)) is not None:
-        model = case.model_id
-        taken.append(case.model_id)
-    assert taken == ["a"] * 6 + ["b"] * 7  # its model done, the gang steals what the other gang has left
-
-
 # -- a simulated multi-node cluster -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

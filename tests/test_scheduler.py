@@ -1,12 +1,12 @@
-"""The work queue every local sweep runs on: groups keep to their bucket, move to the one with most work left, never
-run more ranks at once than the machine has cores, and each case is handed out once."""
+"""The work queue both executors run on: groups keep to their bucket and their model, move to the bucket with most
+work left, never run more ranks at once than the machine has cores, and each case is handed out once."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from difftest.runner.scheduler import MIN_CASES_TO_JOIN, WorkQueue
+from difftest.runner.scheduler import MIN_CASES_TO_JOIN, UNBOUNDED, WorkQueue
 
 
 def _drain(queue: WorkQueue, workers: int, hold_s: float = 0.0) -> tuple[list[tuple], int]:
@@ -65,3 +65,22 @@ def test_an_idle_group_joins_a_busy_bucket_only_when_enough_cases_are_left() -> 
         pass  # the serving worker takes the rest, then leaves
     waiter.join(2)
     assert joined == [None]
+
+
+def test_a_group_keeps_to_its_model_and_the_next_group_starts_on_another() -> None:
+    ws2 = [(model, i) for model in "ab" for i in range(8)]
+    queue: WorkQueue = WorkQueue([((2, ""), ws2), ((4, ""), [("a", 99)])], UNBOUNDED, model_of=lambda case: case[0],
+                                 min_to_join=6)
+    key = (2, "")
+    assert queue.next(None) == (key, ("a", 0))  # 32 rank-cases against 4
+    assert queue.next(None) == (key, ("b", 0))  # still 15 per group: a second group, on the model nobody is on
+    assert queue.next(None) == ((4, ""), ("a", 99))  # 14 cases: fewer than 6 for each of three groups
+    assert queue.next(key, ("a", 0)) == (key, ("a", 1))  # each keeps to the model its ranks have loaded
+    queue.put_back(key, ("a", 1))  # its group went away under it: it is the next case of its model
+    assert queue.next(key, ("a", 1)) == (key, ("a", 1))
+    last, taken = ("a", 1), []
+    while (item := queue.next(key, last)) is not None:
+        last = item[1]
+        taken.append(last[0])
+    assert taken == ["a"] * 6 + ["b"] * 7  # its model done, the group takes what the other group has left
+    assert queue.drain((4, "")) == []

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from difftest.analysis import analyze
+from difftest.live import LiveFindings
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.triage import (FINDINGS_COLUMNS, computation_order, innermost_library_frame, normalise_message,
                              setting_family, tensor_class, triage)
@@ -50,10 +51,17 @@ def test_computation_order_puts_eval_before_training_and_embeddings_before_the_p
 def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reproducer(fresh_run: Path) -> None:
     selection = ("faults/shard_off_by_one_row/ws2,faults/raises/ws2,torchrec/ebc/grid_shard/ws2,"
                  "torchrec/ebc/grid_shard/ws3,torchrec/ebc/table_wise/ws2,pipeline/zbv-zero-bubble/ws2/stages4/mb2/*")
-    run_sweep(fresh_run, SweepOptions(settings=selection, plugins=(PLANTED,), timeout_s=60))
+    live = LiveFindings(fresh_run)
+    run_sweep(fresh_run, SweepOptions(settings=selection, plugins=(PLANTED,), timeout_s=60), on_result=live.result,
+              on_planned=lambda cases, refused: live.planned(cases))
+    live.close()
     analysis = analyze(fresh_run, plugins=(PLANTED,))
     findings = triage(fresh_run, analysis)
     failing = analysis.cases[analysis.cases["verdict"].isin(["inconsistent", "error", "crash", "timeout"])]
+    # judged while the sweep ran, each case as soon as its reference and calibrations were in: the verdicts after it
+    assert live.waiting == 0
+    assert live.verdicts == dict(zip(zip(analysis.cases["model"], analysis.cases["setting"]), analysis.cases["verdict"]))
+    assert len(live.found) == len(findings) and live.cases_not_ok == len(failing)
     grouped = pd.concat([f.rows for f in findings])
     assert sorted(zip(grouped["model"], grouped["setting"])) == sorted(zip(failing["model"], failing["setting"]))
     by_title = {f.title: f for f in findings}

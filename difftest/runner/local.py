@@ -147,16 +147,17 @@ class LocalExecutor:
     def run(self, sweep: SweepContext, work: dict[BucketKey, list[Case]],
             report: Callable[[Case, CaseResult], None]) -> ExecutorReport:
         capacity = machine_ranks()
-        queue: WorkQueue[BucketKey, Case] = WorkQueue(work.items(), capacity)
+        queue: WorkQueue[BucketKey, Case] = WorkQueue(work.items(), capacity, model_of=lambda case: case.model_id)
         lock = threading.Lock()
         started = [0]
         failures: list[BaseException] = []
 
         def serve() -> None:
             key: BucketKey | None = None  # the bucket the queue counts this worker as serving
+            case: Case | None = None  # the case it ran last: its group has that model loaded
             held: tuple[BucketKey, GroupRunner] | None = None  # the group it runs cases on, and its bucket
             try:
-                while (item := queue.next(key)) is not None:
+                while (item := queue.next(key, case)) is not None:
                     key, case = item
                     if held is None or held[0] != key:
                         previous, held = held, None
@@ -168,7 +169,7 @@ class LocalExecutor:
             except BaseException as exc:  # a bug of ours (the store, a report): the sweep stops and run() raises it
                 failures.append(exc)
                 if key is not None:
-                    queue.leave(key)
+                    queue.leave(key, case)
             finally:
                 if held is not None:
                     put_away(held, keep=not failures)

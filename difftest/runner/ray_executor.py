@@ -3,8 +3,9 @@
 A gang is one placement group with one bundle per rank, STRICT_PACK, so a case's ranks share a node and talk over its
 loopback (gloo) or its devices (NCCL); a `GangHost` actor in the gang's first bundle runs the same `GroupRunner` the
 local executor runs (warm groups, per-case watchdog, crash and timeout rows). The driver keeps every case in a
-queue by (world size, affinity); each gang slot takes the bucket with the most cases left per gang serving it and
-pulls its cases one at a time, so idle gangs steal work instead of sitting on a static split.
+queue, the local executor's (`difftest.runner.scheduler`): each gang slot takes the bucket with the most cases left
+per gang serving it and pulls its cases one at a time, keeping to its model, so idle gangs steal work instead of
+sitting on a static split.
 
 The driver stays the store's only writer: a case's record and output tensors come back as the actor call's result.
 Model folders travel through Ray's object store and are written once per node. Infrastructure loss (a node, a raylet,
@@ -23,7 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,6 +33,7 @@ from difftest.errors import UserError
 from difftest.runner.executor import BucketKey, ExecutorConfig, ExecutorReport, SweepContext
 from difftest.runner.local import GroupRunner
 from difftest.runner.pool import CaseRequest, CaseResult
+from difftest.runner.scheduler import UNBOUNDED, WorkQueue
 
 if TYPE_CHECKING:
     from difftest.runner.sweep import Case
@@ -126,73 +128,6 @@ class DeviceHolder:
         import ray
 
         return [str(i) for i in ray.get_gpu_ids()]
-
-
-class _WorkQueue:
-    """The cases left, by bucket and model. A gang takes its next case from the model its ranks have loaded, else
-    from a model no other gang of its bucket is on, else from the model with the most cases left."""
-
-    def __init__(self, work: dict[BucketKey, list[Case]]) -> None:
-        self._lock = threading.Lock()
-        self._left: dict[BucketKey, OrderedDict[str, deque]] = {}
-        for key, cases in work.items():
-            by_model: OrderedDict[str, deque] = OrderedDict()
-            for case in cases:
-                by_model.setdefault(case.model_id, deque()).append(case)
-            self._left[key] = by_model
-        self._gangs: Counter = Counter()  # slots serving each bucket
-        self._on: dict[BucketKey, Counter] = {key: Counter() for key in work}  # gangs on each model
-
-    def left(self, key: BucketKey) -> int:
-        return sum(len(q) for q in self._left.get(key, {}).values())
-
-    def pick_bucket(self) -> BucketKey | None:
-        """The bucket the next gang should serve until it calls `leave`: one nobody serves yet (the most work first,
-        counted in rank-cases), else the one with the most cases left per gang already serving it, as long as that
-        is worth a gang's start; None when no bucket is."""
-        with self._lock:
-            candidates = [k for k in self._left if self.left(k)]
-            if not candidates:
-                return None
-            unserved = [k for k in candidates if not self._gangs[k]]
-            if unserved:
-                key = max(unserved, key=lambda k: (self.left(k) * k[0], k))
-            else:
-                key = max(candidates, key=lambda k: (self.left(k) / (self._gangs[k] + 1), k[0]))
-                if self.left(key) / (self._gangs[key] + 1) < MIN_CASES_PER_GANG:
-                    return None
-            self._gangs[key] += 1
-            return key
-
-    def leave(self, key: BucketKey) -> None:
-        with self._lock:
-            self._gangs[key] -= 1
-
-    def take(self, key: BucketKey, model: str | None) -> Case | None:
-        with self._lock:
-            models = self._left[key]
-            on = self._on[key]
-            if model is not None:
-                on[model] -= 1
-            if model is None or not models.get(model):
-                nonempty = [m for m, q in models.items() if q]
-                if not nonempty:
-                    return None
-                free = [m for m in nonempty if not on[m]]
-                model = free[0] if free else max(nonempty, key=lambda m: len(models[m]))
-            on[model] += 1
-            return models[model].popleft()
-
-    def put_back(self, key: BucketKey, case: Case) -> None:
-        with self._lock:
-            self._left[key].setdefault(case.model_id, deque()).appendleft(case)
-
-    def drain(self, key: BucketKey) -> list[Case]:
-        with self._lock:
-            cases = [case for q in self._left[key].values() for case in q]
-            for q in self._left[key].values():
-                q.clear()
-            return cases
 
 
 class _Unplaceable(Exception):
@@ -301,19 +236,31 @@ class RayExecutor:
                 else:
                     runnable[key] = cases
             self.stats.nodes = len(self._live_nodes(ray))
-            queue = _WorkQueue(runnable)
+            queue: WorkQueue[BucketKey, Case] = WorkQueue(runnable.items(), UNBOUNDED,
+                                                          model_of=lambda case: case.model_id,
+                                                          min_to_join=MIN_CASES_PER_GANG)
             slots = self._slots(ray, sweep.options.jobs)
             errors: list[BaseException] = []
 
             def slot() -> None:
+                key: BucketKey | None = None  # the bucket the queue counts this slot as serving
+                case: Case | None = None  # the case it ran last: its gang has that model on its node
+                gang: _Gang | None = None
                 try:
-                    while (key := queue.pick_bucket()) is not None:
-                        try:
-                            self._serve(ray, sweep, key, queue, report)
-                        finally:
-                            queue.leave(key)
+                    while (item := queue.next(key, case)) is not None:
+                        if item[0] != key and gang is not None:
+                            gang.close()
+                            gang = None
+                        key, case = item
+                        gang = self._serve(ray, sweep, key, case, gang, queue, report)
+                    key = None
                 except BaseException as exc:  # surfaced by the driver thread below
                     errors.append(exc)
+                    if key is not None:
+                        queue.leave(key, case)
+                finally:
+                    if gang is not None:
+                        gang.close()
 
             threads = [threading.Thread(target=slot, daemon=True) for _ in range(slots)]
             for thread in threads:
@@ -341,46 +288,41 @@ class RayExecutor:
                 self._models[case.model_id] = (case.model_dir.name, digest.hexdigest()[:20], [ray.put(files)])
             return self._models[case.model_id]
 
-    def _serve(self, ray: Any, sweep: SweepContext, key: BucketKey, queue: _WorkQueue,
-               report: Callable[[Case, CaseResult], None]) -> None:
-        gang: _Gang | None = None
-        model: str | None = None
+    def _serve(self, ray: Any, sweep: SweepContext, key: BucketKey, case: Case, gang: _Gang | None,
+               queue: WorkQueue[BucketKey, Case], report: Callable[[Case, CaseResult], None]) -> _Gang | None:
+        """Runs `case` on `gang`, started first if there is none; the gang to run the bucket's next case on (None:
+        it was lost, or no live node can place one)."""
+        if gang is None:
+            placing = time.perf_counter()
+            try:
+                gang = _Gang.start(ray, self, sweep, key)
+            except _Unplaceable as exc:
+                for lost in [case, *queue.drain(key)]:
+                    report(lost, CaseResult("unsupported", message=str(exc)))
+                return None
+            gang.start_s = time.perf_counter() - placing
+        config = sweep.config
+        fields = {"setting": case.setting.name, "steps": config.steps, "lr": config.lr, "seed": config.seed}
+        called = time.perf_counter()
         try:
-            while (case := queue.take(key, model)) is not None:
-                model = case.model_id
-                if gang is None:
-                    placing = time.perf_counter()
-                    try:
-                        gang = _Gang.start(ray, self, sweep, key)
-                    except _Unplaceable as exc:
-                        for lost in [case, *queue.drain(key)]:
-                            report(lost, CaseResult("unsupported", message=str(exc)))
-                        return
-                config = sweep.config
-                fields = {"setting": case.setting.name, "steps": config.steps, "lr": config.lr, "seed": config.seed}
-                called = time.perf_counter()
-                try:
-                    result = gang.run(self._model(ray, case), fields, case.setting.process_affinity,
-                                      sweep.options.timeout_s + CALL_ALLOWANCE_S)
-                except ray.exceptions.RayError as exc:
-                    gang.kill()
-                    gang = None
-                    self._lost(key, case, exc, queue, report)
-                    continue
-                outside = max(0.0, time.perf_counter() - called - result.wall_s)
-                with self._lock:
-                    if gang.cases == 0:
-                        self.stats.gang_start_s += called - placing + outside
-                    else:
-                        self.stats.cases_after_first += 1
-                        self.stats.transport_s += outside
-                gang.cases += 1
-                report(case, result)
-        finally:
-            if gang is not None:
-                gang.close()
+            result = gang.run(self._model(ray, case), fields, case.setting.process_affinity,
+                              sweep.options.timeout_s + CALL_ALLOWANCE_S)
+        except ray.exceptions.RayError as exc:
+            gang.kill()
+            self._lost(key, case, exc, queue, report)
+            return None
+        outside = max(0.0, time.perf_counter() - called - result.wall_s)
+        with self._lock:
+            if gang.cases == 0:
+                self.stats.gang_start_s += gang.start_s + outside
+            else:
+                self.stats.cases_after_first += 1
+                self.stats.transport_s += outside
+        gang.cases += 1
+        report(case, result)
+        return gang
 
-    def _lost(self, key: BucketKey, case: Case, exc: BaseException, queue: _WorkQueue,
+    def _lost(self, key: BucketKey, case: Case, exc: BaseException, queue: WorkQueue[BucketKey, Case],
               report: Callable[[Case, CaseResult], None]) -> None:
         """The gang went away under a case: infrastructure, not the case's doing; it runs again on another gang."""
         with self._lock:
@@ -406,6 +348,7 @@ class _Gang:
         self.ray, self.pg, self.host, self.holders, self.executor = ray, pg, host, holders, executor
         self.groups_started = 0  # the worker groups its host has started, as of its last answer
         self.cases = 0
+        self.start_s = 0.0  # its placement and host actor's creation
 
     @classmethod
     def start(cls, ray: Any, executor: RayExecutor, sweep: SweepContext, key: BucketKey) -> _Gang:

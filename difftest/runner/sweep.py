@@ -138,7 +138,7 @@ def run_sweep(
     marker.write_text(f"{os.getpid()}\n")
 
     def record(case: Case, record: CaseRecord, outputs: dict | None) -> None:
-        store.commit(record, outputs)
+        record = store.commit(record, outputs)
         with lock:
             report.statuses[record.status] += 1
         if on_result is not None:

@@ -266,8 +266,8 @@ def _minimize(out: Path, found: list, analysis, budget: float, timeout: float, d
 
     def on_round(number: int, work: list, seconds: float, built: float, cases: int) -> None:
         active = sum(m.active for m in work)
-        console.print(f"minimise round {number}: {cases} cases in {seconds:.1f}s; {active} of {len(work)} findings "
-                      "still shrinking", highlight=False)
+        console.print(f"minimise round {number}: {cases} cases in {seconds:.1f}s (their models built in {built:.1f}s); "
+                      f"{active} of {len(work)} findings still shrinking", highlight=False)
 
     fresh = sum(load_previous(out, f, budget) is None for f in found)
     console.print(f"minimising {fresh} findings (at most {budget:g}s each; --minimize-budget 0 skips this); "

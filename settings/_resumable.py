@@ -27,6 +27,7 @@ import numpy as np
 
 from difftest.devices import DATA_PARALLEL, SHARDED, across, device_refusal, rank_device, visible_gpus
 from difftest.errors import Unsupported
+from difftest.logs import log_tail
 from difftest.setting import Outputs, RunContext
 from generators.inputs import Batch
 from settings._training import build_for_training, canonical_parameters, gather_to_rank0, loss_record, to_numpy
@@ -308,7 +309,7 @@ def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, 
     codes = [p.exitcode for p in running]
     failed = [first_failed] if first_failed is not None else [r for r, code in enumerate(codes) if code != 0]
     if failed:
-        tail = logs[failed[0]].read_text().strip().splitlines()[-3:]
+        tail = log_tail(logs[failed[0]], 5)
         last = tail[-1] if tail else ""
         if last.startswith("difftest.errors.Unsupported: "):
             raise Unsupported(last.split(": ", 1)[1])
@@ -318,6 +319,7 @@ def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, 
 
 
 def _launched(module: str, request_path: str, rank: int, log_path: str) -> None:
+    import faulthandler
     import importlib
     import os
     import sys
@@ -327,6 +329,8 @@ def _launched(module: str, request_path: str, rank: int, log_path: str) -> None:
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    # a phase killed by a signal writes the frames it died in, and the case's message quotes them
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     os.environ["OMP_NUM_THREADS"] = "1"
     importlib.import_module(module).main(request_path, rank)
 

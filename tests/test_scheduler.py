@@ -17,7 +17,13 @@ def _drain(queue: WorkQueue, workers: int, hold_s: float = 0.0) -> tuple[list[tu
 
     def worker() -> None:
         key = None
-        while (item := queue.next(key)) is not None:
+        while True:
+            item = queue.next(key)
+            if item is None and key is None:
+                return
+            if item is None:  # its bucket is done: it lets its group go and asks for another
+                key = None
+                continue
             busy = queue.ranks_busy
             with lock:
                 key = item[0]
@@ -63,6 +69,7 @@ def test_an_idle_group_joins_a_busy_bucket_only_when_enough_cases_are_left() -> 
     key = (1, "")
     while small.next(key) is not None:
         pass  # the serving worker takes the rest, then leaves
+    assert small.next(None) is None  # and nothing is left for it either
     waiter.join(2)
     assert joined == [None]
 
@@ -84,3 +91,22 @@ def test_a_group_keeps_to_its_model_and_the_next_group_starts_on_another() -> No
         taken.append(last[0])
     assert taken == ["a"] * 6 + ["b"] * 7  # its model done, the group takes what the other group has left
     assert queue.drain((4, "")) == []
+
+
+def test_a_worker_whose_bucket_is_done_lets_its_group_go_before_it_waits() -> None:
+    """On a cluster a waiting gang would hold the resources the gang it waits for needs: the queue tells a worker
+    its bucket is done (None) before it can wait, and only a worker without a group waits."""
+    queue: WorkQueue = WorkQueue([((2, ""), [1]), ((4, ""), list(range(10, 10 + MIN_CASES_TO_JOIN)))], capacity=8)
+    first, second = queue.next(None), queue.next(None)
+    assert {first[0], second[0]} == {(2, ""), (4, "")}
+    assert queue.next((2, "")) is None  # done: no item, and no wait, while it still holds its group
+    assert queue.ranks_busy == 4  # its ranks are free again
+    waited: list = []
+    waiter = threading.Thread(target=lambda: waited.append(queue.next(None)))
+    waiter.start()
+    time.sleep(0.1)
+    assert not waited  # 3 cases left for a second group of 4: it waits, without a group
+    while queue.next((4, "")) is not None:
+        pass
+    waiter.join(2)
+    assert waited == [None]

@@ -157,15 +157,20 @@ class LocalExecutor:
             case: Case | None = None  # the case it ran last: its group has that model loaded
             held: tuple[BucketKey, GroupRunner] | None = None  # the group it runs cases on, and its bucket
             try:
-                while (item := queue.next(key, case)) is not None:
-                    key, case = item
-                    if held is None or held[0] != key:
-                        previous, held = held, None
-                        if previous is not None:
+                while True:
+                    item = queue.next(key, case)
+                    if item is None:  # its bucket is done: its group goes before it waits for another
+                        finished, key, case = key, None, None
+                        if held is not None:
+                            previous, held = held, None
                             put_away(previous)
+                        if finished is None:
+                            break
+                        continue
+                    key, case = item
+                    if held is None:
                         held = (key, self._runner(sweep, key))
                     report(case, held[1].run(request_for(sweep, case), case.setting.process_affinity))
-                key = None  # the queue let it go with its None
             except BaseException as exc:  # a bug of ours (the store, a report): the sweep stops and run() raises it
                 failures.append(exc)
                 if key is not None:

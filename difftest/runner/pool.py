@@ -10,6 +10,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from difftest.logs import log_tail
 from difftest.runner import worker
 
 _SPAWN = mp.get_context("spawn")
@@ -52,18 +53,7 @@ class GroupBroken(RuntimeError):
 
 
 def _tail(path: Path, lines: int = 6) -> str:
-    """The log's last lines; after a fatal signal, the innermost Python frames faulthandler wrote instead."""
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    fatal = [i for i, line in enumerate(text) if line.startswith("Fatal Python error")]
-    if fatal:
-        frames = [line.strip() for line in text[fatal[-1]:] if line.strip().startswith(("Fatal", "File"))]
-        return " | ".join(frames[:lines])
-    noise = ("Warning", "warnings.warn", "W1", "is_fx_tracing")
-    kept = [line for line in text if not any(n in line for n in noise)]
-    return " | ".join(kept[-lines:])
+    return " | ".join(log_tail(path, lines))
 
 
 def _describe_exit(code: int | None) -> str:

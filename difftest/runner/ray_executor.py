@@ -247,13 +247,18 @@ class RayExecutor:
                 case: Case | None = None  # the case it ran last: its gang has that model on its node
                 gang: _Gang | None = None
                 try:
-                    while (item := queue.next(key, case)) is not None:
-                        if item[0] != key and gang is not None:
-                            gang.close()
-                            gang = None
+                    while True:
+                        item = queue.next(key, case)
+                        if item is None:  # its bucket is done: its gang's resources go before it waits
+                            finished, key, case = key, None, None
+                            if gang is not None:
+                                gang.close()
+                                gang = None
+                            if finished is None:
+                                break
+                            continue
                         key, case = item
                         gang = self._serve(ray, sweep, key, case, gang, queue, report)
-                    key = None
                 except BaseException as exc:  # surfaced by the driver thread below
                     errors.append(exc)
                     if key is not None:

@@ -58,18 +58,21 @@ class WorkQueue(Generic[Key, Item]):
         self._changed = threading.Condition()
 
     def next(self, key: Key | None, last: Item | None = None) -> tuple[Key, Item] | None:
-        """The next item for a worker that holds a group of `key` (None: none yet) and last ran `last`. A different
-        key means the worker leaves its group and starts one of that key. None when nothing is left for it: the
-        worker stops."""
+        """The next item for a worker that holds a group of `key` and last ran `last`, or, with `key` None, the first
+        item of the bucket the worker should start a group for (waiting while none is worth one).
+
+        None, asked with a key: that bucket has nothing left for it, and the worker no longer counts as serving it; it
+        lets its group go and asks again with key None (so no worker waits while holding a group: a cluster's waiting
+        gangs would keep the resources another gang needs). None, asked with key None: nothing is left, it stops."""
         with self._changed:
-            if key is not None and last is not None:
-                self._on[key][self._model_of(last)] -= 1
-            while True:
-                if key is not None and self._count[key]:
+            if key is not None:
+                if last is not None:
+                    self._on[key][self._model_of(last)] -= 1
+                if self._count[key]:
                     return key, self._take(key, last)
-                if key is not None:  # its own bucket is empty: its group's ranks are free again
-                    self._leave(key)
-                    key = None
+                self._leave(key)  # its group's ranks are free again
+                return None
+            while True:
                 chosen = self._best_bucket()
                 if chosen is not None:
                     self._serving[chosen] += 1

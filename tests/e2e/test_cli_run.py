@@ -1,6 +1,7 @@
 """The main job, end to end through the real CLI: generate → sweep a tier of the built-in settings → analyse.
 
-The default tier (what `difftest run` runs, ~10 min) is in the fast test tier; the full tier (every setting) is `slow`.
+The default tier of settings (what `difftest run` runs, ~8 min on 2 cores with its rerun) is the `e2e` test tier, which
+`.ci/run` runs after the default one; the full tier of settings (every setting) is `slow`.
 Both check the same facts, on the settings the tier holds.
 """
 
@@ -99,6 +100,9 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert f"torch {stack['libraries']['torch']}" in (out / "findings.md").read_text()
     assert all((out / "findings" / fid / "repro.py").is_file() for fid in findings["id"])
     assert "distinct findings" in result.stdout
+    # the sweep told its findings as it found them, before its end and before triage
+    live = re.findall(r"\] finding (\d+) so far: ", result.stderr)
+    assert live and live[0] == "1" and result.stderr.index("finding 1 so far") < result.stderr.index("triage:")
     # each finding's example was shrunk (or it says why not) and the smaller case is what its repro.py runs
     for fid in findings["id"]:
         saved = json.loads((out / "findings" / fid / "minimize.json").read_text())
@@ -111,6 +115,7 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     return rows
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(2100)
 def test_difftest_run_on_the_default_models_runs_the_default_tier_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "run"

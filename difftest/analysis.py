@@ -16,7 +16,8 @@ from difftest.registry import calibrations_of, get_generator, get_setting, load_
 from difftest.runner.sweep import list_models
 from difftest.setting import Setting, SettingRole
 from difftest.spec import ModelSpec
-from difftest.store import STATUSES, CaseRecord, Store
+from difftest.status import STATUSES
+from difftest.store import CaseRecord, Store
 
 CSV_COLUMNS = [
     "model", "input", "kind", "setting", "reference", "phase", "tensor",

@@ -16,6 +16,7 @@ from rich.table import Table
 from difftest.errors import UserError
 from difftest.oracle import Tolerance
 from difftest.progress import SweepProgress
+from difftest.status import NOT_OK
 
 app = typer.Typer(
     help="Differential testing of distributed/quantized training settings against a single-process reference.",
@@ -30,7 +31,6 @@ console = Console(stderr=True)
 out_console = Console() if sys.stdout.isatty() else Console(width=1000)
 
 DEFAULT_OUT = Path("results/default")
-FINDINGS = ("inconsistent", "nondeterministic", "error", "crash", "timeout")
 
 # Shared options --------------------------------------------------------------------------------------
 SettingsOpt = Annotated[Optional[str], typer.Option("--settings", help="Comma-separated globs over setting names, e.g. 'reference,torchrec/*/ws2'.")]
@@ -227,10 +227,10 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: f
         table.add_column(str(column), justify="right")
     for index, row in frame.iterrows():
         cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row]
-        style = "red" if any(row.get(s, 0) for s in FINDINGS) else None
+        style = "red" if any(row.get(s, 0) for s in NOT_OK) else None
         table.add_row(str(index), *cells, style=style)
     out_console.print(table)
-    findings = {s: analysis.count(s) for s in FINDINGS + ("unsupported",)}
+    findings = {s: analysis.count(s) for s in NOT_OK + ("unsupported",)}
     cases = analysis.cases
     judged = cases[cases["calibrated"] == "yes"]
     out_console.print(
@@ -252,7 +252,7 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: f
 
     report = write_report(out, analysis, found, minimised, Tolerance(atol=atol, rtol=rtol))
     _print_findings(out, found, minimised, report, new_only)
-    if fail and any(findings[s] for s in FINDINGS):
+    if fail and any(findings[s] for s in NOT_OK):
         raise typer.Exit(1)
 
 

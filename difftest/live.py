@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Callable
 from difftest.analysis import Judge, Judgement
 from difftest.oracle import Tolerance
 from difftest.store import CaseRecord, Store
-from difftest.triage import DISAGREEMENTS, FAILURES, case_signature, computation_order
+from difftest.status import DISAGREEMENTS, FAILURES
+from difftest.triage import case_signature, computation_order
 
 if TYPE_CHECKING:
     from difftest.runner.sweep import Case

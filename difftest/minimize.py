@@ -70,6 +70,7 @@ class Minimisation:
     pending: list[Trial] = field(default_factory=list)
     composite: list[str] = field(default_factory=list)  # changes that succeeded last round, to try together
     active: bool = True
+    unbuilt: list[str] = field(default_factory=list)  # proposals its generator could not build, with why
 
     def size(self, trial: Trial | None = None) -> dict[str, int]:
         trial = trial or self.best
@@ -178,8 +179,8 @@ def _with_params(spec: ModelSpec, params: dict[str, Any]) -> ModelSpec:
     return dataclasses.replace(smaller, frozen=tuple(f for f in spec.frozen if f in have))
 
 
-def _materialise(trial: Trial, models_dir: Path) -> bool:
-    """Write the trial's model folder (spec, weights, inputs); False if its generator cannot build it."""
+def _materialise(trial: Trial, models_dir: Path) -> str | None:
+    """Write the trial's model folder (spec, weights, inputs); why its generator cannot build it, or None."""
     from difftest.generate import materialise
 
     target = models_dir / trial.model_id
@@ -187,17 +188,18 @@ def _materialise(trial: Trial, models_dir: Path) -> bool:
         materialise(trial.spec, target, trial.batch_size)
     except UserError:
         raise
-    except Exception:  # a shape the smaller model cannot have (Keras refuses it): not a candidate
+    except Exception as exc:  # a shape the smaller model cannot have (Keras refuses it): not a candidate
         shutil.rmtree(target, ignore_errors=True)
-        return False
-    return True
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+    return None
 
 
 def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: float = 60.0, timeout_s: float = 120.0,
              device: str = "cpu", plugins: tuple[str, ...] = (),
-             on_round: Callable[[int, list[Minimisation], float], None] | None = None) -> list[Minimisation]:
+             on_round: Callable[[int, list[Minimisation], float, float, int], None] | None = None) -> list[Minimisation]:
     """Shrink every finding's example within `budget_s` seconds of rounds each; write each finding's minimal case to
-    `findings/<id>/` (model folder, repro.py, minimize.json). Returns the minimisations in the order of `findings`."""
+    `findings/<id>/` (model folder, repro.py, minimize.json). Returns the minimisations in the order of `findings`.
+    `on_round(number, minimisations, seconds, seconds building models, cases)` after each round."""
     from difftest.runner.local import WarmGroups
     from difftest.runner.sweep import SweepOptions, run_sweep
     from difftest.triage import _separating_values, signatures
@@ -255,9 +257,10 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
                     shared = by_key.get(trial.key())
                     if shared is not None:
                         trial = dataclasses.replace(trial, spec=shared.spec)
-                    elif _materialise(trial, private / "models"):
+                    elif (why := _materialise(trial, private / "models")) is None:
                         by_key[trial.key()] = trial
-                    else:
+                    else:  # told in its outcome: a generator whose reductions cannot be built looks minimal
+                        m.unbuilt.append(f"{trial.change}: {why}")
                         continue
                     chosen.append(trial)
                 planned[m.finding_id] = chosen
@@ -315,6 +318,9 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
                     m.pending = []  # the next round proposes from the new smallest
                 elif not m.pending:
                     m.active, m.outcome = False, "minimal: no case one step smaller reproduces"
+                    if m.unbuilt:
+                        m.outcome += (f" ({len(m.unbuilt)} smaller case(s) could not be built, e.g. "
+                                      f"{m.unbuilt[0]})")
                     continue
                 if m.seconds >= budget_s:
                     m.active = False
@@ -349,7 +355,8 @@ def _write(run_dir: Path, finding: Any, m: Minimisation, config: RunConfig, scra
         minimal = dataclasses.replace(m.best, spec=dataclasses.replace(m.best.spec, variant="min"))
         staging = scratch / "minimal" / finding.id  # two findings may shrink the same model two ways
         (staging / "models").mkdir(parents=True, exist_ok=True)
-        _materialise(minimal, staging / "models")
+        if (why := _materialise(minimal, staging / "models")) is not None:  # it was built in its round
+            raise RuntimeError(f"the minimal case of {finding.id} could not be built again: {why}")
         (staging / "run.json").write_text(dataclasses.replace(config, batch_size=minimal.batch_size).to_json())
         write_reproducer(staging, target, finding.id, finding.title, minimal.model_id, minimal.setting,
                          signature=m.signature, contrast=finding.contrast)

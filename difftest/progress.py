@@ -12,10 +12,11 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+
+from difftest.status import NOT_OK
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-FINDINGS = ("inconsistent", "nondeterministic", "error", "crash", "timeout")
 
 
 def family_of(setting_name: str) -> str:
@@ -117,7 +118,7 @@ class SweepProgress:
         self.per_family[(family, status)] += 1
         if self._progress is not None:
             self._progress.update(self._tasks["sweep"], advance=1, detail=self._counts())
-            failures = sum(self.per_family[(family, s)] for s in FINDINGS)
+            failures = sum(self.per_family[(family, s)] for s in NOT_OK)
             self._progress.update(self._tasks[family], advance=1,
                                   detail=f"[red]{failures} not ok[/red]" if failures else "")
         elif self.done % (self.every or 1) == 0 and self.done < self.total:

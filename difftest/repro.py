@@ -17,8 +17,8 @@ import numpy as np
 import pandas as pd
 
 from difftest.errors import UserError
+from difftest.status import NOT_OK
 
-NOT_OK = ("inconsistent", "nondeterministic", "error", "crash", "timeout")
 
 
 @dataclass

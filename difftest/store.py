@@ -34,7 +34,6 @@ def results_digest(run_dir: Path) -> dict[tuple[str, str], tuple]:
             for r in records}
 
 
-STATUSES = ("ok", "inconsistent", "nondeterministic", "error", "crash", "timeout", "unsupported")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS cases (

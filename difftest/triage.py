@@ -30,16 +30,13 @@ from difftest import stack
 from difftest.analysis import Analysis
 from difftest.known import KnownIssue, Upstream, match
 from difftest.oracle import Tolerance
+from difftest.status import DISAGREEMENTS, FAILURES, SEVERITY
 from difftest.store import Store
 from difftest.errors import UserError
 from difftest.registry import get_generator, get_setting, traits_of
 from difftest.repro import write_reproducer
 from difftest.runner.sweep import list_models
 
-FAILURES = ("error", "crash", "timeout")
-DISAGREEMENTS = ("inconsistent", "nondeterministic")
-# most severe first: a wrong number nobody sees, then a run that dies, then one that refuses with an error
-SEVERITY = ("inconsistent", "nondeterministic", "crash", "timeout", "error")
 FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "merged", "title", "signature", "cases", "models",
                     "settings", "worst_linf", "worst_bound_ratio", "first_divergence", "distinguishing",
                     "example_model", "example_setting", "example_message", "reproducer"]

@@ -13,7 +13,7 @@ from difftest.errors import UserError
 from difftest.envelope import UNIT_ROUNDOFF, Envelope
 from difftest.oracle import BOUND_PREFIX, Tolerance, compare
 from difftest.registry import calibrations_of, get_generator, get_setting, load_plugins, root_of
-from difftest.runner.sweep import list_models
+from difftest.run_folder import list_models, sweep_in_progress
 from difftest.setting import Setting, SettingRole
 from difftest.spec import ModelSpec
 from difftest.status import STATUSES
@@ -220,22 +220,6 @@ class Judge:
         return Judgement("ok" if all(finals) else mismatch, "ok" if all(d3) else mismatch,
                          "yes" if envelope is not None else f"no: {why_not}",
                          max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan), rows)
-
-
-def sweep_in_progress(run_dir: Path) -> bool:
-    """Whether a live process holds the run's sweep marker (`difftest.runner.sweep.SWEEP_MARKER`)."""
-    import os
-
-    from difftest.runner.sweep import SWEEP_MARKER
-
-    try:
-        pid = int((run_dir / SWEEP_MARKER).read_text().split()[0])
-        os.kill(pid, 0)
-    except (FileNotFoundError, ValueError, IndexError, ProcessLookupError):
-        return False  # no sweep, or one that was killed before it could remove its marker
-    except PermissionError:
-        return True
-    return True
 
 
 def _load(store: Store, record) -> dict | str:

@@ -11,10 +11,10 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from difftest.batch import Batch
 from difftest.errors import UserError
 from difftest.registry import get_generator
 from difftest.spec import ModelSpec
-from generators.inputs import Batch
 
 SPEC_FILE, INIT_FILE, INPUTS_FILE = "spec.json", "init.safetensors", "inputs.safetensors"
 

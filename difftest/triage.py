@@ -35,7 +35,7 @@ from difftest.store import Store
 from difftest.errors import UserError
 from difftest.registry import get_generator, get_setting, traits_of
 from difftest.repro import write_reproducer
-from difftest.runner.sweep import list_models
+from difftest.run_folder import list_models
 
 FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "merged", "title", "signature", "cases", "models",
                     "settings", "worst_linf", "worst_bound_ratio", "first_divergence", "distinguishing",

@@ -9,18 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from difftest.artifacts import load_spec
 from difftest.errors import UserError
 from difftest.registry import get_setting, load_plugins, select_settings, with_references
 from difftest.runner.executor import ExecutorConfig, SweepContext, make_executor
 from difftest.runner.local import WarmGroups
 from difftest.runner.pool import CaseResult
+from difftest.run_folder import SWEEP_MARKER, list_models
 from difftest.setting import Setting
 from difftest.spec import ModelSpec, RunConfig
 from difftest.store import CaseRecord, Store
-
-
-SWEEP_MARKER = "sweep.pid"  # present, naming a live process, while a sweep commits cases to the run
 
 
 @dataclass(frozen=True)
@@ -64,16 +61,6 @@ class SweepReport:
     groups_started: int = 0
     cases_rerun: int = 0  # started again on another node after theirs went away (recorded once all the same)
     executor_note: str = ""  # what the executor has to say about its run (Ray: nodes, gangs, cases re-run)
-
-
-def list_models(run_dir: Path) -> list[tuple[Path, ModelSpec]]:
-    models_dir = run_dir / "models"
-    if not models_dir.is_dir():
-        raise UserError(f"{run_dir}: no models/ folder; run `difftest generate --out {run_dir}` first")
-    found = [(d, load_spec(d)) for d in sorted(models_dir.iterdir()) if (d / "spec.json").exists()]
-    if not found:
-        raise UserError(f"{models_dir}: no generated models; run `difftest generate --out {run_dir}` first")
-    return found
 
 
 def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:

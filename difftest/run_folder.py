@@ -1,0 +1,34 @@
+"""A run folder as every step reads it: its generated models, and whether a sweep is writing it now."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from difftest.artifacts import load_spec
+from difftest.errors import UserError
+from difftest.spec import ModelSpec
+
+SWEEP_MARKER = "sweep.pid"  # present, naming a live process, while a sweep commits cases to the run
+
+
+def list_models(run_dir: Path) -> list[tuple[Path, ModelSpec]]:
+    models_dir = run_dir / "models"
+    if not models_dir.is_dir():
+        raise UserError(f"{run_dir}: no models/ folder; run `difftest generate --out {run_dir}` first")
+    found = [(d, load_spec(d)) for d in sorted(models_dir.iterdir()) if (d / "spec.json").exists()]
+    if not found:
+        raise UserError(f"{models_dir}: no generated models; run `difftest generate --out {run_dir}` first")
+    return found
+
+
+def sweep_in_progress(run_dir: Path) -> bool:
+    """Whether a live process holds the run's sweep marker (`SWEEP_MARKER`, which `difftest.runner.sweep` writes)."""
+    try:
+        pid = int((run_dir / SWEEP_MARKER).read_text().split()[0])
+        os.kill(pid, 0)
+    except (FileNotFoundError, ValueError, IndexError, ProcessLookupError):
+        return False  # no sweep, or one that was killed before it could remove its marker
+    except PermissionError:
+        return True
+    return True

@@ -1,7 +1,7 @@
 """The main job, end to end through the real CLI: generate → sweep a tier of the built-in settings → analyse.
 
-The default tier of settings (what `difftest run` runs, 6 min 40 s on 2 cores with its rerun) is the `e2e` test tier, which
-`.ci/run` runs after the default one; the full tier of settings (every setting) is `slow`.
+The default tier of settings (what `difftest run` runs; 6 min 40 s on 2 cores with its rerun) is the `e2e` test
+tier, which `.ci/run` runs after the default one; the full tier of settings (every setting) is `slow`.
 Both check the same facts, on the settings the tier holds.
 """
 

@@ -16,7 +16,7 @@ from difftest.analysis import Judge, Judgement
 from difftest.oracle import Tolerance
 from difftest.store import CaseRecord, Store
 from difftest.status import DISAGREEMENTS, FAILURES
-from difftest.triage import case_signature, computation_order
+from difftest.signature import case_signature, computation_order
 
 if TYPE_CHECKING:
     from difftest.runner.sweep import Case

@@ -122,13 +122,13 @@ def _order(m: Minimisation, trial: Trial) -> tuple:
 
 def _smaller_settings(name: str) -> list[str]:
     """The same setting class with the same non-size parameters at a smaller world size."""
-    from difftest.triage import _parameters
+    from difftest.signature import setting_parameters
 
     setting = get_setting(name)
-    cls, params = _parameters(name)
+    cls, params = setting_parameters(name)
     return sorted((s.name for s in all_settings()
                    if type(s) is type(setting) and s.world_size < setting.world_size
-                   and _parameters(s.name) == (cls, params)),
+                   and setting_parameters(s.name) == (cls, params)),
                   key=lambda n: get_setting(n).world_size)
 
 
@@ -202,10 +202,10 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
     `on_round(number, minimisations, seconds, seconds building models, cases)` after each round."""
     from difftest.runner.local import WarmGroups
     from difftest.runner.sweep import SweepOptions, run_sweep
-    from difftest.triage import _separating_values, signatures
+    from difftest.signature import separating_values, signatures
 
     config = RunConfig.load(run_dir / "run.json")
-    separating = _separating_values(analysis.cases)
+    separating = separating_values(analysis.cases)
     work: list[Minimisation] = []
     kept: dict[str, Minimisation] = {}
     for finding in findings:

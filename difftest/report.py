@@ -14,7 +14,7 @@ import pandas as pd
 
 from difftest import stack
 from difftest.analysis import Analysis
-from difftest.triage import setting_family
+from difftest.signature import setting_family
 
 REPORT = "report.html"
 # verdict → (heatmap code, colour); the order is the colour bar's

@@ -91,7 +91,7 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
     compared = rows.dropna(subset=["linf"])
     worst = compared.loc[compared["linf"].idxmax()] if not compared.empty else (rows.iloc[0] if not rows.empty else None)
     failed = rows[rows["status"] != "ok"]
-    from difftest.triage import signatures
+    from difftest.signature import signatures
 
     result = Reproduction(model, setting, case["verdict"], str(failed.iloc[0]["message"]) if not failed.empty else "",
                           worst, signature=signatures(analysis, contrast or {}).get((model, setting), ""))

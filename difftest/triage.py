@@ -36,18 +36,12 @@ from difftest.errors import UserError
 from difftest.registry import get_generator, get_setting, traits_of
 from difftest.repro import write_reproducer
 from difftest.run_folder import list_models
+from difftest.signature import (case_signature, contrast_of, first_divergences, separating_values,
+                                setting_family)
 
 FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "merged", "title", "signature", "cases", "models",
                     "settings", "worst_linf", "worst_bound_ratio", "first_divergence", "distinguishing",
                     "example_model", "example_setting", "example_message", "reproducer"]
-
-_PHASE = re.compile(r"^(eval_before|train_step|param_after_step|eval_after_step)(\d*)$")
-_PHASE_RANK = {"eval_before": 0, "train_step": 1, "param_after_step": 2, "eval_after_step": 3}
-# where a tensor sits in a model's computation, by the words its name holds (DLRM: tables, dense arch, interaction,
-# over arch, prediction; Keras: layers by their position in the name, l<k>_...)
-_STAGE_WORDS = (("pooled", 0), ("embedding", 0), ("ebc", 0), ("sparse", 0), ("dense", 1), ("bottom", 1),
-                ("interaction", 2), ("over", 3), ("top", 3), ("prediction", 4), ("logits", 4), ("loss", 5))
-
 
 @dataclass
 class Finding:
@@ -78,87 +72,6 @@ class Finding:
         return self.rows.iloc[0]
 
 
-def normalise_message(message: str) -> str:
-    """The part of a failure message that stays the same across models, ranks, shapes and runs."""
-    text = str(message).split(" || ")[0].split("; log:")[0]
-    text = re.sub(r"0x[0-9a-fA-F]+", "ADDR", text)
-    text = _PATH.sub(_readable_path, text)
-    text = re.sub(r"torch\.Size\(\[[^\]]*\]\)|\[[\d,\s]+\]|\(\d+(, \d+)+\)", "SHAPE", text)
-    text = re.sub(r"\b\d+(\.\d+)?(e[-+]?\d+)?\b", "N", text)
-    return re.sub(r"\s+", " ", text).strip()[:240]
-
-
-# a path token, absolute or relative (`results/default/models/…/model.onnx`), whole: a relative path's first folder
-# must not stay glued to its file name
-_PATH = re.compile(r"(?<![\w.\-/])(?:[\w.\-]+)?(?:/[\w.\-]+)+")
-_RUN_FOLDERS = ("models", "outputs", "logs", "findings")
-_MODEL_ID = re.compile(r"^[a-z][\w\-]*-s\d+-i\d+(-min)?$")
-
-
-def _readable_path(match: re.Match[str]) -> str:
-    """A path inside a run folder relative to the run, its model id generic (`<run>/models/<model>/model.onnx`), so
-    one failure on several models reads and groups as one; any other path as its file name."""
-    token = match.group(0)
-    parts = [p for p in token.split("/") if p]
-    if not token.startswith("/") and "." not in parts[-1]:
-        return token  # `fp16/int2`, `quant/torchrec/fp16/out-fp16`: a setting's name or words, not a file
-    for i, part in enumerate(parts[:-1]):
-        if part in _RUN_FOLDERS:
-            return "/".join(["<run>", *("<model>" if _MODEL_ID.match(p) else p for p in parts[i:])])
-    return parts[-1] if parts else match.group(0)
-
-
-def innermost_library_frame(message: str) -> str:
-    """`torch/distributed/pipelining/schedules.py:_perform_action` for the deepest frame outside our code."""
-    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', str(message))
-    for path, function in reversed(frames):
-        if "site-packages/" in path:
-            return f"{path.split('site-packages/', 1)[1]}:{function}"
-    return ""
-
-
-def exception_type(message: str) -> str:
-    match = re.match(r"^([A-Za-z_][\w.]*(Error|Exception|Failed|Violated|Interrupt|Exit)\w*):", str(message))
-    return match.group(1) if match else ""
-
-
-def setting_family(setting: str) -> str:
-    """A setting's name without its sizes: `pipeline/gpipe/ws2/stages2/mb4/balanced` → `pipeline/gpipe/balanced`."""
-    parts = [p for p in setting.split("/") if not re.fullmatch(r"(sim-)?ws\d+|stages\d+|mb\d+|r\d+|k\d+|pp\d+", p)]
-    return "/".join(parts)
-
-
-def computation_order(phase: str, tensor: str) -> tuple:
-    match = _PHASE.match(phase or "")
-    kind, step = (match.group(1), int(match.group(2) or 0)) if match else ("", 0)
-    layer = re.match(r"l(\d+)_", tensor)  # a Keras layer is named l<position>_<kind>: its position orders it
-    if layer:
-        stage, position = 1, int(layer.group(1))
-    else:
-        lowered = tensor.lower()
-        stage, position = min((rank for word, rank in _STAGE_WORDS if word in lowered), default=6), 0
-    return (step if kind != "eval_before" else -1, _PHASE_RANK.get(kind, 9), stage, position, tensor)
-
-
-def tensor_class(tensor: str) -> str:
-    """The kind of tensor a divergence starts in, without the instance: `pooled.f3` → `pooled`, `l2_dense/kernel`
-    → `dense/kernel`, `over.0.weight` → `over.weight`."""
-    text = re.sub(r"^l\d+_", "", tensor)
-    text = re.sub(r"\.[a-z]{0,3}\d+\b|_\d+\b", "", text)
-    return text
-
-
-def first_divergences(analysis: Analysis) -> pd.DataFrame:
-    """Per disagreeing case, the earliest differing tensor in computation order: model, setting, phase, tensor."""
-    rows = analysis.comparisons
-    bad = rows[rows["status"].isin(DISAGREEMENTS) & (rows["tensor"] != "")]
-    if bad.empty:
-        return pd.DataFrame(columns=["model", "setting", "phase", "tensor"])
-    order = bad.apply(lambda r: computation_order(r["phase"], r["tensor"]), axis=1)
-    ordered = bad.assign(_order=order).sort_values("_order", kind="stable")
-    return ordered.groupby(["model", "setting"], as_index=False).first()[["model", "setting", "phase", "tensor"]]
-
-
 def _features(run_dir: Path) -> dict[str, set[str]]:
     features: dict[str, set[str]] = {}
     for _, spec in list_models(run_dir):
@@ -184,81 +97,6 @@ def _distinguishing(failing: pd.DataFrame, cases: pd.DataFrame, features: dict[s
     return sorted(t for t in shared if counts[t] <= len(passing) / 2)[:4]
 
 
-_SIZE_PARAMETERS = {"world_size", "simulated_world", "microbatches", "stages_simulated", "replicas", "steps",
-                    "plan_seed", "simulated_replicas", "at_step"}
-
-
-def _parameters(setting_name: str) -> tuple[str, dict]:
-    """(class name, the parameters that are not sizes) of a setting; ("", {}) for one no plugin registers now."""
-    try:
-        setting = get_setting(setting_name)
-    except UserError:
-        return "", {}
-    params = {k: repr(v) for k, v in setting.params.items() if k not in _SIZE_PARAMETERS}
-    return type(setting).__name__, params
-
-
-def _separating_values(cases: pd.DataFrame) -> dict[str, set[tuple[str, str]]]:
-    """Per setting class, the parameter values under which most cases disagree and elsewhere few do
-    (`sharding='row_wise'` for the quantized row-wise MEAN bags): the values a bug follows."""
-    judged = cases[cases["verdict"].isin(("ok",) + DISAGREEMENTS)]  # what ran and was compared
-    table = [(cls, key, value, verdict in DISAGREEMENTS) for setting, verdict in zip(judged["setting"], judged["verdict"])
-             for cls, params in [_parameters(setting)] for key, value in params.items()]
-    if not table:
-        return {}
-    frame = pd.DataFrame(table, columns=["cls", "key", "value", "bad"])
-    separating: dict[str, set[tuple[str, str]]] = {}
-    for (cls, key), group in frame.groupby(["cls", "key"]):
-        rates = group.groupby("value")["bad"].mean()
-        for value, rate in rates.items():
-            elsewhere = group[group["value"] != value]["bad"].mean() if (group["value"] != value).any() else 0.0
-            if rate >= 0.5 and elsewhere <= rate / 2:
-                separating.setdefault(cls, set()).add((key, value))
-    return separating
-
-
-def case_signature(verdict: str, setting: str, message: str, first_divergence: str,
-                   separating: dict[str, set[tuple[str, str]]]) -> tuple[str, str]:
-    """(signature, title) of one case that is not ok; `separating` is what `_separating_values` learned over its run
-    (a case rerun alone, as the minimiser does, is signed with its run's contrast)."""
-    if verdict in FAILURES:
-        frame = innermost_library_frame(message)
-        text = normalise_message(message)
-        signature = f"{verdict} | {exception_type(message)} | {text} | {frame}"
-        return signature, f"{verdict}: {text[:120]}" + (f" (in {frame})" if frame else "")
-    if first_divergence:
-        phase, tensor = first_divergence.split("/", 1)
-        start = re.sub(r"\d+$", "", phase) + "/" + tensor_class(tensor)
-    else:
-        start = "?"
-    cls, params = _parameters(setting)
-    follows = sorted(set(params.items()) & set(map(tuple, separating.get(cls, ()))))
-    if follows:  # the bug follows these parameter values whatever the others are: one finding
-        what = f"{setting.split('/')[0]} [{', '.join(f'{k}={v}' for k, v in follows)}]"
-    else:
-        what = setting_family(setting)
-    return (f"{verdict} | {cls} | {what} | first diverges in {start}",
-            f"{verdict}: {what} first diverges in {start}")
-
-
-def signatures(analysis: Analysis, separating: dict[str, set[tuple[str, str]]]) -> dict[tuple[str, str], str]:
-    """(model, setting) → signature of each case of `analysis` that is not ok, signed with `separating`."""
-    messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
-    earliest = {(r.model, r.setting): f"{r.phase}/{r.tensor}" for r in first_divergences(analysis).itertuples()}
-    signed = {}
-    for case in analysis.cases[analysis.cases["verdict"].isin(FAILURES + DISAGREEMENTS)].itertuples():
-        key = (case.model, case.setting)
-        message = str(messages.get(key, "") or "")
-        signed[key] = case_signature(case.verdict, case.setting, message, earliest.get(key, ""), separating)[0]
-    return signed
-
-
-def contrast_of(setting: str, separating: dict[str, set[tuple[str, str]]]) -> dict[str, set[tuple[str, str]]]:
-    """The part of a run's contrast that signs cases of `setting`'s class: what a finding's reproducer carries."""
-    cls, _ = _parameters(setting)
-    return {cls: separating[cls]} if cls in separating else {}
-
-
 def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     """Group every not-ok case of `analysis` into findings; write findings.csv and findings.md into `run_dir`."""
     cases = analysis.cases
@@ -268,7 +106,7 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     earliest.to_csv(run_dir / "first_divergence.csv", index=False)  # per disagreeing case
     divergence = earliest.set_index(["model", "setting"])
     features = _features(run_dir)
-    separating = _separating_values(cases)
+    separating = separating_values(cases)
     keyed: dict[str, list[dict]] = {}
     titles: dict[str, str] = {}
     for case in failed.itertuples():

@@ -80,7 +80,7 @@ def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_
             assert judged[(model, setting)] == "inconsistent", (model, setting)
     # converted models record every exposed layer's output: a divergence is traced to the layer it starts in
     from difftest.artifacts import load_model
-    from difftest.triage import first_divergences
+    from difftest.signature import first_divergences
     from tests.faults.planted import scaled_layer
 
     earliest = first_divergences(analyze(run_dir))

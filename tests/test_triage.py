@@ -12,8 +12,9 @@ import pandas as pd
 from difftest.analysis import analyze
 from difftest.live import LiveFindings
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.triage import (FINDINGS_COLUMNS, computation_order, innermost_library_frame, normalise_message,
-                             setting_family, tensor_class, triage)
+from difftest.signature import (computation_order, innermost_library_frame, normalise_message, setting_family,
+                                tensor_class)
+from difftest.triage import FINDINGS_COLUMNS, triage
 from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS
 
 ZBV = ("AssertionError: can't steal_bwd_input if this stage doesn't have backward || File \"/x/.venv/lib/python3.11/"

@@ -363,7 +363,7 @@ def test_run_with_models_and_every_kind_says_which_option_wins() -> None:
 
 
 def test_failure_messages_keep_paths_readable_and_still_group() -> None:
-    from difftest.triage import normalise_message
+    from difftest.signature import normalise_message
 
     a = normalise_message("Fail: Load model from results/default/models/keras-dag-s0-i1/model.onnx failed:Invalid graph")
     b = normalise_message("Fail: Load model from /tmp/x/run/models/keras-dag-s3-i0-min/model.onnx failed:Invalid graph")

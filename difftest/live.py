@@ -16,7 +16,7 @@ from difftest.analysis import Judge, Judgement
 from difftest.oracle import Tolerance
 from difftest.store import CaseRecord, Store
 from difftest.status import DISAGREEMENTS, FAILURES
-from difftest.signature import case_signature, computation_order
+from difftest.signature import case_signature, first_divergence
 
 if TYPE_CHECKING:
     from difftest.runner.sweep import Case
@@ -31,15 +31,6 @@ class LiveFinding:
     title: str
     model: str
     setting: str
-
-
-def first_divergence(judged: Judgement) -> str:
-    """`phase/tensor` of the earliest disagreeing tensor in computation order, or ""."""
-    bad = [r for r in judged.rows if r["status"] in DISAGREEMENTS and r["tensor"]]
-    if not bad:
-        return ""
-    first = min(bad, key=lambda r: computation_order(r["phase"], r["tensor"]))
-    return f"{first['phase']}/{first['tensor']}"
 
 
 class LiveFindings:
@@ -92,7 +83,7 @@ class LiveFindings:
         self.cases_not_ok += 1
         message = next((r["message"] for r in judged.rows if r.get("message")), record.message)
         signature, title = case_signature(judged.verdict, record.setting, str(message or ""),
-                                          first_divergence(judged), {})
+                                          first_divergence(judged.rows), {})
         if signature in self.found:
             return
         finding = LiveFinding(len(self.found) + 1, time.perf_counter() - self._started, signature, title,

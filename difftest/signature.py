@@ -93,8 +93,17 @@ def tensor_class(tensor: str) -> str:
     return text
 
 
+def first_divergence(rows: list[dict]) -> str:
+    """`phase/tensor` of the earliest disagreeing tensor of one case's comparisons rows, in computation order, or ""."""
+    bad = [r for r in rows if r["status"] in DISAGREEMENTS and r["tensor"]]
+    if not bad:
+        return ""
+    first = min(bad, key=lambda r: computation_order(r["phase"], r["tensor"]))
+    return f"{first['phase']}/{first['tensor']}"
+
+
 def first_divergences(analysis: Analysis) -> pd.DataFrame:
-    """Per disagreeing case, the earliest differing tensor in computation order: model, setting, phase, tensor."""
+    """`first_divergence` of every disagreeing case of a run at once: model, setting, phase, tensor."""
     rows = analysis.comparisons
     bad = rows[rows["status"].isin(DISAGREEMENTS) & (rows["tensor"] != "")]
     if bad.empty:

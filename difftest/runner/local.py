@@ -153,31 +153,24 @@ class LocalExecutor:
         failures: list[BaseException] = []
 
         def serve() -> None:
-            key: BucketKey | None = None  # the bucket the queue counts this worker as serving
-            case: Case | None = None  # the case it ran last: its group has that model loaded
-            held: tuple[BucketKey, GroupRunner] | None = None  # the group it runs cases on, and its bucket
+            held: list[tuple[BucketKey, GroupRunner]] = []  # the group it runs cases on, and its bucket
+
+            def run(key: BucketKey, case: Case) -> None:
+                if not held:
+                    held.append((key, self._runner(sweep, key)))
+                report(case, held[0][1].run(request_for(sweep, case), case.setting.process_affinity))
+
+            def release() -> None:
+                if held:
+                    put_away(held.pop())
+
             try:
-                while True:
-                    item = queue.next(key, case)
-                    if item is None:  # its bucket is done: its group goes before it waits for another
-                        finished, key, case = key, None, None
-                        if held is not None:
-                            previous, held = held, None
-                            put_away(previous)
-                        if finished is None:
-                            break
-                        continue
-                    key, case = item
-                    if held is None:
-                        held = (key, self._runner(sweep, key))
-                    report(case, held[1].run(request_for(sweep, case), case.setting.process_affinity))
+                queue.serve(run, release)
             except BaseException as exc:  # a bug of ours (the store, a report): the sweep stops and run() raises it
                 failures.append(exc)
-                if key is not None:
-                    queue.leave(key, case)
             finally:
-                if held is not None:
-                    put_away(held, keep=not failures)
+                if held:
+                    put_away(held.pop(), keep=not failures)
 
         def put_away(held: tuple[BucketKey, GroupRunner], keep: bool = True) -> None:
             """A runner whose bucket is done: its healthy group is kept warm for the next sweep, if there is one."""

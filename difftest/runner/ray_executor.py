@@ -243,29 +243,22 @@ class RayExecutor:
             errors: list[BaseException] = []
 
             def slot() -> None:
-                key: BucketKey | None = None  # the bucket the queue counts this slot as serving
-                case: Case | None = None  # the case it ran last: its gang has that model on its node
-                gang: _Gang | None = None
+                gangs: list[_Gang] = []  # the gang it runs its bucket's cases on, if it has one
+
+                def run(key: BucketKey, case: Case) -> None:
+                    gang = self._serve(ray, sweep, key, case, gangs[0] if gangs else None, queue, report)
+                    gangs[:] = [gang] if gang is not None else []  # None: it was lost, and killed
+
+                def release() -> None:  # its gang's resources go before it waits for another bucket
+                    while gangs:
+                        gangs.pop().close()
+
                 try:
-                    while True:
-                        item = queue.next(key, case)
-                        if item is None:  # its bucket is done: its gang's resources go before it waits
-                            finished, key, case = key, None, None
-                            if gang is not None:
-                                gang.close()
-                                gang = None
-                            if finished is None:
-                                break
-                            continue
-                        key, case = item
-                        gang = self._serve(ray, sweep, key, case, gang, queue, report)
+                    queue.serve(run, release)
                 except BaseException as exc:  # surfaced by the driver thread below
                     errors.append(exc)
-                    if key is not None:
-                        queue.leave(key, case)
                 finally:
-                    if gang is not None:
-                        gang.close()
+                    release()
 
             threads = [threading.Thread(target=slot, daemon=True) for _ in range(slots)]
             for thread in threads:

@@ -82,6 +82,28 @@ class WorkQueue(Generic[Key, Item]):
                     return None  # all taken, or nothing will free the cores the rest needs
                 self._changed.wait()  # a running group will finish or leave
 
+    def serve(self, run: Callable[[Key, Item], None], release: Callable[[], None]) -> None:
+        """One worker's loop: `run(key, item)` on its group of `key` for every item the queue hands it, `release()`
+        (let its group go) whenever its bucket is done, before it waits for another; returns once nothing is left.
+        An error in either leaves its bucket (so no other worker waits for it) and is raised."""
+        key: Key | None = None
+        last: Item | None = None
+        try:
+            while True:
+                item = self.next(key, last)
+                if item is None:
+                    finished, key, last = key, None, None
+                    release()
+                    if finished is None:
+                        return
+                    continue
+                key, last = item
+                run(key, last)
+        except BaseException:
+            if key is not None:
+                self.leave(key, last)
+            raise
+
     def _take(self, key: Key, last: Item | None) -> Item:
         models, on = self._left[key], self._on[key]
         model = self._model_of(last) if last is not None else None

@@ -215,6 +215,7 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
 def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: float = 0.0, timeout: float = 120.0,
              device: str = "cpu", oracle: str = "calibrated", new_only: bool = False) -> None:
     from difftest.analysis import analyze
+    from difftest.finding_folders import write_finding_folders
     from difftest.spec import RunConfig
     from difftest.triage import triage
 
@@ -246,6 +247,7 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: f
         out_console.print(f"a sweep is still writing {out}: this is a snapshot of the {len(analysis.cases)} cases it "
                           "has committed so far", style="yellow")
     found = triage(out, analysis)
+    write_finding_folders(out, found)
     console.print(f"triage: {len(found)} findings in {time.perf_counter() - started:.1f}s", highlight=False)
     minimised = _minimize(out, found, analysis, minimize_budget, timeout, device) if found else []
     from difftest.report import write_report

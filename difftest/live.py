@@ -19,7 +19,7 @@ from difftest.status import DISAGREEMENTS, FAILURES
 from difftest.signature import case_signature, first_divergence
 
 if TYPE_CHECKING:
-    from difftest.runner.sweep import Case
+    from difftest.runner.executor import Case
     from difftest.spec import ModelSpec
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,6 @@ from difftest.status import DISAGREEMENTS, FAILURES, SEVERITY
 from difftest.store import Store
 from difftest.errors import UserError
 from difftest.registry import get_generator, get_setting, traits_of
-from difftest.repro import write_reproducer
 from difftest.run_folder import list_models
 from difftest.signature import (case_signature, contrast_of, first_divergences, separating_values,
                                 setting_family)
@@ -248,19 +246,6 @@ def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict]:
 
 
 def _write(run_dir: Path, findings: list[Finding]) -> None:
-    from difftest.minimize import MINIMIZE_FILE, load_previous
-
-    folder = run_dir / "findings"
-    current = {f.id for f in findings}
-    for stale in (folder.iterdir() if folder.is_dir() else []):
-        if stale.name not in current:  # ids of findings gone since the last triage go
-            shutil.rmtree(stale, ignore_errors=True)
-    for f in findings:
-        if load_previous(run_dir, f, budget_s=0.0) is not None:
-            continue  # minimised by an earlier triage of this run, and still the same finding: its reproducer stays
-        (folder / f.id / MINIMIZE_FILE).unlink(missing_ok=True)
-        write_reproducer(run_dir, run_dir / "findings" / f.id, f.id, f.title, f.example["model"], f.example["setting"],
-                         signature=f.signature, contrast=f.contrast)
     pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
                                                                                       index=False)
     cases = sum(len(f.rows) for f in findings)

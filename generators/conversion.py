@@ -27,7 +27,7 @@ def convert_onnx(generator: Any, spec: Any, init_state: dict[str, np.ndarray], m
                  converter: str, device: str) -> Any:
     import onnx
 
-    from generators.sequential import onnx_export
+    from generators.onnx_files import onnx_export
 
     proto = onnx.load_model(str(onnx_export(model_dir)))
     layers = _expose_layer_outputs(proto, [layer["name"] for layer in spec.params["layers"]])
@@ -254,7 +254,7 @@ def convert_chain(generator: Any, spec: Any, init_state: dict[str, np.ndarray], 
     import onnx
 
     from generators.chain import BatchSource, LayerChain
-    from generators.sequential import onnx_export
+    from generators.onnx_files import onnx_export
 
     whole = convert_onnx(generator, spec, init_state, model_dir, converter, device)
     proto = onnx.shape_inference.infer_shapes(onnx.load_model(str(onnx_export(model_dir))))

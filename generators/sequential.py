@@ -25,11 +25,10 @@ from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators import _tf
 from generators.inputs import Batch
+from generators.onnx_files import EXPORT_ERROR_FILE, ONNX_FILE
 
 KIND = "sequential"
 DEFAULT_CONVERTER = "onnx2pytorch"
-ONNX_FILE = "model.onnx"
-EXPORT_ERROR_FILE = "onnx_export_error.txt"
 OPSET = 18  # tf2onnx 1.17's maximum
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "softmax", "gelu", "elu", "selu", "swish", "leaky_relu")
@@ -409,16 +408,6 @@ def _keras_layer(keras: Any, layer: dict) -> Any:
     elif activation == "leaky_relu":
         config["activation"] = keras.activations.leaky_relu
     return getattr(keras.layers, layer["class"])(**config)
-
-
-def onnx_export(model_dir: Path | None) -> Path:
-    """The model's ONNX file; ConversionFailed with tf2onnx's message when the export failed."""
-    if model_dir is None:
-        raise ConversionFailed("no model folder to read the ONNX export from")
-    error = Path(model_dir) / EXPORT_ERROR_FILE
-    if error.exists():
-        raise ConversionFailed(error.read_text())
-    return Path(model_dir) / ONNX_FILE
 
 
 def export_onnx(model: Any, spec: ModelSpec) -> bytes:

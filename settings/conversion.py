@@ -75,7 +75,7 @@ class Conversion(Setting):
 def _onnxruntime_predict(model: Any, x: Any) -> Any:
     import onnxruntime
 
-    from generators.sequential import onnx_export
+    from generators.onnx_files import onnx_export
 
     path = onnx_export(model.model_dir)  # ConversionFailed → an error row with tf2onnx's message
     options = onnxruntime.SessionOptions()

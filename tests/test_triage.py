@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from difftest.analysis import analyze
+from difftest.finding_folders import write_finding_folders
 from difftest.live import LiveFindings
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.signature import (computation_order, innermost_library_frame, normalise_message, setting_family,
@@ -58,6 +59,7 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     live.close()
     analysis = analyze(fresh_run, plugins=(PLANTED,))
     findings = triage(fresh_run, analysis)
+    write_finding_folders(fresh_run, findings)
     failing = analysis.cases[analysis.cases["verdict"].isin(["inconsistent", "error", "crash", "timeout"])]
     # judged while the sweep ran, each case as soon as its reference and calibrations were in: the verdicts after it
     assert live.waiting == 0

@@ -16,8 +16,8 @@ from difftest.errors import UserError
 
 if TYPE_CHECKING:
     from difftest.runner.pool import CaseResult
-    from difftest.runner.sweep import Case, SweepOptions
-    from difftest.spec import RunConfig
+    from difftest.setting import Setting
+    from difftest.spec import ModelSpec, RunConfig
 
 EXECUTORS = ("local", "ray")
 BucketKey = tuple[int, str]  # (world size, process affinity): cases that may share warm rank processes
@@ -34,6 +34,39 @@ class ExecutorConfig:
             raise UserError(f"--executor {self.kind!r}: use one of {', '.join(EXECUTORS)}")
         if self.address and self.kind != "ray":
             raise UserError(f"--address {self.address}: a cluster address needs --executor ray")
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    settings: str | None = None  # comma-separated globs over setting names
+    tier: str | None = None  # default | full; None: `default` without globs, `full` with them
+    models: str | None = None  # comma-separated globs over model ids
+    jobs: int | None = None  # worker groups running at once (local: as many as the cores hold ranks; ray: the cluster's)
+    timeout_s: float = 120.0
+    device: str = "cpu"
+    backend: str | None = None  # default: gloo on cpu, nccl on cuda
+    plugins: tuple[str, ...] = ()
+    twice: bool = False  # add `rerun/<name>` of every selected setting (the determinism oracle)
+    # a warm group is replaced after this many cases: libraries that keep what every case built (legacy FSDP's
+    # FlatParameter cycles, pytorch#183211; ~0.4 MB a case here, ~0.26 MB for TorchRec DMP) cannot grow a rank forever
+    recycle_after: int = 2000
+    # exactly these (model id, setting name) cases and what they are judged against, instead of globs × globs
+    pairs: tuple[tuple[str, str], ...] | None = None
+    # of `pairs`, those whose verdict needs the calibrated oracle: only they bring calibration runs (None: all do)
+    calibrated_pairs: tuple[tuple[str, str], ...] | None = None
+    executor: ExecutorConfig = ExecutorConfig()  # where the cases run: this machine, or a Ray cluster
+
+    @property
+    def resolved_backend(self) -> str:
+        return self.backend or ("nccl" if self.device == "cuda" else "gloo")
+
+
+@dataclass(frozen=True)
+class Case:
+    model_id: str
+    model_dir: Path
+    spec: ModelSpec
+    setting: Setting
 
 
 @dataclass(frozen=True)
@@ -56,12 +89,3 @@ class Executor(Protocol):
             report: Callable[[Case, CaseResult], None]) -> ExecutorReport:
         """Run every case of `work` and `report` each one's result exactly once."""
 
-
-def make_executor(config: ExecutorConfig, warm: object | None = None) -> Executor:
-    if config.kind == "local":
-        from difftest.runner.local import LocalExecutor
-
-        return LocalExecutor(warm)
-    from difftest.runner.ray_executor import RayExecutor
-
-    return RayExecutor(config)

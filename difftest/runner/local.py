@@ -14,7 +14,7 @@ from difftest.runner.scheduler import WorkQueue, machine_ranks
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from difftest.runner.sweep import Case
+    from difftest.runner.executor import Case
 
 
 class WarmGroups:

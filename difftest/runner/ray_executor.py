@@ -36,7 +36,7 @@ from difftest.runner.pool import CaseRequest, CaseResult
 from difftest.runner.scheduler import UNBOUNDED, WorkQueue
 
 if TYPE_CHECKING:
-    from difftest.runner.sweep import Case
+    from difftest.runner.executor import Case
 
 # a case whose gang is lost this often is recorded, not retried forever: something about it takes nodes down
 MAX_GANG_LOSSES = 3

@@ -11,46 +11,13 @@ from typing import Callable
 
 from difftest.errors import UserError
 from difftest.registry import get_setting, load_plugins, select_settings, with_references
-from difftest.runner.executor import ExecutorConfig, SweepContext, make_executor
-from difftest.runner.local import WarmGroups
+from difftest.runner.executor import Case, Executor, ExecutorConfig, SweepContext, SweepOptions
+from difftest.runner.local import LocalExecutor, WarmGroups
 from difftest.runner.pool import CaseResult
 from difftest.run_folder import SWEEP_MARKER, list_models
 from difftest.setting import Setting
 from difftest.spec import ModelSpec, RunConfig
 from difftest.store import CaseRecord, Store
-
-
-@dataclass(frozen=True)
-class SweepOptions:
-    settings: str | None = None  # comma-separated globs over setting names
-    tier: str | None = None  # default | full; None: `default` without globs, `full` with them
-    models: str | None = None  # comma-separated globs over model ids
-    jobs: int | None = None  # worker groups running at once (local: as many as the cores hold ranks; ray: the cluster's)
-    timeout_s: float = 120.0
-    device: str = "cpu"
-    backend: str | None = None  # default: gloo on cpu, nccl on cuda
-    plugins: tuple[str, ...] = ()
-    twice: bool = False  # add `rerun/<name>` of every selected setting (the determinism oracle)
-    # a warm group is replaced after this many cases: libraries that keep what every case built (legacy FSDP's
-    # FlatParameter cycles, pytorch#183211; ~0.4 MB a case here, ~0.26 MB for TorchRec DMP) cannot grow a rank forever
-    recycle_after: int = 2000
-    # exactly these (model id, setting name) cases and what they are judged against, instead of globs × globs
-    pairs: tuple[tuple[str, str], ...] | None = None
-    # of `pairs`, those whose verdict needs the calibrated oracle: only they bring calibration runs (None: all do)
-    calibrated_pairs: tuple[tuple[str, str], ...] | None = None
-    executor: ExecutorConfig = ExecutorConfig()  # where the cases run: this machine, or a Ray cluster
-
-    @property
-    def resolved_backend(self) -> str:
-        return self.backend or ("nccl" if self.device == "cuda" else "gloo")
-
-
-@dataclass(frozen=True)
-class Case:
-    model_id: str
-    model_dir: Path
-    spec: ModelSpec
-    setting: Setting
 
 
 @dataclass
@@ -159,7 +126,7 @@ def run_sweep(
             record(case, CaseRecord(case.model_id, case.setting.name, result.status, result.message, result.rank,
                                     round(result.wall_s, 4) if result.wall_s else None), result.outputs)
 
-        executor = make_executor(options.executor, warm)
+        executor = _make_executor(options.executor, warm)
         ran = executor.run(SweepContext(run_dir, config, options, plugins), dict(pending), report_result)
         report.groups_started += ran.groups_started
         report.cases_rerun, report.executor_note = ran.cases_rerun, ran.note
@@ -167,3 +134,11 @@ def run_sweep(
         store.close()
         marker.unlink(missing_ok=True)
     return report
+
+
+def _make_executor(config: ExecutorConfig, warm: WarmGroups | None) -> Executor:
+    if config.kind == "local":
+        return LocalExecutor(warm)
+    from difftest.runner.ray_executor import RayExecutor  # the `[ray]` extra: imported only when asked for
+
+    return RayExecutor(config)

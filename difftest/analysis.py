@@ -12,7 +12,7 @@ import pandas as pd
 from difftest.errors import UserError
 from difftest.envelope import UNIT_ROUNDOFF, Envelope
 from difftest.oracle import BOUND_PREFIX, Tolerance, compare
-from difftest.registry import calibrations_of, get_generator, get_setting, load_plugins, root_of
+from difftest.registry import calibrations_of, capabilities_of, get_setting, load_plugins, root_of
 from difftest.run_folder import list_models, sweep_in_progress
 from difftest.setting import Setting, SettingRole
 from difftest.spec import ModelSpec
@@ -249,8 +249,7 @@ def _by_feature(cases: pd.DataFrame, specs: dict) -> pd.DataFrame:
     columns = ["feature", "setting", "cases", *STATUSES, "worst_linf"]
     rows = []
     for case in cases.itertuples():
-        generator = _generator(specs[case.model].kind)
-        features = generator.features(specs[case.model]) if hasattr(generator, "features") else []
+        features = capabilities_of(specs[case.model].kind).features(specs[case.model])
         rows.extend({"feature": f, "setting": case.setting, "verdict": case.verdict, "worst_linf": case.worst_linf}
                     for f in features)
     if not rows:
@@ -261,13 +260,6 @@ def _by_feature(cases: pd.DataFrame, specs: dict) -> pd.DataFrame:
     table.insert(0, "cases", table.sum(axis=1))
     table["worst_linf"] = exploded.groupby(["feature", "setting"])["worst_linf"].max()
     return table.reset_index()[columns]
-
-
-def _generator(kind: str):
-    try:
-        return get_generator(kind)
-    except UserError:
-        return None
 
 
 def _summarise(cases: pd.DataFrame, key: str) -> pd.DataFrame:

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from difftest.batch import Batch
 from difftest.errors import UserError
+from difftest.generator import Generator
 from difftest.registry import get_generator
 from difftest.spec import ModelSpec
 
@@ -57,6 +58,14 @@ def save_model(model_dir: Path, spec: ModelSpec, init_state: dict[str, np.ndarra
     atomic_write_text(spec.to_json(), model_dir / SPEC_FILE)  # written last: its presence marks a complete model
 
 
+def stored_batch_size(model_dir: Path) -> int:
+    """Samples in the model folder's training batch, read from the file's header alone."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / INPUTS_FILE), framework="numpy") as handle:
+        return int(handle.get_slice(Batch.labels_key("train")).get_shape()[0])
+
+
 def load_spec(model_dir: Path) -> ModelSpec:
     path = model_dir / SPEC_FILE
     try:
@@ -71,7 +80,7 @@ class LoadedModel:
     """A model as a setting receives it: the spec, its generator, the initial weights and its folder."""
 
     spec: ModelSpec
-    generator: Any
+    generator: Generator
     init_state: dict[str, np.ndarray]
     model_dir: Path | None = None
 
@@ -81,10 +90,6 @@ class LoadedModel:
 
     def chain(self, device: str) -> Any:
         """The model as a LayerChain (generators/chain.py) for pipeline stages, if its kind has one."""
-        if not hasattr(self.generator, "chain"):
-            from difftest.errors import Unsupported
-
-            raise Unsupported(f"{self.spec.kind} models do not split into a chain of layers")
         return self.generator.chain(self.spec, self.init_state, device, self.model_dir)
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
@@ -105,14 +110,12 @@ class LoadedModel:
     def blocks(self, module: Any) -> list[tuple[str, Any]] | None:
         """(name, submodule) of the repeated blocks of an architecture that has them (a transformer's layers), which
         per-block wrapping (FSDP2) takes as its units; None when the kind has no such structure."""
-        blocks = getattr(self.generator, "blocks", None)
-        return None if blocks is None else blocks(module)
+        return self.generator.blocks(module)
 
     def tp_plan(self, module: Any, world_size: int, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any] | None:
         """The architecture's own tensor-parallel plan (module name → ParallelStyle), as its authors would write it;
         None when the kind has none and a setting derives one from the module's layers."""
-        plan = getattr(self.generator, "tp_plan", None)
-        return None if plan is None else plan(module, world_size, sequence_parallel, loss_parallel)
+        return self.generator.tp_plan(module, world_size, sequence_parallel, loss_parallel)
 
 
 @dataclass

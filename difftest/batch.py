@@ -76,8 +76,13 @@ class Batch:
         per_rank = self.size // world_size
         return self.slice(rank * per_rank, (rank + 1) * per_rank)
 
+    @staticmethod
+    def labels_key(prefix: str) -> str:
+        """The stored name of a split's labels: one array per split whose first axis is its batch."""
+        return f"{prefix}.labels"
+
     def to_arrays(self, prefix: str) -> dict[str, np.ndarray]:
-        arrays = {f"{prefix}.labels": self.labels}
+        arrays = {self.labels_key(prefix): self.labels}
         if self.dense is not None:
             arrays[f"{prefix}.dense"] = self.dense
         for name, feature in self.sparse.items():
@@ -98,4 +103,4 @@ class Batch:
             )
             for name in names
         }
-        return cls(arrays[f"{prefix}.labels"], arrays.get(f"{prefix}.dense"), sparse)
+        return cls(arrays[cls.labels_key(prefix)], arrays.get(f"{prefix}.dense"), sparse)

@@ -540,6 +540,7 @@ def settings_list(
 def derived_families() -> list[tuple[str, str]]:
     """(prefix, what it runs) per derived family, described on the first registered setting it applies to."""
     from difftest.registry import all_settings, derived_prefixes, get_setting
+    from difftest.setting import Repeat
 
     families = []
     for prefix in derived_prefixes():
@@ -551,10 +552,9 @@ def derived_families() -> list[tuple[str, str]]:
                 continue
             if example is not None:
                 break
-        base = getattr(example, "base", None)  # a Repeat names the setting it derives from
         described = example.describe() if example is not None else ""
-        if base is not None:
-            described = described.replace(base.name, "<setting>")
+        if isinstance(example, Repeat):  # it names the setting it derives from
+            described = described.replace(example.base.name, "<setting>")
         families.append((prefix, described or f"{prefix} of a setting"))
     return families
 

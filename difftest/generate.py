@@ -37,8 +37,7 @@ def materialise(spec: ModelSpec, model_dir: Path, batch_size: int) -> None:
         return
     generator = get_generator(spec.kind)
     state = generator.init_state(spec)
-    extra = generator.artifacts(spec, state) if hasattr(generator, "artifacts") else None
-    save_model(model_dir, spec, state, generator.inputs(spec, batch_size), extra)
+    save_model(model_dir, spec, state, generator.inputs(spec, batch_size), generator.artifacts(spec, state))
 
 
 def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] | None = None) -> list[str]:

@@ -82,7 +82,7 @@ class LiveFindings:
             return
         self.cases_not_ok += 1
         message = next((r["message"] for r in judged.rows if r.get("message")), record.message)
-        signature, title = case_signature(judged.verdict, record.setting, str(message or ""),
+        signature, title = case_signature(judged.verdict, self._specs[record.model].kind, record.setting, str(message or ""),
                                           first_divergence(judged.rows), {})
         if signature in self.found:
             return

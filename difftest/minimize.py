@@ -110,8 +110,7 @@ def load_previous(run_dir: Path, finding: Any, budget_s: float) -> Minimisation 
 
 
 def _generator_size(spec: ModelSpec) -> dict[str, int]:
-    generator = get_generator(spec.kind)
-    return dict(generator.size(spec)) if hasattr(generator, "size") else {}
+    return dict(get_generator(spec.kind).size(spec))
 
 
 def _order(m: Minimisation, trial: Trial) -> tuple:
@@ -137,9 +136,8 @@ def _proposals(m: Minimisation, serial: Callable[[], str]) -> list[Trial]:
     best = m.best
     generator = get_generator(best.spec.kind)
     steps: list[tuple[str, ModelSpec, str, int]] = []
-    if hasattr(generator, "reductions"):
-        for change, params in generator.reductions(best.spec):
-            steps.append((change, _with_params(best.spec, params), best.setting, best.batch_size))
+    for change, params in generator.reductions(best.spec):
+        steps.append((change, _with_params(best.spec, params), best.setting, best.batch_size))
     if best.batch_size > MIN_BATCH:
         steps.append((f"batch {MIN_BATCH}", best.spec, best.setting, MIN_BATCH))
     for name in _smaller_settings(best.setting):
@@ -171,11 +169,9 @@ def _compose(best: Trial, changes: list[str], serial: Callable[[], str]) -> Tria
 def _with_params(spec: ModelSpec, params: dict[str, Any]) -> ModelSpec:
     """`spec` with `params`; a frozen parameter or layer the smaller model no longer has is no longer frozen."""
     smaller = dataclasses.replace(spec, params=params)
-    generator = get_generator(spec.kind)
-    if hasattr(generator, "parameter_shapes"):
-        have = set(generator.parameter_shapes(params))
-    else:
-        have = {layer["name"] for layer in params.get("layers", [])}
+    have = get_generator(spec.kind).frozen_names(params)
+    if have is None:
+        return smaller
     return dataclasses.replace(smaller, frozen=tuple(f for f in spec.frozen if f in have))
 
 
@@ -341,10 +337,9 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
 
 
 def _batch_of(model_dir: Path) -> int:
-    from safetensors import safe_open
+    from difftest.artifacts import stored_batch_size
 
-    with safe_open(str(model_dir / "inputs.safetensors"), framework="numpy") as handle:
-        return int(handle.get_slice("train.labels").get_shape()[0])
+    return stored_batch_size(model_dir)
 
 
 def _write(run_dir: Path, finding: Any, m: Minimisation, config: RunConfig, scratch: Path) -> None:

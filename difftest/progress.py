@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from difftest.errors import UserError
 from difftest.status import NOT_OK
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
@@ -20,9 +21,13 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, Text
 
 
 def family_of(setting_name: str) -> str:
-    """`torchrec/ebc/row_wise/ws2` → `torchrec`; a derived setting keeps its prefix (`rerun/ddp`)."""
-    parts = setting_name.split("/")
-    return "/".join(parts[:2]) if parts[0] == "rerun" and len(parts) > 1 else parts[0]
+    """The family the progress line counts a setting in (`Setting.family_label`: `torchrec`, `rerun/ddp`)."""
+    from difftest.registry import get_setting
+
+    try:
+        return get_setting(setting_name).family_label
+    except UserError:  # a name no loaded plugin registers
+        return setting_name.split("/")[0]
 
 
 def _format_seconds(seconds: float) -> str:

@@ -14,10 +14,11 @@ from importlib.metadata import entry_points
 from typing import Any, Callable, Iterable
 
 from difftest.errors import UserError
+from difftest.generator import Generator, UnregisteredKind
 from difftest.setting import Setting, SettingRole
 
 _SETTINGS: dict[str, Setting] = {}
-_GENERATORS: dict[str, Any] = {}
+_GENERATORS: dict[str, Generator] = {}
 _LOADED_PLUGINS: set[str] = set()
 # prefix -> factory making a setting out of any registered one (`rerun/<name>`); made on demand, so a
 # default sweep does not double, and kept apart from _SETTINGS so `all_settings` lists only the base ones
@@ -119,7 +120,10 @@ def derived_prefixes() -> list[str]:
     return sorted(_DERIVED)
 
 
-def register_generator(kind: str, generator: Any) -> Any:
+def register_generator(kind: str, generator: Generator) -> Generator:
+    if not isinstance(generator, Generator):
+        raise TypeError(f"model kind {kind!r}: its generator must subclass difftest.generator.Generator "
+                        f"(got {type(generator).__name__})")
     _GENERATORS[kind] = generator
     return generator
 
@@ -257,12 +261,18 @@ def _bitwise(setting: Setting) -> bool:
     return setting.tolerance(Tolerance()) == Tolerance(0.0, 0.0)
 
 
-def get_generator(kind: str) -> Any:
+def get_generator(kind: str) -> Generator:
     try:
         return _GENERATORS[kind]
     except KeyError:
         known = ", ".join(sorted(_GENERATORS)) or "none"
         raise UserError(f"unknown model kind {kind!r}; known kinds: {known}") from None
+
+
+def capabilities_of(kind: str) -> Generator:
+    """The kind's generator, or for a kind no loaded plugin registers one whose capabilities are all neutral: judging
+    a run reads what it can without the plugin it was made with."""
+    return _GENERATORS.get(kind) or UnregisteredKind(kind)
 
 
 def generator_kinds() -> list[str]:
@@ -271,12 +281,11 @@ def generator_kinds() -> list[str]:
 
 def kind_unavailable(kind: str) -> str | None:
     """None if this machine can generate models of `kind` (its libraries import), else why not."""
-    check = getattr(get_generator(kind), "available", None)
-    return check() if check is not None else None
+    return get_generator(kind).available()
 
 
 def traits_of(kind: str) -> frozenset[str]:
     """What a model kind is made of, as its generator declares (`traits`): "torchrec" (EmbeddingBagCollections),
     "keras" (a Keras model with a converted PyTorch form), "transformer", … Settings decide `supports` by these,
     never by a kind's name, so a new kind runs every family its traits admit."""
-    return frozenset(getattr(get_generator(kind), "traits", ()))
+    return frozenset(get_generator(kind).traits)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypeVar
 
@@ -23,6 +24,14 @@ if TYPE_CHECKING:  # torch is imported by workers only
 
 # Tensor names are "<phase>/<tensor>", e.g. "eval_before/prediction", "param_after_step1/over.0.weight".
 Outputs = dict[str, np.ndarray]
+# How a name writes a size parameter: a path segment of its own (`ws2`, `sim-ws3`, `stages4`, `mb4`, `r2`, `k3`,
+# `pp2`), so that the name without them (`family_key`) is the same at every size.
+SIZE_SEGMENT = re.compile(r"(sim-)?ws\d+|stages\d+|mb\d+|r\d+|k\d+|pp\d+")
+
+
+def without_sizes(name: str) -> str:
+    """`pipeline/gpipe/ws2/stages2/mb4/balanced` → `pipeline/gpipe/balanced`."""
+    return "/".join(part for part in name.split("/") if not SIZE_SEGMENT.fullmatch(part))
 SettingT = TypeVar("SettingT", bound="Setting")
 
 
@@ -72,6 +81,9 @@ class Setting(abc.ABC):
     # a root whose result depends on its batches only through sums over all their samples (one full-batch step):
     # any sample order is as legitimate as the stored one, so its calibration may reorder them
     sample_order_free: ClassVar[bool] = False
+    # the parameters that scale a case (ranks, micro-batches, steps, a random plan's seed) without changing what it
+    # computes: one bug at several sizes is one finding, and the minimiser may lower them
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size"})
 
     @property
     @abc.abstractmethod
@@ -80,6 +92,21 @@ class Setting(abc.ABC):
     @property
     def params(self) -> Mapping[str, Any]:
         return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
+
+    @property
+    def family_key(self) -> str:
+        """The name without its sizes (SIZE_SEGMENT): what triage groups disagreements by."""
+        return without_sizes(self.name)
+
+    @property
+    def family_label(self) -> str:
+        """The family as the progress display counts it; a derived setting's names its base's (`rerun/ddp`)."""
+        return self.family
+
+    @property
+    def sizes(self) -> dict[str, Any]:
+        """The values of its size parameters."""
+        return {k: v for k, v in self.params.items() if k in self.size_parameters}
 
     def describe(self) -> str:
         return (self.__doc__ or self.family).strip().splitlines()[0]
@@ -157,6 +184,10 @@ class Repeat(Setting):
     @property
     def process_affinity(self) -> str:
         return self.base.process_affinity
+
+    @property
+    def family_label(self) -> str:
+        return f"{self.family}/{self.base.family_label}"
 
     def supports(self, spec: "ModelSpec") -> str | None:
         return self.base.supports(spec)

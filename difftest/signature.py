@@ -11,16 +11,13 @@ import pandas as pd
 
 from difftest.analysis import Analysis
 from difftest.errors import UserError
-from difftest.registry import get_setting
+from difftest.registry import capabilities_of, get_setting
+from difftest.setting import without_sizes
 from difftest.status import DISAGREEMENTS, FAILURES
 
 
 _PHASE = re.compile(r"^(eval_before|train_step|param_after_step|eval_after_step)(\d*)$")
 _PHASE_RANK = {"eval_before": 0, "train_step": 1, "param_after_step": 2, "eval_after_step": 3}
-# where a tensor sits in a model's computation, by the words its name holds (DLRM: tables, dense arch, interaction,
-# over arch, prediction; Keras: layers by their position in the name, l<k>_...)
-_STAGE_WORDS = (("pooled", 0), ("embedding", 0), ("ebc", 0), ("sparse", 0), ("dense", 1), ("bottom", 1),
-                ("interaction", 2), ("over", 3), ("top", 3), ("prediction", 4), ("logits", 4), ("loss", 5))
 
 
 def normalise_message(message: str) -> str:
@@ -68,29 +65,35 @@ def exception_type(message: str) -> str:
 
 
 def setting_family(setting: str) -> str:
-    """A setting's name without its sizes: `pipeline/gpipe/ws2/stages2/mb4/balanced` → `pipeline/gpipe/balanced`."""
-    parts = [p for p in setting.split("/") if not re.fullmatch(r"(sim-)?ws\d+|stages\d+|mb\d+|r\d+|k\d+|pp\d+", p)]
-    return "/".join(parts)
+    """A setting's `family_key`, its name without its sizes: `pipeline/gpipe/ws2/stages2/mb4/balanced` →
+    `pipeline/gpipe/balanced` (for a setting no loaded plugin registers, by the naming convention alone)."""
+    try:
+        return get_setting(setting).family_key
+    except UserError:
+        return without_sizes(setting)
 
 
-def computation_order(phase: str, tensor: str) -> tuple:
+def setting_sizes(setting: str) -> set[str]:
+    """`world_size=2`, … of a registered setting: what a finding's cases may share besides their models."""
+    try:
+        return {f"{k}={v}" for k, v in get_setting(setting).sizes.items()}
+    except UserError:
+        return set()
+
+
+def computation_order(kind: str, phase: str, tensor: str) -> tuple:
+    """Sort key of a recorded tensor of a model of `kind`: its step and phase (the training loop's), then where the
+    kind's generator places it in the model (`Generator.tensor_order`)."""
     match = _PHASE.match(phase or "")
-    kind, step = (match.group(1), int(match.group(2) or 0)) if match else ("", 0)
-    layer = re.match(r"l(\d+)_", tensor)  # a Keras layer is named l<position>_<kind>: its position orders it
-    if layer:
-        stage, position = 1, int(layer.group(1))
-    else:
-        lowered = tensor.lower()
-        stage, position = min((rank for word, rank in _STAGE_WORDS if word in lowered), default=6), 0
-    return (step if kind != "eval_before" else -1, _PHASE_RANK.get(kind, 9), stage, position, tensor)
+    name, step = (match.group(1), int(match.group(2) or 0)) if match else ("", 0)
+    stage, position = capabilities_of(kind).tensor_order(tensor)
+    return (step if name != "eval_before" else -1, _PHASE_RANK.get(name, 9), stage, position, tensor)
 
 
-def tensor_class(tensor: str) -> str:
-    """The kind of tensor a divergence starts in, without the instance: `pooled.f3` → `pooled`, `l2_dense/kernel`
-    → `dense/kernel`, `over.0.weight` → `over.weight`."""
-    text = re.sub(r"^l\d+_", "", tensor)
-    text = re.sub(r"\.[a-z]{0,3}\d+\b|_\d+\b", "", text)
-    return text
+def tensor_class(kind: str, tensor: str) -> str:
+    """The kind of tensor a divergence starts in, without the instance (`Generator.tensor_class`): `pooled.f3` →
+    `pooled`, a Keras `l2_dense/kernel` → `dense/kernel`, `over.0.weight` → `over.weight`."""
+    return capabilities_of(kind).tensor_class(tensor)
 
 
 def first_divergence(rows: list[dict]) -> str:
@@ -98,7 +101,7 @@ def first_divergence(rows: list[dict]) -> str:
     bad = [r for r in rows if r["status"] in DISAGREEMENTS and r["tensor"]]
     if not bad:
         return ""
-    first = min(bad, key=lambda r: computation_order(r["phase"], r["tensor"]))
+    first = min(bad, key=lambda r: computation_order(r["kind"], r["phase"], r["tensor"]))
     return f"{first['phase']}/{first['tensor']}"
 
 
@@ -108,13 +111,9 @@ def first_divergences(analysis: Analysis) -> pd.DataFrame:
     bad = rows[rows["status"].isin(DISAGREEMENTS) & (rows["tensor"] != "")]
     if bad.empty:
         return pd.DataFrame(columns=["model", "setting", "phase", "tensor"])
-    order = bad.apply(lambda r: computation_order(r["phase"], r["tensor"]), axis=1)
+    order = bad.apply(lambda r: computation_order(r["kind"], r["phase"], r["tensor"]), axis=1)
     ordered = bad.assign(_order=order).sort_values("_order", kind="stable")
     return ordered.groupby(["model", "setting"], as_index=False).first()[["model", "setting", "phase", "tensor"]]
-
-
-_SIZE_PARAMETERS = {"world_size", "simulated_world", "microbatches", "stages_simulated", "replicas", "steps",
-                    "plan_seed", "simulated_replicas", "at_step"}
 
 
 def setting_parameters(setting_name: str) -> tuple[str, dict]:
@@ -123,7 +122,7 @@ def setting_parameters(setting_name: str) -> tuple[str, dict]:
         setting = get_setting(setting_name)
     except UserError:
         return "", {}
-    params = {k: repr(v) for k, v in setting.params.items() if k not in _SIZE_PARAMETERS}
+    params = {k: repr(v) for k, v in setting.params.items() if k not in setting.size_parameters}
     return type(setting).__name__, params
 
 
@@ -146,7 +145,7 @@ def separating_values(cases: pd.DataFrame) -> dict[str, set[tuple[str, str]]]:
     return separating
 
 
-def case_signature(verdict: str, setting: str, message: str, first_divergence: str,
+def case_signature(verdict: str, kind: str, setting: str, message: str, first_divergence: str,
                    separating: dict[str, set[tuple[str, str]]]) -> tuple[str, str]:
     """(signature, title) of one case that is not ok; `separating` is what `separating_values` learned over its run
     (a case rerun alone, as the minimiser does, is signed with its run's contrast)."""
@@ -157,7 +156,7 @@ def case_signature(verdict: str, setting: str, message: str, first_divergence: s
         return signature, f"{verdict}: {text[:120]}" + (f" (in {frame})" if frame else "")
     if first_divergence:
         phase, tensor = first_divergence.split("/", 1)
-        start = re.sub(r"\d+$", "", phase) + "/" + tensor_class(tensor)
+        start = re.sub(r"\d+$", "", phase) + "/" + tensor_class(kind, tensor)
     else:
         start = "?"
     cls, params = setting_parameters(setting)
@@ -178,7 +177,8 @@ def signatures(analysis: Analysis, separating: dict[str, set[tuple[str, str]]]) 
     for case in analysis.cases[analysis.cases["verdict"].isin(FAILURES + DISAGREEMENTS)].itertuples():
         key = (case.model, case.setting)
         message = str(messages.get(key, "") or "")
-        signed[key] = case_signature(case.verdict, case.setting, message, earliest.get(key, ""), separating)[0]
+        signed[key] = case_signature(case.verdict, case.kind, case.setting, message, earliest.get(key, ""),
+                                     separating)[0]
     return signed
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +31,10 @@ from difftest.oracle import Tolerance
 from difftest.status import DISAGREEMENTS, FAILURES, SEVERITY
 from difftest.store import Store
 from difftest.errors import UserError
-from difftest.registry import get_generator, get_setting, traits_of
+from difftest.registry import capabilities_of, get_setting
 from difftest.run_folder import list_models
 from difftest.signature import (case_signature, contrast_of, first_divergences, separating_values,
-                                setting_family)
+                                setting_family, setting_sizes)
 
 FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "merged", "title", "signature", "cases", "models",
                     "settings", "worst_linf", "worst_bound_ratio", "first_divergence", "distinguishing",
@@ -73,8 +72,7 @@ class Finding:
 def _features(run_dir: Path) -> dict[str, set[str]]:
     features: dict[str, set[str]] = {}
     for _, spec in list_models(run_dir):
-        generator = get_generator(spec.kind)
-        layer_kinds = set(generator.features(spec)) if hasattr(generator, "features") else set()
+        layer_kinds = set(capabilities_of(spec.kind).features(spec))
         features[spec.model_id] = {f"kind={spec.kind}"} | {f"has {f}" for f in layer_kinds}
     return features
 
@@ -87,8 +85,7 @@ def _distinguishing(failing: pd.DataFrame, cases: pd.DataFrame, features: dict[s
         return []
 
     def traits(model: str, setting: str) -> set[str]:
-        sizes = re.findall(r"(?:^|/)(ws\d+|sim-ws\d+|stages\d+|mb\d+)(?=/|$)", setting)
-        return features.get(model, set()) | set(sizes)
+        return features.get(model, set()) | setting_sizes(setting)
 
     shared = set.intersection(*(traits(r.model, r.setting) for r in failing.itertuples()))
     counts = Counter(t for r in passing.itertuples() for t in traits(r.model, r.setting))
@@ -115,7 +112,8 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         where = divergence.loc[(case.model, case.setting)] if (case.model, case.setting) in divergence.index else None
         if where is not None:
             row["first_divergence"] = f"{where['phase']}/{where['tensor']}"
-        signature, title = case_signature(case.verdict, case.setting, message, row["first_divergence"], separating)
+        signature, title = case_signature(case.verdict, case.kind, case.setting, message, row["first_divergence"],
+                                          separating)
         keyed.setdefault(signature, []).append(row)
         titles[signature] = title
     bounds = _worst_bound_ratios(analysis)
@@ -167,7 +165,7 @@ def upstream_counts(findings: list[Finding]) -> str:
 def known_issue_of(rows: pd.DataFrame) -> KnownIssue | None:
     """The known library bug that explains most of a finding's cases (all of them, in a finding of one cause)."""
     explained = Counter(issue for r in rows.itertuples()
-                        if (issue := match(r.setting, r.status, r.message, traits_of(r.kind), r.d3_verdict)) is not None)
+                        if (issue := match(r.setting, r.status, r.message, capabilities_of(r.kind).traits, r.d3_verdict)) is not None)
     return explained.most_common(1)[0][0] if explained else None
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from difftest.generator import Generator, order_by_words
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators.inputs import Batch, jagged_feature
@@ -49,7 +50,13 @@ def _mlp_sizes(rng: np.random.Generator, max_layers: int) -> list[int]:
     return [int(4 * rng.integers(1, 9)) for _ in range(int(rng.integers(1, max_layers + 1)))]
 
 
-class DlrmGenerator:
+# where a DLRM tensor sits in its computation, by the words its name holds: tables, dense arch, interaction, over arch,
+# prediction, loss (TorchRec's own DLRM and DeepFM name their parts the same way)
+STAGE_WORDS = (("pooled", 0), ("embedding", 0), ("ebc", 0), ("sparse", 0), ("dense", 1), ("bottom", 1),
+               ("interaction", 2), ("over", 3), ("top", 3), ("prediction", 4), ("logits", 4), ("loss", 5))
+
+
+class DlrmGenerator(Generator):
     kind = KIND
     traits = frozenset({"torch", "torchrec"})
 
@@ -88,6 +95,12 @@ class DlrmGenerator:
             shapes[f"over.{2 * i}.bias"] = (out,)
             width = out
         return shapes
+
+    def frozen_names(self, params: dict[str, Any]) -> set[str]:
+        return set(self.parameter_shapes(params))
+
+    def tensor_order(self, tensor: str) -> tuple[int, int]:
+        return order_by_words(tensor, STAGE_WORDS)
 
     def init_state(self, spec: ModelSpec) -> dict[str, np.ndarray]:
         rng = _rng(spec.seed, spec.index, 1)

@@ -13,6 +13,8 @@ layout; the PyTorch side maps its parameters back to those names and layouts (se
 
 from __future__ import annotations
 
+import re
+
 import logging
 import math
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from difftest.errors import ConversionFailed
+from difftest.generator import UNPLACED, Generator
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators import _tf
@@ -194,7 +197,7 @@ def _draw_layers(rng: np.random.Generator) -> tuple[dict, list[dict], int]:
     return source, layers, classes
 
 
-class SequentialGenerator:
+class SequentialGenerator(Generator):
     kind = KIND
     traits = frozenset({"keras", "torch"})
 
@@ -373,6 +376,18 @@ class SequentialGenerator:
     def features(self, spec: ModelSpec) -> list[str]:
         """What `analyze` tabulates findings by: the model's layer kinds and activations."""
         return _features(spec)
+
+    def frozen_names(self, params: dict[str, Any]) -> set[str]:
+        return {layer["name"] for layer in params["layers"]}
+
+    def tensor_order(self, tensor: str) -> tuple[int, int]:
+        layer = re.match(r"l(\d+)_", tensor)  # a Keras layer is named l<position>_<kind>: its position orders it
+        if layer:
+            return (1, int(layer.group(1)))
+        return (4, 0) if tensor == "prediction" else (5, 0) if tensor == "loss" else (UNPLACED, 0)
+
+    def tensor_class(self, tensor: str) -> str:
+        return super().tensor_class(re.sub(r"^l\d+_", "", tensor))  # `l2_dense/kernel` → `dense/kernel`
 
     def parameters(self, module: Any) -> dict[str, Any]:
         """Keras name → tensor in Keras layout (views of the trainable PyTorch parameters)."""

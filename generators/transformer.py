@@ -14,12 +14,15 @@ heads (tensor parallel) and the positions (sequence parallel).
 
 from __future__ import annotations
 
+import re
+
 import math
 from typing import Any
 
 import numpy as np
 
 from difftest.errors import Unsupported
+from difftest.generator import Generator, order_by_words
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators.inputs import Batch
@@ -31,7 +34,11 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([0x7F4, *key]))
 
 
-class TransformerGenerator:
+# stages of a decoder: token embeddings, its blocks in order, the final norm, the output projection, the loss
+_STAGE_WORDS = (("tok_embeddings", 0), ("norm", 3), ("output", 4), ("prediction", 4), ("loss", 5))
+
+
+class TransformerGenerator(Generator):
     kind = KIND
     traits = frozenset({"torch", "transformer"})
 
@@ -116,6 +123,13 @@ class TransformerGenerator:
         if p["tied"]:
             out.append("TiedEmbeddings")
         return sorted(out)
+
+    def tensor_order(self, tensor: str) -> tuple[int, int]:
+        block = re.match(r"layers\.(\d+)\.", tensor)  # a block's tensors, blocks in order
+        return (1, int(block.group(1))) if block else order_by_words(tensor, _STAGE_WORDS)
+
+    def frozen_names(self, params: dict[str, Any]) -> set[str]:
+        return set(self.parameter_shapes(params))
 
     # --- minimisation -----------------------------------------------------------------------------
     def size(self, spec: ModelSpec) -> dict[str, int]:

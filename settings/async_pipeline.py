@@ -156,6 +156,7 @@ class AsyncPipeline(Setting):
     simulate: bool = False
     stages_simulated: int = 0
     family: ClassVar[str] = "async-pipeline"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "microbatches", "stages_simulated"})
     tier_axes: ClassVar[tuple[str, ...]] = ("mode",)
     deterministic: ClassVar[bool] = True
 

@@ -76,6 +76,7 @@ class PartialReduce(Setting):
     simulate: bool = False  # the single-process simulator of the same schedule
     simulated_replicas: int = 0  # the simulator's replicas (its world size is 1)
     family: ClassVar[str] = "partial-reduce"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "simulated_replicas"})
     tier_axes: ClassVar[tuple[str, ...]] = ("sync_every", "hetero")
 
     @property

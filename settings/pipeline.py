@@ -63,6 +63,7 @@ class Accumulation(Setting):
     momentum: float = 0.0
     steps: int = 0  # 0: the run's steps
     family: ClassVar[str] = "accumulate"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "microbatches", "steps"})
 
     @property
     def name(self) -> str:
@@ -116,6 +117,7 @@ class Pipeline(Setting):
     data_parallel: int = 1  # pipelines side by side (hybrid); the world is data_parallel x pipeline ranks
     inner: str = ""  # hybrid only: "ddp" or "fsdp2" around each stage
     family: ClassVar[str] = "pipeline"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "microbatches", "steps"})
     tier_axes: ClassVar[tuple[str, ...]] = ("schedule", "split", "inner")
 
     @property

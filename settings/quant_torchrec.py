@@ -41,6 +41,7 @@ class QuantizedEmbeddings(Setting):
     """A DLRM's EmbeddingBagCollections quantized for inference (TorchRec QuantEmbeddingBagCollection)."""
 
     family: ClassVar[str] = "quant"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "simulated_world"})
     precision: ClassVar[str] = "quantized"  # judged by the bounds its scheme's rounding implies, not an envelope
     tier_axes: ClassVar[tuple[str, ...]] = ("weights", "output", "sharding")
     weights: str

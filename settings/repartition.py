@@ -105,6 +105,7 @@ class Repartition(Setting):
     microbatches: int
     moved: bool = True
     family: ClassVar[str] = "repartition"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "microbatches"})
     tier_axes: ClassVar[tuple[str, ...]] = ("schedule",)
     deterministic: ClassVar[bool] = True
 

@@ -35,6 +35,7 @@ class Uninterrupted(Setting):
 
     placement: Placement
     family: ClassVar[str] = "resume"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "at_step"})
     deterministic: ClassVar[bool] = True
     reference: ClassVar[str] = RESUME_REFERENCE
 
@@ -67,6 +68,7 @@ class Resume(Setting):
     at_step: int = 3
     mode: str = "restore"  # or "fast-forward"
     family: ClassVar[str] = "resume"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "at_step"})
     tier_axes: ClassVar[tuple[str, ...]] = ("before", "after", "mode")
     world_size: int = 1  # the sweep's process only launches the two phases' own process groups
     reference: ClassVar[str] = RESUME_REFERENCE

@@ -40,6 +40,7 @@ class TfUninterrupted(_KerasOnly, Setting):
 
     world_size: int = 1
     family: ClassVar[str] = "tf-resume"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "at_step"})
     framework: ClassVar[str] = "tensorflow"
     reference: ClassVar[str] = TF_RESUME_REFERENCE
 
@@ -58,6 +59,7 @@ class TfResume(_KerasOnly, Setting):
     at_step: int = 3
     world_size: int = 1
     family: ClassVar[str] = "tf-resume"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "at_step"})
     framework: ClassVar[str] = "tensorflow"
     reference: ClassVar[str] = TF_RESUME_REFERENCE
 

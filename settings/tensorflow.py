@@ -35,6 +35,7 @@ class TensorFlowStrategy(Setting):
     replicas: int = 1
     world_size: int = 1  # processes: only multi-worker uses more than one
     family: ClassVar[str] = "tensorflow"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "replicas"})
     framework: ClassVar[str] = "tensorflow"
     tier_axes: ClassVar[tuple[str, ...]] = ("strategy",)
     reference: ClassVar[str] = TF_REFERENCE

@@ -35,6 +35,7 @@ class TorchRecSharding(Setting):
     """TorchRec DMP with an explicit per-table sharding plan (EmbeddingBagCollectionSharder)."""
 
     family: ClassVar[str] = "torchrec"
+    size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "plan_seed"})
     tier_axes: ClassVar[tuple[str, ...]] = ("sharding",)
     sharding: str
     world_size: int

@@ -34,20 +34,29 @@ def test_signature_parts_drop_what_varies_between_cases() -> None:
         "rank N killed by SIGFPE (exit -N)"
     assert setting_family("pipeline/gpipe/ws2/stages2/mb4/balanced") == "pipeline/gpipe/balanced"
     assert setting_family("quant/torchrec/int8/out-fp16/row_wise/sim-ws3") == "quant/torchrec/int8/out-fp16/row_wise"
-    assert tensor_class("pooled.tf3") == "pooled" and tensor_class("l2_dense/kernel") == "dense/kernel"
-    assert tensor_class("over.0.weight") == "over.weight"
+    # the kind of tensor, as the model kind's generator declares it
+    assert tensor_class("dlrm", "pooled.tf3") == "pooled" and tensor_class("dlrm", "over.0.weight") == "over.weight"
+    assert tensor_class("sequential", "l2_dense/kernel") == "dense/kernel"
+    assert tensor_class("transformer", "layers.1.attention.wq.weight") == "layers.attention.wq.weight"
 
 
 def test_computation_order_puts_eval_before_training_and_embeddings_before_the_prediction() -> None:
     names = [("param_after_step1", "over.0.weight"), ("eval_after_step1", "pooled.f0"),
              ("eval_before", "prediction"), ("train_step1", "loss"), ("param_after_step1", "sparse.ebc.t0.weight"),
-             ("eval_before", "pooled.f2"), ("param_after_step2", "dense.0.weight"), ("eval_before", "l3_dense/out"),
-             ("eval_before", "l1_conv/out")]
-    ordered = sorted(names, key=lambda n: computation_order(*n))
-    assert ordered == [("eval_before", "pooled.f2"), ("eval_before", "l1_conv/out"), ("eval_before", "l3_dense/out"),
-                       ("eval_before", "prediction"), ("train_step1", "loss"),
-                       ("param_after_step1", "sparse.ebc.t0.weight"), ("param_after_step1", "over.0.weight"),
-                       ("eval_after_step1", "pooled.f0"), ("param_after_step2", "dense.0.weight")]
+             ("eval_before", "pooled.f2"), ("param_after_step2", "dense.0.weight"), ("eval_before", "dense_out")]
+    ordered = sorted(names, key=lambda n: computation_order("dlrm", *n))
+    assert ordered == [("eval_before", "pooled.f2"), ("eval_before", "dense_out"), ("eval_before", "prediction"),
+                       ("train_step1", "loss"), ("param_after_step1", "sparse.ebc.t0.weight"),
+                       ("param_after_step1", "over.0.weight"), ("eval_after_step1", "pooled.f0"),
+                       ("param_after_step2", "dense.0.weight")]
+    keras = [("eval_before", "prediction"), ("eval_before", "l3_dense/out"), ("eval_before", "l1_conv/out")]
+    assert sorted(keras, key=lambda n: computation_order("sequential", *n)) == [
+        ("eval_before", "l1_conv/out"), ("eval_before", "l3_dense/out"), ("eval_before", "prediction")]
+    blocks = ["output.weight", "layers.1.ffn.w1.weight", "norm.weight", "layers.0.attention_norm.weight",
+              "tok_embeddings.weight"]
+    assert sorted(blocks, key=lambda t: computation_order("transformer", "param_after_step1", t)) == [
+        "tok_embeddings.weight", "layers.0.attention_norm.weight", "layers.1.ffn.w1.weight", "norm.weight",
+        "output.weight"]
 
 
 def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reproducer(fresh_run: Path) -> None:

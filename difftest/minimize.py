@@ -346,6 +346,7 @@ def _write(run_dir: Path, finding: Any, m: Minimisation, config: RunConfig, scra
     from difftest.repro import write_reproducer
 
     target = run_dir / "findings" / finding.id
+    target.mkdir(parents=True, exist_ok=True)
     if m.best is not m.original:
         minimal = dataclasses.replace(m.best, spec=dataclasses.replace(m.best.spec, variant="min"))
         staging = scratch / "minimal" / finding.id  # two findings may shrink the same model two ways

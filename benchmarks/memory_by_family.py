@@ -54,7 +54,7 @@ def main() -> None:
             after.append(_rss_mib(group.processes[0].pid))
         group.close()
         growth = (after[-1] - after[0]) * 100 / (len(cases) * (args.passes - 1)) if args.passes > 1 else 0.0
-        print(f"{glob:<20} {len(cases):>10}  {str(after):<34} {growth:+.1f}")
+        print(f"{glob:<20} {len(cases):>10}  {after!s:<34} {growth:+.1f}")
 
 
 if __name__ == "__main__":

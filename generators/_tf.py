@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from difftest.errors import UserError
 

@@ -8,7 +8,8 @@ parameters with nothing outside the chain, so a stage owns the parameters of its
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -110,7 +110,7 @@ def _layout(weight: np.ndarray, tensor: Any) -> tuple[int, ...] | None:
 
 
 class _Mapped:
-    __slots__ = ("owner", "attr", "perm")
+    __slots__ = ("attr", "owner", "perm")
 
     def __init__(self, owner: Any, attr: str, perm: tuple[int, ...]) -> None:
         self.owner, self.attr, self.perm = owner, attr, perm

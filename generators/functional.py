@@ -25,7 +25,13 @@ import numpy as np
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators.sequential import (
-    ACTIVATIONS, DEFAULT_CONVERTER, SequentialGenerator, _candidates, _keras_layer, _pick, _rng,
+    ACTIVATIONS,
+    DEFAULT_CONVERTER,
+    SequentialGenerator,
+    _candidates,
+    _keras_layer,
+    _pick,
+    _rng,
 )
 
 MERGES = ("Add", "Subtract", "Multiply", "Average", "Concatenate")

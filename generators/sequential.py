@@ -13,16 +13,13 @@ layout; the PyTorch side maps its parameters back to those names and layouts (se
 
 from __future__ import annotations
 
-import re
-
 import logging
 import math
-from pathlib import Path
+import re
 from typing import Any
 
 import numpy as np
 
-from difftest.errors import ConversionFailed
 from difftest.generator import UNPLACED, Generator
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
@@ -113,7 +110,7 @@ def _conv2d(rng, shape):
     padding = _pick(rng, ("valid", "same"))
     strides = int(rng.integers(1, 3)) if padding == "valid" else 1
     kind = _pick(rng, ("Conv2D", "DepthwiseConv2D", "SeparableConv2D"))
-    out = lambda n: (n - k) // strides + 1 if padding == "valid" else n  # noqa: E731
+    out = lambda n: (n - k) // strides + 1 if padding == "valid" else n
     layer = {"class": kind, "kernel_size": k, "strides": strides, "padding": padding,
              "activation": _pick(rng, (None,) + ACTIVATIONS)}
     channels = shape[2]
@@ -224,7 +221,7 @@ class SequentialGenerator(Generator):
     # --- TensorFlow side ----------------------------------------------------------------------------------
     def keras_model(self, spec: ModelSpec, state: dict[str, np.ndarray] | None = None, dtype: str = "float32") -> Any:
         """The Keras model; `dtype` "float64" builds every layer and the input in float64 (a calibration run)."""
-        tf, keras = _tf.import_tensorflow()
+        _, keras = _tf.import_tensorflow()
         source = spec.params["input"]
         # layers take their dtype from the global dtype policy, which Keras fixes from floatx the first time it is
         # read: both are set for a float64 build and put back, and a float32 build leaves them as they are (a

@@ -14,9 +14,8 @@ heads (tensor parallel) and the positions (sequence parallel).
 
 from __future__ import annotations
 
-import re
-
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -218,7 +217,11 @@ class TransformerGenerator(Generator):
         and column-wise as the output projection)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
-            ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            SequenceParallel,
         )
 
         p = _unwrap(module).params
@@ -243,7 +246,7 @@ class TransformerGenerator(Generator):
             plan["output"] = ColwiseParallel(input_layouts=residual,
                                              output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                              use_local_output=not loss_parallel)
-        for i, block in enumerate(_unwrap(module).layers):
+        for i, _block in enumerate(_unwrap(module).layers):
             prefix = f"layers.{i}"
             if sequence_parallel:
                 plan[f"{prefix}.attention_norm"] = SequenceParallel()

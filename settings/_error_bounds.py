@@ -17,7 +17,8 @@ form, where samples do not interact, so the gradient of a column's sum w.r.t. sa
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class Perturbations:
         self.sources: list[tuple[Any, Any]] = []  # (zero leaf in the graph, its error bound as a tensor)
 
     @contextlib.contextmanager
-    def hooked(self, modules: list[Any], rule: Rule) -> Iterator["Perturbations"]:
+    def hooked(self, modules: list[Any], rule: Rule) -> Iterator[Perturbations]:
         """`rule(module, input, output) -> (input_bound | None, output_bound | None)` for each module."""
         import torch
 

@@ -8,7 +8,8 @@ loss is the mean over ranks (equal shares) and gradients follow the global-mean 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
 from difftest.devices import POINT_TO_POINT, across
+from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from generators.inputs import Batch

@@ -34,8 +34,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import numpy as np
 

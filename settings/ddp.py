@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.errors import Unsupported
 from difftest.devices import DATA_PARALLEL, across
+from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import build_for_training, canonical_parameters, record_training

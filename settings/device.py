@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from difftest.devices import collective_refusal, rank_device, visible_gpus
 from difftest.envelope import UNIT_ROUNDOFF

@@ -14,12 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.oracle import Tolerance
 from difftest.devices import SHARDED, across
+from difftest.oracle import Tolerance
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from settings._training import (
-    build_for_training, device_mesh, gathered_parameters, parameter_holders, train_data_parallel,
+    build_for_training,
+    device_mesh,
+    gathered_parameters,
+    parameter_holders,
+    train_data_parallel,
 )
 
 # bf16 keeps 8 significant bits: unit roundoff u = 2**-8. A layer rounds its input, its weights and its

@@ -23,13 +23,18 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from difftest.devices import across
 from difftest.errors import InvariantViolated, Unsupported
 from difftest.oracle import Tolerance
-from difftest.devices import across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from settings._training import (
-    build_for_training, canonical_parameters, gather_to_rank0, loss_record, sgd_step, to_numpy,
+    build_for_training,
+    canonical_parameters,
+    gather_to_rank0,
+    loss_record,
+    sgd_step,
+    to_numpy,
 )
 from settings.determinism import BITWISE
 

@@ -17,13 +17,17 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.errors import ConversionFailed, Unsupported
 from difftest.devices import DATA_PARALLEL, POINT_TO_POINT, SHARDED, across
+from difftest.errors import ConversionFailed, Unsupported
 from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from generators.inputs import Batch
 from settings._training import (
-    build_for_training, canonical_parameters, gather_to_rank0, record_training, to_numpy,
+    build_for_training,
+    canonical_parameters,
+    gather_to_rank0,
+    record_training,
+    to_numpy,
 )
 
 # schedule name -> (torch class name, stages per rank, stage placement)
@@ -310,7 +314,7 @@ def _stage_parameters(chain: Any, modules: dict[int, Any], wrapped: dict[int, An
 
 def _pipeline_settings() -> list[Setting]:
     settings: list[Setting] = []
-    for schedule, (_, per_rank, _) in SCHEDULES.items():
+    for schedule, (_, _per_rank, _) in SCHEDULES.items():
         for ws in (2, 3, 4):
             for mb in (ws, 2 * ws):
                 settings += [Pipeline(schedule, ws, mb, split) for split in ("balanced", "random")]

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import numpy as np
 

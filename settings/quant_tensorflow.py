@@ -136,7 +136,7 @@ class TensorFlowQuantization(Setting):
 
         def site(layer: Any, value: Any) -> Any:
             if tf.as_dtype(value.dtype).is_floating:
-                tape.watch(value)
+                tape.watch(value)  # noqa: F821 (the tape below: `site` is called only inside it)
                 sites.append((layer, value))
             return value
 

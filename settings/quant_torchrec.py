@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import numpy as np
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.errors import Unsupported
 from difftest.devices import SHARDED, across
+from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import build_for_training, device_mesh, gathered_parameters, record_training

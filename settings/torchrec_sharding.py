@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
-from difftest.errors import Unsupported
 from difftest.devices import SHARDED, across
+from difftest.errors import Unsupported
 from difftest.registry import register_settings, register_world_reset, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import assemble, gather_to_rank0, record_training, to_numpy
@@ -219,7 +220,7 @@ def _table_column_wise(position: int, table: dict, world_size: int, local_size: 
     def generator(param: Any, local: int, world: int, device_type: str, sharder: Any) -> Any:
         width = param.shape[1] // count
         placements = [([param.shape[0], width], [0, j * width], rank) for j, rank in enumerate(ranks)]
-        return sp._get_parameter_sharding(  # noqa: SLF001  the helper column_wise itself uses
+        return sp._get_parameter_sharding(
             param, ShardingType.TABLE_COLUMN_WISE.value, placements, local, device_type, sharder
         )
 
@@ -238,11 +239,11 @@ def _grid_shard(table: dict, world_size: int, local_size: int) -> Callable:
     hosts = _column_shards(table["embedding_dim"], world_size // local_size)
 
     def generator(param: Any, local: int, world: int, device_type: str, sharder: Any) -> Any:
-        blocks = sp._get_parameter_size_offsets(  # noqa: SLF001
+        blocks = sp._get_parameter_size_offsets(
             param, ShardingType.GRID_SHARD, local, world, col_wise_shard_dim=param.shape[1] // hosts
         )
         placements = [(size, offset, i) for i, (size, offset) in enumerate(blocks)]  # block-major: host h = ranks h*local..
-        return sp._get_parameter_sharding(  # noqa: SLF001
+        return sp._get_parameter_sharding(
             param, ShardingType.GRID_SHARD.value, placements, local, device_type, sharder
         )
 

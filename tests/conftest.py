@@ -29,6 +29,19 @@ def _reference_calibrations() -> int:
 REFERENCE_CALIBRATIONS = _reference_calibrations()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`needs_tf` tests skip, saying why, where the [tf] extra is not installed (DIFFTEST_EXTRAS=test)."""
+    from generators import _tf
+
+    missing = _tf.missing()
+    if missing is None:
+        return
+    skip = pytest.mark.skip(reason=f"the TF stack {missing}")
+    for item in items:
+        if "needs_tf" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def generated_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two generated DLRM models (one plain, one with a frozen parameter), never swept."""

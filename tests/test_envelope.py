@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from difftest.analysis import analyze
-from difftest.envelope import K, Envelope
-from difftest.registry import load_plugins, root_of, get_setting, tier
+from difftest.envelope import Envelope, K
+from difftest.registry import get_setting, load_plugins, root_of, tier
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.store import Store
 
@@ -86,6 +86,7 @@ def test_calibrated_oracle_catches_a_small_library_fault_that_d3_passes(fresh_ru
         assert planted.loc[case, "verdict"] == "inconsistent"
 
 
+@pytest.mark.needs_tf
 def test_both_frameworks_calibrate_in_float64_and_leave_later_cases_in_float32(fresh_sequential_run: Path) -> None:
     """A Keras float64 build must not leak its dtype policy into the next case of the same worker (Keras fixes the
     global policy once), and a converted PyTorch model must compute its float64 run in float64 throughout."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from difftest.analysis import analyze
 from difftest.runner.sweep import SweepOptions, run_sweep
 from generators.conversion import layer_cuts
@@ -65,6 +67,7 @@ def test_layer_cuts_split_a_graph_between_layers() -> None:
     assert layer_cuts(proto) == ["seq/l0_dense/Add:0"]  # not the MatMul inside a layer
 
 
+@pytest.mark.needs_tf
 def test_sequence_parallel_shards_positions_where_a_converted_dense_pair_runs_over_a_sequence(tmp_path: Path) -> None:
     """Keras (seed 0, index 89): Conv1D → Dense → Dense over a sequence, which tf2onnx lowers to a Linear over
     (batch·seq, feature) rows; none of the default models has such a pair."""
@@ -95,6 +98,7 @@ def test_sequence_parallel_shards_positions_where_a_converted_dense_pair_runs_ov
         assert "RowwiseParallel(output S(0))" in messages[f"tp/sequence-parallel/ws{world_size}"]
 
 
+@pytest.mark.needs_tf
 def test_fsdp2_inside_pipeline_stages_finishes_on_a_converted_keras_model(fresh_sequential_run: Path) -> None:
     """Keras s0-i0 hung all four ranks once: rank 0 alone read the canonical parameters after FSDP2 wrapped its
     stage, an all-gather its data-parallel peer never joined."""

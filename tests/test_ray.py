@@ -59,6 +59,7 @@ def _kill_a_gang_host() -> int | None:
     return None
 
 
+@pytest.mark.ray
 def test_ray_gangs_give_the_local_executors_bytes_and_tell_a_lost_host_from_a_crash(fresh_run: Path,
                                                                                     tmp_path: Path) -> None:
     """Ray started on this machine: clean cases, ranks that raise, abort and hang, and a gang host killed mid-sweep
@@ -89,6 +90,7 @@ def test_ray_gangs_give_the_local_executors_bytes_and_tell_a_lost_host_from_a_cr
     assert not ray.is_initialized()  # the driver let go of the Ray instance it started
 
 
+@pytest.mark.ray
 def test_an_address_nothing_listens_at_is_one_line_of_error(fresh_run: Path) -> None:
     with pytest.raises(UserError, match=r"--address 127\.0\.0\.1:1: nothing answers there"):
         run_sweep(fresh_run, SweepOptions(settings="ddp/*/ws2", executor=ExecutorConfig("ray", "127.0.0.1:1")))

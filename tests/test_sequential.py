@@ -10,12 +10,11 @@ import pytest
 from difftest.analysis import analyze
 from difftest.artifacts import load_model
 from difftest.runner.sweep import SweepOptions, list_models, run_sweep
-from generators import _tf
 from generators.onnx_files import EXPORT_ERROR_FILE
 from generators.sequential import SequentialGenerator
 from tests.conftest import PLANTED
 
-pytestmark = pytest.mark.skipif(_tf.missing() is not None, reason=f"TF extra missing: {_tf.missing()}")
+pytestmark = pytest.mark.needs_tf
 
 
 def test_specs_are_reproducible_and_every_draw_builds() -> None:

@@ -13,8 +13,13 @@ from difftest.analysis import analyze
 from difftest.finding_folders import write_finding_folders
 from difftest.live import LiveFindings
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.signature import (computation_order, innermost_library_frame, normalise_message, setting_family,
-                                tensor_class)
+from difftest.signature import (
+    computation_order,
+    innermost_library_frame,
+    normalise_message,
+    setting_family,
+    tensor_class,
+)
 from difftest.triage import FINDINGS_COLUMNS, triage
 from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS
 
@@ -89,7 +94,7 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     assert len(zbv.rows) == 4 and "torch/distributed/pipelining/stage.py:get_local_bwd_output" in zbv.signature
     raised = next(f for t, f in by_title.items() if "planted failure" in t)
     assert raised.status == "error" and len(raised.rows) == 2
-    shifted = next(f for t, f in by_title.items() if "shard_off_by_one_row" in t or "faults" in t and f is not raised)
+    shifted = next(f for t, f in by_title.items() if "shard_off_by_one_row" in t or ("faults" in t and f is not raised))
     assert shifted.status == "inconsistent"
     assert len(findings) == 4
     # the same run triaged again: the same ids; the files say the same

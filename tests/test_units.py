@@ -13,9 +13,9 @@ import pytest
 from difftest.artifacts import load_arrays
 from difftest.errors import UserError
 from difftest.oracle import Tolerance, compare, compare_tensor
-from difftest.registry import tier, all_settings, load_plugins, select_settings, with_references
-from difftest.store import CaseRecord, Store
+from difftest.registry import all_settings, load_plugins, select_settings, tier, with_references
 from difftest.setting import Repeat
+from difftest.store import CaseRecord, Store
 from generators.dlrm import DlrmGenerator
 
 

@@ -22,7 +22,6 @@ from difftest.analysis import CSV_COLUMNS
 from difftest.registry import load_plugins, tier, traits_of, with_references
 
 
-
 def _check_library_findings(rows: pd.DataFrame, in_tier: set[str]) -> None:
     """Every case that is not ok is a library bug difftest/known_issues.toml knows (anything else is a harness bug to
     fix or a new finding to investigate and add there), and every known bug the default job shows on the installed
@@ -59,7 +58,6 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     kinds = pd.Series({d.name: d.name.split("-s0-")[0] for d in (out / "models").iterdir()})
     assert kinds.value_counts().to_dict() == {"dlrm": 2, "sequential": 2, "transformer": 1, "torchrec-dlrm": 1,
                                               "torchrec-deepfm": 1, "keras-dag": 1, "keras-transformer": 1}
-    torchrec_models = int(kinds.map(lambda k: "torchrec" in traits_of(k)).sum())
     keras_models = int(kinds.map(lambda k: "keras" in traits_of(k)).sum())
     assert int(cases["cases"].sum()) == len(kinds) * len(in_tier)
     assert cases.loc["reference", "ok"] == len(kinds) and cases.loc["tf/reference", "ok"] == keras_models == 4
@@ -115,6 +113,7 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     return rows
 
 
+@pytest.mark.needs_tf
 @pytest.mark.e2e
 @pytest.mark.timeout(2100)
 def test_difftest_run_on_the_default_models_runs_the_default_tier_and_resumes(tmp_path: Path) -> None:

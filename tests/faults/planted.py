@@ -127,7 +127,7 @@ class ConvertedKernelFlipped(Conversion):
     def converted(self, module: Any) -> Any:
         import torch
 
-        for name, view in module.keras_parameters().items():
+        for _name, view in module.keras_parameters().items():
             if view.dim() >= 2 and view.shape[0] > 1:
                 with torch.no_grad():
                     view.copy_(view.flip(0))

@@ -3,6 +3,8 @@
 The public API for writing settings and generators lives here; everything else is internal.
 """
 
+from typing import Any
+
 from difftest.errors import Unsupported, UserError
 from difftest.registry import register_generator, register_setting, register_settings
 from difftest.setting import Outputs, RunContext, Setting
@@ -14,7 +16,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # `reproduce` runs cases (pandas, the runner): imported when asked for, not with every setting module
     if name in ("reproduce", "Reproduction"):
         from difftest import repro

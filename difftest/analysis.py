@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import pandas as pd
 
-from difftest.errors import UserError
 from difftest.envelope import UNIT_ROUNDOFF, Envelope
+from difftest.errors import UserError
 from difftest.oracle import BOUND_PREFIX, Tolerance, compare
 from difftest.registry import calibrations_of, capabilities_of, get_setting, load_plugins, root_of
 from difftest.run_folder import list_models, sweep_in_progress
-from difftest.setting import Setting, SettingRole
+from difftest.setting import Outputs, Setting, SettingRole
 from difftest.spec import ModelSpec
 from difftest.status import STATUSES
 from difftest.store import CaseRecord, Store
@@ -68,8 +69,8 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
         judge = Judge(store, tol, oracle, will_run=lambda model, setting: running)
         for record in records:
             judge.add(record)
-        rows: list[dict] = []
-        verdicts: list[dict] = []
+        rows: list[dict[str, Any]] = []
+        verdicts: list[dict[str, Any]] = []
         for record in records:
             spec = specs.get(record.model)
             if spec is None:
@@ -104,7 +105,7 @@ class Judgement:
     d3_verdict: str = ""  # "": the case was not compared tensor by tensor, its one verdict is D3's too
     calibrated: str = ""  # "yes", or why the envelope does not judge it
     worst_linf: float = math.nan
-    rows: list[dict] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 _PENDING = "pending"  # what an envelope is while a calibration it is made of has still to run
@@ -120,7 +121,7 @@ class Judge:
                  will_run: Callable[[str, str], bool] = lambda model, setting: False) -> None:
         self.store, self.tol, self.oracle, self.will_run = store, tol, oracle, will_run
         self.records: dict[tuple[str, str], CaseRecord] = {}
-        self._outputs: dict[tuple[str, str], dict | None] = {}
+        self._outputs: dict[tuple[str, str], Outputs | None] = {}
         self._envelopes: dict[tuple[str, str, str], tuple[Envelope | None, str]] = {}
 
     def add(self, record: CaseRecord) -> None:
@@ -134,7 +135,7 @@ class Judge:
     def _missing(self, model: str, setting: str) -> bool:
         return (model, setting) not in self.records and self.will_run(model, setting)
 
-    def _reference_outputs(self, model: str, reference: str) -> dict | None:
+    def _reference_outputs(self, model: str, reference: str) -> Outputs | None:
         key = (model, reference)
         if key not in self._outputs:
             ref = self.records.get(key)
@@ -222,7 +223,7 @@ class Judge:
                          max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan), rows)
 
 
-def _load(store: Store, record) -> dict | str:
+def _load(store: Store, record: CaseRecord) -> Outputs | str:
     """A case's stored outputs, or why they cannot be read (truncated, corrupted, deleted)."""
     try:
         return store.load_outputs(record)
@@ -230,24 +231,24 @@ def _load(store: Store, record) -> dict | str:
         return str(exc)
 
 
-def _case_row(base: dict, status: str, message: str) -> dict:
+def _case_row(base: dict[str, Any], status: str, message: str) -> dict[str, Any]:
     """A comparisons row for a case judged as a whole (it failed, or its reference did)."""
     return {**base, "phase": "", "tensor": "", "linf": math.nan, "max_rel": math.nan, "mismatches": 0, "numel": 0,
             "oracle": "", "bound": math.nan, "bound_ratio": math.nan, "status": status, "message": message,
             "calibrated_linf": math.nan, "calibrated_ratio": math.nan, "d3_status": status}
 
 
-def _registered(name: str):
+def _registered(name: str) -> Setting | None:
     try:
         return get_setting(name)
     except UserError:
         return None  # a setting from a plugin not loaded now: judged against the default reference
 
 
-def _by_feature(cases: pd.DataFrame, specs: dict) -> pd.DataFrame:
+def _by_feature(cases: pd.DataFrame, specs: dict[str, ModelSpec]) -> pd.DataFrame:
     """Verdict counts per (feature, setting): which layer kinds fail or diverge under which setting."""
     columns = ["feature", "setting", "cases", *STATUSES, "worst_linf"]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for case in cases.itertuples():
         features = capabilities_of(specs[case.model].kind).features(specs[case.model])
         rows.extend({"feature": f, "setting": case.setting, "verdict": case.verdict, "worst_linf": case.worst_linf}

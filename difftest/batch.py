@@ -17,13 +17,13 @@ class JaggedFeature:
     values: np.ndarray  # int64 [sum(lengths)]
     weights: np.ndarray | None = None  # float32 [sum(lengths)] for weighted features
 
-    def slice(self, start: int, stop: int) -> "JaggedFeature":
+    def slice(self, start: int, stop: int) -> JaggedFeature:
         offsets = np.concatenate([[0], np.cumsum(self.lengths)])
         lo, hi = offsets[start], offsets[stop]
         weights = None if self.weights is None else self.weights[lo:hi]
         return JaggedFeature(self.lengths[start:stop], self.values[lo:hi], weights)
 
-    def take(self, samples: np.ndarray) -> "JaggedFeature":
+    def take(self, samples: np.ndarray) -> JaggedFeature:
         """The bags of `samples`, in that order."""
         offsets = np.concatenate([[0], np.cumsum(self.lengths)])
         picked = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in samples] or [np.zeros(0, np.int64)])
@@ -31,7 +31,7 @@ class JaggedFeature:
         weights = None if self.weights is None else self.weights[picked]
         return JaggedFeature(self.lengths[samples], self.values[picked], weights)
 
-    def shuffled_within_bags(self, rng: np.random.Generator) -> "JaggedFeature":
+    def shuffled_within_bags(self, rng: np.random.Generator) -> JaggedFeature:
         """The same bags, each bag's ids (and weights) in another order: a pooled sum over them is unchanged."""
         offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
         order = np.concatenate([offsets[i] + rng.permutation(int(n)) for i, n in enumerate(self.lengths)]
@@ -51,17 +51,17 @@ class Batch:
     def size(self) -> int:
         return int(self.labels.shape[0])
 
-    def slice(self, start: int, stop: int) -> "Batch":
+    def slice(self, start: int, stop: int) -> Batch:
         dense = None if self.dense is None else self.dense[start:stop]
         sparse = {name: feature.slice(start, stop) for name, feature in self.sparse.items()}
         return Batch(self.labels[start:stop], dense, sparse)
 
-    def take(self, samples: np.ndarray) -> "Batch":
+    def take(self, samples: np.ndarray) -> Batch:
         """The samples at positions `samples`, in that order (a data loader's shuffled batch)."""
         dense = None if self.dense is None else self.dense[samples]
         return Batch(self.labels[samples], dense, {name: f.take(samples) for name, f in self.sparse.items()})
 
-    def reordered(self, rng: np.random.Generator) -> tuple["Batch", np.ndarray]:
+    def reordered(self, rng: np.random.Generator) -> tuple[Batch, np.ndarray]:
         """The samples in another order, and each bag's ids too, with the order taken (sums over either are
         mathematically unchanged: a legitimate freedom of the arithmetic)."""
         order = rng.permutation(self.size)
@@ -69,7 +69,7 @@ class Batch:
         taken.sparse = {name: f.shuffled_within_bags(rng) for name, f in taken.sparse.items()}
         return taken, order
 
-    def shard(self, rank: int, world_size: int) -> "Batch":
+    def shard(self, rank: int, world_size: int) -> Batch:
         """The contiguous share of rank `rank`; the global batch must divide evenly."""
         if self.size % world_size:
             raise ValueError(f"batch of {self.size} samples does not split over {world_size} ranks")
@@ -93,7 +93,7 @@ class Batch:
         return arrays
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray], prefix: str) -> "Batch":
+    def from_arrays(cls, arrays: dict[str, np.ndarray], prefix: str) -> Batch:
         names = sorted({k.split(".")[2] for k in arrays if k.startswith(f"{prefix}.sparse.")})
         sparse = {
             name: JaggedFeature(

@@ -5,18 +5,25 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from difftest.errors import UserError
 from difftest.oracle import Tolerance
 from difftest.progress import SweepProgress
 from difftest.status import NOT_OK
+
+if TYPE_CHECKING:
+    from difftest.analysis import Analysis
+    from difftest.minimize import Minimisation
+    from difftest.runner.executor import Case, ExecutorConfig
+    from difftest.store import CaseRecord
+    from difftest.triage import Finding
 
 app = typer.Typer(
     help="Differential testing of distributed/quantized training settings against a single-process reference.",
@@ -33,15 +40,15 @@ out_console = Console() if sys.stdout.isatty() else Console(width=1000)
 DEFAULT_OUT = Path("results/default")
 
 # Shared options --------------------------------------------------------------------------------------
-SettingsOpt = Annotated[Optional[str], typer.Option("--settings", help="Comma-separated globs over setting names, e.g. 'reference,torchrec/*/ws2'.")]
-JobsOpt = Annotated[Optional[int], typer.Option("--jobs", min=1, help="Worker groups running at once (default: locally, as many as the machine's cores hold ranks, one core per rank; with --executor ray, as many gangs of two ranks as the cluster's CPUs hold).")]
+SettingsOpt = Annotated[str | None, typer.Option("--settings", help="Comma-separated globs over setting names, e.g. 'reference,torchrec/*/ws2'.")]
+JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Worker groups running at once (default: locally, as many as the machine's cores hold ranks, one core per rank; with --executor ray, as many gangs of two ranks as the cluster's CPUs hold).")]
 ExecutorOpt = Annotated[str, typer.Option("--executor", help="local: worker groups on this machine; ray: gangs on a Ray cluster (the [ray] extra; see --address).")]
-AddressOpt = Annotated[Optional[str], typer.Option("--address", help="With --executor ray: the cluster to run on ('auto' or HOST:PORT of its head, as `ray start --head` prints); without it, Ray starts on this machine alone.")]
+AddressOpt = Annotated[str | None, typer.Option("--address", help="With --executor ray: the cluster to run on ('auto' or HOST:PORT of its head, as `ray start --head` prints); without it, Ray starts on this machine alone.")]
 CpusPerRankOpt = Annotated[float, typer.Option("--cpus-per-rank", min=0.01, help="With --executor ray: CPUs each rank's bundle reserves on its node.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds a case may take before its group is killed and it is recorded as timeout.")]
-PluginOpt = Annotated[Optional[list[str]], typer.Option("--plugin", help="Extra module registering settings/generators (repeatable); workers import it too.")]
+PluginOpt = Annotated[list[str] | None, typer.Option("--plugin", help="Extra module registering settings/generators (repeatable); workers import it too.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl, one GPU per rank).")]
-BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="gloo or nccl (default: gloo on cpu, nccl on cuda). With --device cuda, gloo lets several ranks share one GPU (rank r on GPU r mod the GPUs there are).")]
+BackendOpt = Annotated[str | None, typer.Option("--backend", help="gloo or nccl (default: gloo on cpu, nccl on cuda). With --device cuda, gloo lets several ranks share one GPU (rank r on GPU r mod the GPUs there are).")]
 AtolOpt = Annotated[float, typer.Option("--atol", min=0, help="Absolute tolerance of the allclose verdict.")]
 RtolOpt = Annotated[float, typer.Option("--rtol", min=0, help="Relative tolerance of the allclose verdict.")]
 OracleOpt = Annotated[str, typer.Option(
@@ -52,14 +59,14 @@ FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 w
 # the built-in kinds, written out so that --help needs no import of torch (a test keeps the list in step)
 BUILTIN_KINDS = ("dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer", "sequential", "keras-dag", "keras-transformer")
 KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the [tf] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
-TierOpt = Annotated[Optional[str], typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
+TierOpt = Annotated[str | None, typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
 MinimizeOpt = Annotated[float, typer.Option("--minimize-budget", min=0, help="Seconds per finding to shrink its example case (fewer tables, layers, rows, ranks) while it still fails the same way; 0: no minimisation.")]
 # the default job's models per kind where not --models: one each of the larger kinds keeps it within minutes
 DEFAULT_JOB_MODELS_OF = "torchrec-dlrm=1,torchrec-deepfm=1,transformer=1,keras-dag=1,keras-transformer=1"
 DEFAULT_MODELS = 2
 ModelsOfOpt = Annotated[str, typer.Option("--models-of", help="Comma-separated kind=N: models of those kinds, instead of --models ('' for none).")]
-RunModelsOfOpt = Annotated[Optional[str], typer.Option("--models-of", help=f"Comma-separated kind=N: models of those kinds, instead of --models ('' for none). Default with --kind all: {DEFAULT_JOB_MODELS_OF}; with one --kind, --models is that kind's count.")]
-ModelsFilterOpt = Annotated[Optional[str], typer.Option("--models-filter", help="Comma-separated globs over model ids to sweep.")]
+RunModelsOfOpt = Annotated[str | None, typer.Option("--models-of", help=f"Comma-separated kind=N: models of those kinds, instead of --models ('' for none). Default with --kind all: {DEFAULT_JOB_MODELS_OF}; with one --kind, --models is that kind's count.")]
+ModelsFilterOpt = Annotated[str | None, typer.Option("--models-filter", help="Comma-separated globs over model ids to sweep.")]
 
 
 def _progress() -> Progress:
@@ -106,15 +113,16 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
     from difftest.spec import RunConfig
 
     load_plugins(plugins)
+    kinds: tuple[str, ...]
     if kind == "all":
-        kinds = []
+        available: list[str] = []
         for name in generator_kinds():
             why = kind_unavailable(name)
             if why:
                 console.print(f"[yellow]kind {name!r} left out: it {escape(why)}")
             else:
-                kinds.append(name)
-        kinds = tuple(kinds)
+                available.append(name)
+        kinds = tuple(available)
     else:
         get_generator(kind)  # an unknown kind: one line naming the known ones
         why = kind_unavailable(kind)
@@ -129,7 +137,7 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
         generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m))
 
 
-def _executor(executor: str, address: Optional[str], cpus_per_rank: float):
+def _executor(executor: str, address: str | None, cpus_per_rank: float) -> ExecutorConfig:
     from difftest.runner.executor import ExecutorConfig
 
     config = ExecutorConfig(kind=executor, address=address, cpus_per_rank=cpus_per_rank)  # checks the combination
@@ -142,7 +150,7 @@ def _executor(executor: str, address: Optional[str], cpus_per_rank: float):
     return config
 
 
-def _check_devices(device: str, backend: Optional[str], executor: object = None) -> None:
+def _check_devices(device: str, backend: str | None, executor: object = None) -> None:
     """One line, before anything runs, when the device options cannot work here."""
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r}: use cpu or cuda")
@@ -158,7 +166,7 @@ def _check_devices(device: str, backend: Optional[str], executor: object = None)
                             "run on a machine with a GPU and a CUDA build of torch, or use --device cpu")
 
 
-def _check_jobs(jobs: Optional[int], executor: object = None) -> None:
+def _check_jobs(jobs: int | None, executor: object = None) -> None:
     from difftest.runner.scheduler import machine_ranks
 
     if jobs is not None and getattr(executor, "kind", "local") == "local" and jobs > (ranks := machine_ranks()):
@@ -166,10 +174,10 @@ def _check_jobs(jobs: Optional[int], executor: object = None) -> None:
                         "worker groups; leave --jobs out to use them all")
 
 
-def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], jobs: Optional[int], timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: Optional[str] = None, executor=None, backend: Optional[str] = None, tol=None, oracle: str = "calibrated") -> None:
+def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int | None, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: str | None = None, executor: ExecutorConfig | None = None, backend: str | None = None, tol: Tolerance | None = None, oracle: str = "calibrated") -> None:
     from difftest.registry import load_plugins
-    from difftest.runner.executor import ExecutorConfig
-    from difftest.runner.sweep import SweepOptions, plan_cases, run_sweep
+    from difftest.runner.executor import ExecutorConfig, SweepOptions
+    from difftest.runner.sweep import plan_cases, run_sweep
     from difftest.spec import RunConfig
 
     load_plugins(RunConfig.load(out / "run.json").plugins + plugins)
@@ -190,11 +198,11 @@ def _sweep(out: Path, settings: Optional[str], models_filter: Optional[str], job
     with SweepProgress(console) as progress:
         live = LiveFindings(out, tol or Tolerance(), oracle, on_new=progress.finding)
 
-        def on_result(case, record) -> None:
+        def on_result(case: Case, record: CaseRecord) -> None:
             live.result(case, record)
             progress.result(record.setting, record.status, findings=len(live.found))
 
-        def on_planned(cases, refused: int) -> None:
+        def on_planned(cases: list[Case], refused: int) -> None:
             live.planned(cases)
             progress.planned([c.setting.name for c in cases], refused)
 
@@ -258,7 +266,8 @@ def _analyze(out: Path, atol: float, rtol: float, fail: bool, minimize_budget: f
         raise typer.Exit(1)
 
 
-def _minimize(out: Path, found: list, analysis, budget: float, timeout: float, device: str) -> list:
+def _minimize(out: Path, found: list[Finding], analysis: Analysis, budget: float, timeout: float,
+              device: str) -> list[Minimisation]:
     from difftest.minimize import load_previous, minimize
     from difftest.spec import RunConfig
 
@@ -266,7 +275,7 @@ def _minimize(out: Path, found: list, analysis, budget: float, timeout: float, d
         return [m for f in found if (m := load_previous(out, f, 0.0)) is not None]
     started = time.perf_counter()
 
-    def on_round(number: int, work: list, seconds: float, built: float, cases: int) -> None:
+    def on_round(number: int, work: list[Minimisation], seconds: float, built: float, cases: int) -> None:
         active = sum(m.active for m in work)
         console.print(f"minimise round {number}: {cases} cases in {seconds:.1f}s (their models built in {built:.1f}s); "
                       f"{active} of {len(work)} findings still shrinking", highlight=False)
@@ -280,7 +289,8 @@ def _minimize(out: Path, found: list, analysis, budget: float, timeout: float, d
     return done
 
 
-def _print_findings(out: Path, findings: list, minimised: list, report: Path, new_only: bool = False) -> None:
+def _print_findings(out: Path, findings: list[Finding], minimised: list[Minimisation], report: Path,
+                    new_only: bool = False) -> None:
     from difftest.known import Upstream
     from difftest.triage import upstream_counts
 
@@ -300,7 +310,7 @@ def _print_findings(out: Path, findings: list, minimised: list, report: Path, ne
             size = m.size()
             minimal = " — minimal: " + ", ".join(f"{k} {v}" for k, v in size.items() if k not in ("parameters",))
         title = f.title if len(f.title) <= 110 else f.title[:109] + "…"
-        out_console.print(f"  {f.id} {f.status:<12} {str(f.upstream):<10} {len(f.rows):>3} case(s)  {escape(title)}{minimal}",
+        out_console.print(f"  {f.id} {f.status:<12} {f.upstream!s:<10} {len(f.rows):>3} case(s)  {escape(title)}{minimal}",
                           highlight=False, soft_wrap=True)
     if len(listed) > len(shown):
         out_console.print(f"  … and {len(listed) - len(shown)} more in {out / 'findings.csv'}")
@@ -311,7 +321,7 @@ def _print_findings(out: Path, findings: list, minimised: list, report: Path, ne
 @app.command()
 def run(
     out: Annotated[Path, typer.Option("--out", help="Run folder; an existing one is resumed.")] = DEFAULT_OUT,
-    models: Annotated[Optional[int], typer.Option("--models", min=1, help=f"Models per kind (default {DEFAULT_MODELS}); with --kind all the larger kinds keep --models-of's counts.")] = None,
+    models: Annotated[int | None, typer.Option("--models", min=1, help=f"Models per kind (default {DEFAULT_MODELS}); with --kind all the larger kinds keep --models-of's counts.")] = None,
     models_of: RunModelsOfOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
     kind: KindOpt = "all",
@@ -402,7 +412,7 @@ QUANT_SETTINGS = "quant/*"
 @app.command()
 def quant(
     run_dir: Annotated[Path, typer.Argument(help="A folder made by `difftest generate` (or `difftest run`).")],
-    settings: Annotated[Optional[str], typer.Option("--settings", help="Globs over the quantization settings (default: all of them, 'quant/*').")] = None,
+    settings: Annotated[str | None, typer.Option("--settings", help="Globs over the quantization settings (default: all of them, 'quant/*').")] = None,
     models_filter: ModelsFilterOpt = None,
     timeout: TimeoutOpt = 120.0,
     atol: AtolOpt = 5e-4,
@@ -494,7 +504,7 @@ def repro(
 
 @settings_app.command("list")
 def settings_list(
-    tier: Annotated[Optional[str], typer.Option("--tier", help="Only the settings of this tier (default or full); the table always says which tier each is in.")] = None,
+    tier: Annotated[str | None, typer.Option("--tier", help="Only the settings of this tier (default or full); the table always says which tier each is in.")] = None,
     names: Annotated[bool, typer.Option("--names", help="One full setting name per line, nothing else (for scripts).")] = False,
     derived: Annotated[bool, typer.Option("--derived", help="Only the derived families (<prefix>/<any setting>), one per line: prefix, then what it runs.")] = False,
     plugin: PluginOpt = None,

@@ -48,7 +48,7 @@ class Envelope:
     runs: tuple[str, ...]  # the settings the spread was measured over
 
     @classmethod
-    def measure(cls, centre: dict[str, np.ndarray], runs: dict[str, dict[str, np.ndarray]], unit: float) -> "Envelope":
+    def measure(cls, centre: dict[str, np.ndarray], runs: dict[str, dict[str, np.ndarray]], unit: float) -> Envelope:
         spread: dict[str, np.ndarray] = {}
         for name, c in centre.items():
             if name.startswith(BOUND_PREFIX):

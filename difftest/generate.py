@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from difftest import stack
 from difftest.artifacts import atomic_write_text, save_model

@@ -8,15 +8,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from difftest.analysis import Judge, Judgement
 from difftest.oracle import Tolerance
-from difftest.store import CaseRecord, Store
-from difftest.status import DISAGREEMENTS, FAILURES
 from difftest.signature import case_signature, first_divergence
+from difftest.status import DISAGREEMENTS, FAILURES
+from difftest.store import CaseRecord, Store
 
 if TYPE_CHECKING:
     from difftest.runner.executor import Case

@@ -19,16 +19,19 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
+from typing import TYPE_CHECKING, Any
 
 from difftest.analysis import Analysis, analyze
 from difftest.artifacts import load_spec
 from difftest.errors import UserError
 from difftest.registry import all_settings, get_generator, get_setting, kind_unavailable
 from difftest.spec import ModelSpec, RunConfig
+
+if TYPE_CHECKING:
+    from difftest.triage import Finding
 
 PER_FINDING_PER_ROUND = 8  # proposals a finding runs per round: a round's time is what every finding is charged
 MIN_BATCH = 12  # splits over 1, 2, 3 and 4 ranks
@@ -113,7 +116,7 @@ def _generator_size(spec: ModelSpec) -> dict[str, int]:
     return dict(get_generator(spec.kind).size(spec))
 
 
-def _order(m: Minimisation, trial: Trial) -> tuple:
+def _order(m: Minimisation, trial: Trial) -> tuple[int, ...]:
     """Smaller first: structure (tables, features, layers, …, parameters), then world size, then batch."""
     size = m.size(trial)
     return (*_generator_size(trial.spec).values(), size["world_size"], size["batch"])
@@ -154,7 +157,8 @@ def _compose(best: Trial, changes: list[str], serial: Callable[[], str]) -> Tria
     """`best` with each of `changes` applied in turn, by name, where it still applies (two or more of them)."""
     if len(changes) < 2:
         return None
-    current, applied = best, []
+    current = best
+    applied: list[str] = []
     for change in changes:
         for trial in _proposals(Minimisation("", "", current, current), lambda: current.spec.variant):
             if trial.change == change:
@@ -190,14 +194,15 @@ def _materialise(trial: Trial, models_dir: Path) -> str | None:
     return None
 
 
-def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: float = 60.0, timeout_s: float = 120.0,
+def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budget_s: float = 60.0, timeout_s: float = 120.0,
              device: str = "cpu", plugins: tuple[str, ...] = (),
              on_round: Callable[[int, list[Minimisation], float, float, int], None] | None = None) -> list[Minimisation]:
     """Shrink every finding's example within `budget_s` seconds of rounds each; write each finding's minimal case to
     `findings/<id>/` (model folder, repro.py, minimize.json). Returns the minimisations in the order of `findings`.
     `on_round(number, minimisations, seconds, seconds building models, cases)` after each round."""
+    from difftest.runner.executor import SweepOptions
     from difftest.runner.local import WarmGroups
-    from difftest.runner.sweep import SweepOptions, run_sweep
+    from difftest.runner.sweep import run_sweep
     from difftest.signature import separating_values, signatures
 
     config = RunConfig.load(run_dir / "run.json")
@@ -250,9 +255,9 @@ def minimize(run_dir: Path, findings: list, analysis: Analysis, *, budget_s: flo
                 room = max(1, min(PER_FINDING_PER_ROUND, int((budget_s - m.seconds) / per_try)))
                 while m.pending and len(chosen) < room + (round_no == 1):
                     trial = m.pending.pop(0)
-                    shared = by_key.get(trial.key())
-                    if shared is not None:
-                        trial = dataclasses.replace(trial, spec=shared.spec)
+                    built_before = by_key.get(trial.key())
+                    if built_before is not None:
+                        trial = dataclasses.replace(trial, spec=built_before.spec)
                     elif (why := _materialise(trial, private / "models")) is None:
                         by_key[trial.key()] = trial
                     else:  # told in its outcome: a generator whose reductions cannot be built looks minimal

@@ -12,12 +12,18 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from difftest.errors import UserError
 from difftest.status import NOT_OK
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
-
 
 
 def family_of(setting_name: str) -> str:
@@ -40,9 +46,9 @@ class SweepProgress:
         self.console = console
         self.live = console.is_terminal
         self.every = every
-        self.counts: Counter = Counter()
-        self.per_family: Counter = Counter()
-        self.family_totals: Counter = Counter()
+        self.counts: Counter[str] = Counter()
+        self.per_family: Counter[tuple[str, str]] = Counter()
+        self.family_totals: Counter[str] = Counter()
         self.total = 0
         self.done = 0
         self.started = time.perf_counter()
@@ -52,7 +58,7 @@ class SweepProgress:
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
 
-    def __enter__(self) -> "SweepProgress":
+    def __enter__(self) -> SweepProgress:
         if self.live:
             self._progress = Progress(
                 TextColumn("[bold]{task.description:<16}"), BarColumn(bar_width=30), MofNCompleteColumn(),

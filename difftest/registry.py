@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
-from typing import Any, Callable, Iterable
 
 from difftest.errors import UserError
 from difftest.generator import Generator, UnregisteredKind
@@ -22,8 +22,8 @@ _GENERATORS: dict[str, Generator] = {}
 _LOADED_PLUGINS: set[str] = set()
 # prefix -> factory making a setting out of any registered one (`rerun/<name>`); made on demand, so a
 # default sweep does not double, and kept apart from _SETTINGS so `all_settings` lists only the base ones
-_DERIVED: dict[str, Callable[[Setting], Setting]] = {}
-_DERIVED_MADE: dict[str, Setting] = {}
+_DERIVED: dict[str, Callable[[Setting], Setting | None]] = {}  # None: the base has no such derived setting
+_DERIVED_MADE: dict[str, Setting | None] = {}
 # calibration prefix -> the precisions whose envelope needs it (`difftest.envelope`); every sweep runs them beside
 # the roots its settings are judged down to
 _CALIBRATIONS: dict[str, tuple[str, ...]] = {}
@@ -47,7 +47,7 @@ def register_settings(settings: Iterable[Setting]) -> None:
         register_setting(setting)
 
 
-def register_derived(prefix: str, factory: Callable[[Setting], Setting]) -> None:
+def register_derived(prefix: str, factory: Callable[[Setting], Setting | None]) -> None:
     """Settings named `<prefix>/<any registered setting>`, each made by `factory(that setting)`."""
     _DERIVED[prefix] = factory
 
@@ -100,7 +100,7 @@ def _derived(name: str) -> Setting | None:
         return None
     if name not in _DERIVED_MADE:
         _DERIVED_MADE[name] = _DERIVED[prefix](_SETTINGS[base])
-    return _DERIVED_MADE[name]  # type: ignore[return-value]
+    return _DERIVED_MADE[name]
 
 
 def register_world_reset(reset: Callable[[], None]) -> Callable[[], None]:

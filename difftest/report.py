@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -15,6 +15,10 @@ import pandas as pd
 from difftest import stack
 from difftest.analysis import Analysis
 from difftest.signature import setting_family
+
+if TYPE_CHECKING:
+    from difftest.minimize import Minimisation
+    from difftest.triage import Finding
 
 REPORT = "report.html"
 # verdict → (heatmap code, colour); the order is the colour bar's
@@ -36,7 +40,7 @@ section.finding { border-top: 1px solid #ccc; margin-top: 1.5em; } .muted { colo
 """
 
 
-def write_report(run_dir: Path, analysis: Analysis, findings: list, minimised: list | None = None,
+def write_report(run_dir: Path, analysis: Analysis, findings: list[Finding], minimised: list[Minimisation] | None = None,
                  tol: Any = None) -> Path:
     """Write `run_dir/report.html` and return its path."""
     import plotly.graph_objects as go  # noqa: F401  (fails here, not halfway through, if plotly is missing)
@@ -92,7 +96,7 @@ def _size(m: Any, which: str) -> str:
     return ", ".join(f"{k} {v}" for k, v in size.items())
 
 
-def _findings_table(run_dir: Path, findings: list, smallest: dict) -> str:
+def _findings_table(run_dir: Path, findings: list[Finding], smallest: dict[str, Minimisation]) -> str:
     if not findings:
         return "<h2>Findings</h2><p>No findings: every case that ran agreed with its reference.</p>"
     head = ("<tr><th>id</th><th>status</th><th>finding (and its reproducer)</th><th>cases</th><th>settings</th>"

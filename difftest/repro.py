@@ -20,7 +20,6 @@ from difftest.errors import UserError
 from difftest.status import NOT_OK
 
 
-
 @dataclass
 class Reproduction:
     model: str
@@ -68,7 +67,8 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
     case is signed as it was there; without it the signature names the setting's family."""
     from difftest.analysis import analyze
     from difftest.registry import load_plugins
-    from difftest.runner.sweep import SweepOptions, run_sweep
+    from difftest.runner.executor import SweepOptions
+    from difftest.runner.sweep import run_sweep
     from difftest.spec import RunConfig
     from difftest.store import Store
 
@@ -143,7 +143,7 @@ if __name__ == "__main__":  # the ranks are spawned processes that import this f
 
 
 def write_reproducer(run_dir: Path, target: Path, finding_id: str, title: str, model: str, setting: str, *,
-                     signature: str = "", contrast: dict | None = None) -> Path:
+                     signature: str = "", contrast: dict[str, set[tuple[str, str]]] | None = None) -> Path:
     """`target/run/{run.json, models/<model>}` and `target/repro.py`: a finding that travels on its own."""
     shutil.rmtree(target / "run", ignore_errors=True)
     (target / "run" / "models").mkdir(parents=True)

@@ -11,13 +11,15 @@ import abc
 import dataclasses
 import enum
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import numpy as np
 
 if TYPE_CHECKING:  # torch is imported by workers only
     import torch.distributed as dist
+    from _typeshed import DataclassInstance
 
     from difftest.oracle import Tolerance
     from difftest.spec import ModelSpec
@@ -44,7 +46,7 @@ class RunContext:
     local_world_size: int  # ranks per (simulated) host
     device: str
     backend: str
-    group: "dist.ProcessGroup | None"
+    group: dist.ProcessGroup | None
     steps: int
     lr: float
     seed: int
@@ -111,7 +113,7 @@ class Setting(abc.ABC):
     def describe(self) -> str:
         return (self.__doc__ or self.family).strip().splitlines()[0]
 
-    def supports(self, spec: "ModelSpec") -> str | None:
+    def supports(self, spec: ModelSpec) -> str | None:
         """None if the model can run under this setting, else the reason it cannot."""
         return None
 
@@ -146,7 +148,7 @@ class Setting(abc.ABC):
         """Whether a recorded tensor of the reference is expected from this setting too (default: all)."""
         return True
 
-    def tolerance(self, default: "Tolerance") -> "Tolerance":
+    def tolerance(self, default: Tolerance) -> Tolerance:
         """The allclose tolerance this setting is judged by: the user's, unless its arithmetic is coarser
         by design (a reduced-precision setting states its own, derived from its unit roundoff)."""
         return default
@@ -189,7 +191,7 @@ class Repeat(Setting):
     def family_label(self) -> str:
         return f"{self.family}/{self.base.family_label}"
 
-    def supports(self, spec: "ModelSpec") -> str | None:
+    def supports(self, spec: ModelSpec) -> str | None:
         return self.base.supports(spec)
 
     def available(self) -> str | None:
@@ -203,5 +205,6 @@ class Repeat(Setting):
 def variant_of(base: type[SettingT], setting: Setting, **changes: Any) -> SettingT:
     """`dataclasses.replace(setting, **changes)`, built as `base`: a subclass of a setting (a planted fault) is judged
     against the clean setting it breaks, never against another instance of itself."""
-    values = {f.name: getattr(setting, f.name) for f in dataclasses.fields(base) if f.init}
+    fields = dataclasses.fields(cast("type[DataclassInstance]", base))  # every setting class is a dataclass
+    values = {f.name: getattr(setting, f.name) for f in fields if f.init}
     return base(**{**values, **changes})

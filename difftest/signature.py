@@ -6,6 +6,7 @@ minimiser and `repro.py` check them, the live view of a sweep drafts with them."
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pandas as pd
 
@@ -14,7 +15,6 @@ from difftest.errors import UserError
 from difftest.registry import capabilities_of, get_setting
 from difftest.setting import without_sizes
 from difftest.status import DISAGREEMENTS, FAILURES
-
 
 _PHASE = re.compile(r"^(eval_before|train_step|param_after_step|eval_after_step)(\d*)$")
 _PHASE_RANK = {"eval_before": 0, "train_step": 1, "param_after_step": 2, "eval_after_step": 3}
@@ -81,7 +81,7 @@ def setting_sizes(setting: str) -> set[str]:
         return set()
 
 
-def computation_order(kind: str, phase: str, tensor: str) -> tuple:
+def computation_order(kind: str, phase: str, tensor: str) -> tuple[int, int, int, int, str]:
     """Sort key of a recorded tensor of a model of `kind`: its step and phase (the training loop's), then where the
     kind's generator places it in the model (`Generator.tensor_order`)."""
     match = _PHASE.match(phase or "")
@@ -96,7 +96,7 @@ def tensor_class(kind: str, tensor: str) -> str:
     return capabilities_of(kind).tensor_class(tensor)
 
 
-def first_divergence(rows: list[dict]) -> str:
+def first_divergence(rows: list[dict[str, Any]]) -> str:
     """`phase/tensor` of the earliest disagreeing tensor of one case's comparisons rows, in computation order, or ""."""
     bad = [r for r in rows if r["status"] in DISAGREEMENTS and r["tensor"]]
     if not bad:
@@ -116,7 +116,7 @@ def first_divergences(analysis: Analysis) -> pd.DataFrame:
     return ordered.groupby(["model", "setting"], as_index=False).first()[["model", "setting", "phase", "tensor"]]
 
 
-def setting_parameters(setting_name: str) -> tuple[str, dict]:
+def setting_parameters(setting_name: str) -> tuple[str, dict[str, str]]:
     """(class name, the parameters that are not sizes) of a setting; ("", {}) for one no plugin registers now."""
     try:
         setting = get_setting(setting_name)

@@ -38,7 +38,7 @@ class ModelSpec:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, source: str = "<spec>") -> "ModelSpec":
+    def from_json(cls, text: str, source: str = "<spec>") -> ModelSpec:
         try:
             raw = json.loads(text)
             raw["frozen"] = tuple(raw.get("frozen", ()))
@@ -69,7 +69,7 @@ class RunConfig:
         return self.models_of.get(kind, self.models)
 
     @classmethod
-    def load(cls, path: Path) -> "RunConfig":
+    def load(cls, path: Path) -> RunConfig:
         try:
             raw = json.loads(path.read_text())
             for recorded in ("stack", "earlier_stacks"):  # what ran it (difftest.stack), not how it was made

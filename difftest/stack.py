@@ -41,15 +41,14 @@ def current() -> dict[str, Any]:
     try:
         import torch  # every difftest process has it (and has imported it already where it runs cases)
     except ImportError:
-        torch = None
-    if torch is not None:
-        try:
-            stack["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        except AttributeError:
-            pass
-        if torch.cuda.is_available():
-            stack["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            stack["cuda"] = torch.version.cuda
+        return stack
+    try:
+        stack["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except AttributeError:
+        pass
+    if torch.cuda.is_available():
+        stack["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        stack["cuda"] = torch.version.cuda
     return stack
 
 
@@ -57,7 +56,8 @@ def record(run_file: Path) -> dict[str, Any] | None:
     """Put this process's stack into run.json under "stack"; a different stack recorded before moves to
     "earlier_stacks" and is returned, so the caller can say the run now mixes stacks."""
     raw = json.loads(run_file.read_text())
-    now, before = current(), raw.get("stack")
+    now = current()
+    before: dict[str, Any] | None = raw.get("stack")
     if before == now:
         return None
     if before is not None:
@@ -69,9 +69,10 @@ def record(run_file: Path) -> dict[str, Any] | None:
 
 def recorded(run_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads((run_dir / "run.json").read_text()).get("stack", {})
+        recorded_stack: dict[str, Any] = json.loads((run_dir / "run.json").read_text()).get("stack", {})
     except (OSError, ValueError):
         return {}
+    return recorded_stack
 
 
 def describe(stack: dict[str, Any]) -> str:

@@ -17,7 +17,8 @@ import numpy as np
 
 from difftest.artifacts import atomic_save_arrays, load_arrays
 
-def results_digest(run_dir: Path) -> dict[tuple[str, str], tuple]:
+
+def results_digest(run_dir: Path) -> dict[tuple[str, str], tuple[str, str, int | None, str | None]]:
     """Each committed case's status, message (process ids aside), failing rank and the sha256 of its outputs file:
     two runs with equal digests hold the same results, byte for byte, whatever ran them and in what order."""
     import hashlib

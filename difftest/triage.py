@@ -19,22 +19,29 @@ import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pandas as pd
+from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from difftest import stack
 from difftest.analysis import Analysis
+from difftest.errors import UserError
 from difftest.known import KnownIssue, Upstream, match
 from difftest.oracle import Tolerance
-from difftest.status import DISAGREEMENTS, FAILURES, SEVERITY
-from difftest.store import Store
-from difftest.errors import UserError
 from difftest.registry import capabilities_of, get_setting
 from difftest.run_folder import list_models
-from difftest.signature import (case_signature, contrast_of, first_divergences, separating_values,
-                                setting_family, setting_sizes)
+from difftest.setting import Setting
+from difftest.signature import (
+    case_signature,
+    contrast_of,
+    first_divergences,
+    separating_values,
+    setting_family,
+    setting_sizes,
+)
+from difftest.status import DISAGREEMENTS, FAILURES, SEVERITY
+from difftest.store import Store
 
 FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "merged", "title", "signature", "cases", "models",
                     "settings", "worst_linf", "worst_bound_ratio", "first_divergence", "distinguishing",
@@ -102,7 +109,7 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     divergence = earliest.set_index(["model", "setting"])
     features = _features(run_dir)
     separating = separating_values(cases)
-    keyed: dict[str, list[dict]] = {}
+    keyed: dict[str, list[dict[str, Any]]] = {}
     titles: dict[str, str] = {}
     for case in failed.itertuples():
         message = str(messages.get((case.model, case.setting), "") or "")
@@ -185,7 +192,7 @@ def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance
                 continue
             by_setting = {r.setting: r for r in records if r.model == model and r.status == "ok" and r.outputs}
 
-            def value(setting: str):
+            def value(setting: str) -> np.ndarray | None:
                 try:
                     return store.load_outputs(by_setting[setting]).get(tensor)
                 except (KeyError, UserError):
@@ -214,7 +221,7 @@ def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance
         store.close()
 
 
-def _registered(name: str):
+def _registered(name: str) -> Setting | None:
     try:
         return get_setting(name)
     except UserError:
@@ -223,14 +230,15 @@ def _registered(name: str):
 
 def _worst_bound_ratios(analysis: Analysis) -> dict[tuple[str, str], float]:
     rows = analysis.comparisons.dropna(subset=["bound_ratio"])
-    return rows.groupby(["model", "setting"])["bound_ratio"].max().to_dict()
+    ratios: dict[tuple[str, str], float] = rows.groupby(["model", "setting"])["bound_ratio"].max().to_dict()
+    return ratios
 
 
 def _reproducer(run_dir: Path, finding: Finding) -> str:
     return str(run_dir / "findings" / finding.id / "repro.py")
 
 
-def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict]:
+def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict[str, Any]]:
     return [{
         "id": f.id, "status": f.status, "upstream": str(f.upstream), "known_issue": f.known.id if f.known else "",
         "references": "; ".join(str(r) for r in f.known.references) if f.known else "",
@@ -260,6 +268,7 @@ def _write(run_dir: Path, findings: list[Finding]) -> None:
             + (f"; {', '.join(str(r) for r in f.known.references)})" if f.known.references else ")")
             if f.known else " — no entry in difftest/known_issues.toml explains it: look at this one first"))
         if f.merged:
+            assert f.known is not None  # `merge_known` merges only the findings one known issue explains
             lines.append(f"- one root cause: {len(f.merged)} signatures merged because `{f.known.id}` explains every "
                          f"case of each (settings {', '.join(f.known.settings)}; statuses {', '.join(f.known.statuses)}"
                          + (f"; message /{f.known.message}/" if f.known.message else "") + "): "

@@ -3,26 +3,24 @@
 Adding a family = one file here + one line below. The engine never names a concrete setting.
 """
 
-from settings import (
-    async_pipeline,  # noqa: F401
-    calibration,  # noqa: F401
-    conversion,  # noqa: F401
-    ddp,  # noqa: F401
-    determinism,  # noqa: F401
-    device,  # noqa: F401  (last: it registers CUDA runs of settings registered above)
-    fsdp,  # noqa: F401
-    fsdp_legacy,  # noqa: F401
-    fsdp_tp,  # noqa: F401
-    partial_reduce,  # noqa: F401
-    pipeline,  # noqa: F401
-    quant_dense,  # noqa: F401
-    quant_tensorflow,  # noqa: F401
-    quant_torchrec,  # noqa: F401
-    reference,  # noqa: F401
-    repartition,  # noqa: F401
-    resume,  # noqa: F401
-    resume_tensorflow,  # noqa: F401
-    tensor_parallel,  # noqa: F401
-    tensorflow,  # noqa: F401
-    torchrec_sharding,  # noqa: F401
-)
+from settings import reference  # noqa: F401
+from settings import torchrec_sharding  # noqa: F401
+from settings import ddp  # noqa: F401
+from settings import tensorflow  # noqa: F401
+from settings import conversion  # noqa: F401
+from settings import quant_torchrec  # noqa: F401
+from settings import quant_dense  # noqa: F401
+from settings import quant_tensorflow  # noqa: F401
+from settings import fsdp  # noqa: F401
+from settings import fsdp_legacy  # noqa: F401
+from settings import tensor_parallel  # noqa: F401
+from settings import fsdp_tp  # noqa: F401
+from settings import pipeline  # noqa: F401
+from settings import determinism  # noqa: F401
+from settings import calibration  # noqa: F401
+from settings import resume  # noqa: F401
+from settings import repartition  # noqa: F401
+from settings import partial_reduce  # noqa: F401
+from settings import async_pipeline  # noqa: F401
+from settings import resume_tensorflow  # noqa: F401
+from settings import device  # noqa: F401  (last: it registers CUDA runs of settings registered above)

@@ -8,9 +8,10 @@ Ray cluster, `difftest.runner.ray_executor`, behind the `[ray]` extra). Nothing 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from difftest.errors import UserError
 

@@ -4,8 +4,9 @@ of cases (`difftest.runner.scheduler`)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from difftest.runner.executor import BucketKey, ExecutorReport, SweepContext
 from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
@@ -16,20 +17,24 @@ if TYPE_CHECKING:
 
     from difftest.runner.executor import Case
 
+# a bucket's key with what else its group was started with: (world size, process affinity, device, backend, plugins,
+# case timeout)
+WarmKey = tuple[int, str, str, str, tuple[str, ...], float]
+
 
 class WarmGroups:
     """Worker groups kept warm from one sweep to the next (the minimiser's rounds: many small sweeps in a row): a
     bucket starts on the idle group of its kind, if there is one, and leaves its group here, healthy, when done."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple, WorkerGroup] = {}
+        self._idle: dict[WarmKey, WorkerGroup] = {}
         self._lock = threading.Lock()
 
-    def take(self, key: tuple) -> WorkerGroup | None:
+    def take(self, key: WarmKey) -> WorkerGroup | None:
         with self._lock:
             return self._idle.pop(key, None)
 
-    def give(self, key: tuple, group: WorkerGroup) -> None:
+    def give(self, key: WarmKey, group: WorkerGroup) -> None:
         with self._lock:
             previous, self._idle[key] = self._idle.get(key), group
         if previous is not None:
@@ -50,7 +55,7 @@ class _GroupSupply:
     def __init__(self, make: Callable[[], WorkerGroup]) -> None:
         self._make = make
         self._starter = ThreadPoolExecutor(max_workers=1)
-        self._spare: Future | None = None
+        self._spare: Future[WorkerGroup] | None = None
         self.started = 0
 
     def first(self) -> WorkerGroup:
@@ -175,9 +180,10 @@ class LocalExecutor:
         def put_away(held: tuple[BucketKey, GroupRunner], keep: bool = True) -> None:
             """A runner whose bucket is done: its healthy group is kept warm for the next sweep, if there is one."""
             key, runner = held
-            group = runner.release() if keep and self.warm is not None else None
-            if group is not None:
-                self.warm.give(self._warm_key(sweep, key), group)
+            if keep and self.warm is not None:
+                group = runner.release()
+                if group is not None:
+                    self.warm.give(self._warm_key(sweep, key), group)
             runner.close()
             with lock:
                 started[0] += runner.supply.started
@@ -193,7 +199,7 @@ class LocalExecutor:
             raise failures[0]
         return ExecutorReport(groups_started=started[0])
 
-    def _warm_key(self, sweep: SweepContext, key: BucketKey) -> tuple:
+    def _warm_key(self, sweep: SweepContext, key: BucketKey) -> WarmKey:
         options = sweep.options
         return (*key, options.device, options.resolved_backend, sweep.plugins, options.timeout_s)
 

@@ -8,10 +8,15 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from difftest.logs import log_tail
 from difftest.runner import worker
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from difftest.setting import Outputs
 
 _SPAWN = mp.get_context("spawn")
 ERROR_GRACE_S = 3.0  # how long the other ranks may take to report after one rank raised
@@ -30,7 +35,7 @@ class CaseRequest:
 @dataclass
 class CaseResult:
     status: str  # ok | error | crash | timeout | unsupported
-    outputs: dict | None = None
+    outputs: Outputs | None = None
     message: str = ""
     rank: int | None = None
     wall_s: float = 0.0
@@ -88,7 +93,7 @@ class WorkerGroup:
         if local_world_size is None:
             local_world_size = simulated_local_size(world_size)
         self.processes: list[Any] = []
-        self.conns: list[Any] = []
+        self.conns: list[Connection] = []
         for rank in range(world_size):
             parent_end, child_end = _SPAWN.Pipe()
             config = worker.WorkerConfig(
@@ -129,12 +134,12 @@ class WorkerGroup:
             raise GroupBroken(str(exc)) from None
         self._ready = True
 
-    def _expect(self, rank: int, kind: str, timeout_s: float) -> tuple:
+    def _expect(self, rank: int, kind: str, timeout_s: float) -> tuple[Any, ...]:
         conn, process = self.conns[rank], self.processes[rank]
         ready = wait([conn, process.sentinel], timeout=timeout_s)
         if conn in ready:
             try:
-                message = conn.recv()
+                message: tuple[Any, ...] = conn.recv()
                 if message[0] == kind:
                     return message
                 if message[0] == "broken":
@@ -154,7 +159,7 @@ class WorkerGroup:
         for conn in self.conns:
             conn.send(("case", request))
         self._ready = False
-        replies: dict[int, tuple] = {}
+        replies: dict[int, tuple[Any, ...]] = {}
         deadline = started + timeout_s
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         while len(replies) < self.world_size:
@@ -178,13 +183,14 @@ class WorkerGroup:
                 )
             for handle in ready:
                 if handle in pending:
+                    rank = pending[handle]
                     try:
-                        replies[pending[handle]] = handle.recv()
-                        if replies[pending[handle]][1] != "ok":
+                        replies[rank] = self.conns[rank].recv()  # `handle` itself
+                        if replies[rank][1] != "ok":
                             deadline = min(deadline, time.perf_counter() + ERROR_GRACE_S)
                         continue
                     except EOFError:
-                        rank = pending[handle]
+                        pass
                 else:
                     rank = sentinels[handle]
                 return self._crash(rank, started)
@@ -197,7 +203,7 @@ class WorkerGroup:
         self.kill()
         return CaseResult("crash", message=message, rank=rank, wall_s=time.perf_counter() - started, reusable=False)
 
-    def _combine(self, replies: dict[int, tuple], started: float, reusable: bool = True) -> CaseResult:
+    def _combine(self, replies: dict[int, tuple[Any, ...]], started: float, reusable: bool = True) -> CaseResult:
         wall = time.perf_counter() - started
         compute = max(reply[4] for reply in replies.values())
         # every rank answered: the ranks are back in their serving loop, and each opens a fresh world before the

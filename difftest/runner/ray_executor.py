@@ -25,9 +25,10 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from difftest.errors import UserError
 from difftest.runner.executor import BucketKey, ExecutorConfig, ExecutorReport, SweepContext
@@ -47,6 +48,8 @@ PLACEMENT_POLL_S = 10.0  # how often a gang waiting for resources checks that so
 # a further gang joins a bucket only while each of its gangs would still have this many cases: a gang's start (its
 # placement and a warm group's imports, ~6 s on two cores) costs about as much as that many cases
 MIN_CASES_PER_GANG = 8
+# a model folder in Ray's object store: (folder name, content digest, [reference to its files])
+ModelRef = tuple[str, str, list[Any]]
 
 
 def import_ray() -> Any:
@@ -89,7 +92,7 @@ class GangHost:
         self.runner = GroupRunner(world_size, self.root / "logs" / log_name, plugins, device=device, backend=backend,
                                   timeout_s=timeout_s, recycle_after=recycle_after)
 
-    def run_case(self, model: tuple[str, str, list], request: dict, process_affinity: str) -> tuple[CaseResult, int]:
+    def run_case(self, model: ModelRef, request: dict[str, Any], process_affinity: str) -> tuple[CaseResult, int]:
         name, digest, (files_ref,) = model
         model_dir = self._materialise(name, digest, files_ref)
         result = self.runner.run(CaseRequest(model_dir=str(model_dir), **request), process_affinity)
@@ -155,8 +158,8 @@ class RayExecutor:
         self.config = config
         self.stats = RayStats()
         self._lock = threading.Lock()
-        self._models: dict[str, tuple[str, str, list]] = {}
-        self._losses: Counter = Counter()
+        self._models: dict[str, ModelRef] = {}
+        self._losses: Counter[tuple[str, str]] = Counter()
         self._connected = False  # this executor connected the driver to Ray (and disconnects it when done)
 
     def note(self) -> str:
@@ -197,7 +200,7 @@ class RayExecutor:
         return bundle
 
     @staticmethod
-    def _live_nodes(ray: Any) -> list[dict]:
+    def _live_nodes(ray: Any) -> list[dict[str, Any]]:
         return [n for n in ray.nodes() if n.get("Alive")]
 
     def _refusal(self, ray: Any, world_size: int, device: str) -> str | None:
@@ -273,7 +276,7 @@ class RayExecutor:
                 ray.shutdown()
         return ExecutorReport(self.stats.groups_started, self.stats.cases_requeued, self.note())
 
-    def _model(self, ray: Any, case: Case) -> tuple[str, str, list]:
+    def _model(self, ray: Any, case: Case) -> ModelRef:
         """The case's model folder in the object store (put once per sweep), named by its content."""
         with self._lock:
             if case.model_id not in self._models:
@@ -386,9 +389,10 @@ class _Gang:
             executor.stats.gangs_started += 1
         return cls(ray, pg, host, holders, executor)
 
-    def run(self, model: tuple, request: dict, process_affinity: str, timeout_s: float) -> CaseResult:
-        result, self.groups_started = self.ray.get(self.host.run_case.remote(model, request, process_affinity),
-                                                   timeout=timeout_s)
+    def run(self, model: ModelRef, request: dict[str, Any], process_affinity: str, timeout_s: float) -> CaseResult:
+        answer: tuple[CaseResult, int] = self.ray.get(self.host.run_case.remote(model, request, process_affinity),
+                                                      timeout=timeout_s)
+        result, self.groups_started = answer
         return result
 
     def close(self) -> None:

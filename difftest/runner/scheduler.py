@@ -15,14 +15,15 @@ import os
 import sys
 import threading
 from collections import Counter, OrderedDict, deque
-from typing import TYPE_CHECKING, Callable, Generic, Hashable, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
 MIN_CASES_TO_JOIN = 4
 UNBOUNDED = sys.maxsize  # capacity of an executor whose cluster places the groups itself
-Key = TypeVar("Key", bound=Hashable)
+Key = TypeVar("Key", bound=tuple[int, str])  # (world size, process affinity): `BucketKey`
 Item = TypeVar("Item")
 
 
@@ -51,7 +52,7 @@ class WorkQueue(Generic[Key, Item]):
             for item in items:
                 self._left.setdefault(key, OrderedDict()).setdefault(model_of(item), deque()).append(item)
                 self._count[key] += 1
-        self._on: dict[Key, Counter] = {key: Counter() for key in self._left}  # workers on each model of a key
+        self._on: dict[Key, Counter[Hashable]] = {key: Counter() for key in self._left}  # workers on each model of a key
         self._serving: Counter[Key] = Counter()
         self._capacity = capacity
         self._ranks_busy = 0

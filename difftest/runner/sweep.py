@@ -5,18 +5,18 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from difftest.errors import UserError
 from difftest.registry import get_setting, load_plugins, select_settings, with_references
+from difftest.run_folder import SWEEP_MARKER, list_models
 from difftest.runner.executor import Case, Executor, ExecutorConfig, SweepContext, SweepOptions
 from difftest.runner.local import LocalExecutor, WarmGroups
 from difftest.runner.pool import CaseResult
-from difftest.run_folder import SWEEP_MARKER, list_models
-from difftest.setting import Setting
-from difftest.spec import ModelSpec, RunConfig
+from difftest.setting import Outputs, Setting
+from difftest.spec import RunConfig
 from difftest.store import CaseRecord, Store
 
 
@@ -24,7 +24,7 @@ from difftest.store import CaseRecord, Store
 class SweepReport:
     total: int = 0
     skipped_done: int = 0
-    statuses: Counter = field(default_factory=Counter)
+    statuses: Counter[str] = field(default_factory=Counter)
     groups_started: int = 0
     cases_rerun: int = 0  # started again on another node after theirs went away (recorded once all the same)
     executor_note: str = ""  # what the executor has to say about its run (Ray: nodes, gangs, cases re-run)
@@ -91,7 +91,7 @@ def run_sweep(
     marker = run_dir / SWEEP_MARKER
     marker.write_text(f"{os.getpid()}\n")
 
-    def record(case: Case, record: CaseRecord, outputs: dict | None) -> None:
+    def record(case: Case, record: CaseRecord, outputs: Outputs | None) -> None:
         record = store.commit(record, outputs)
         with lock:
             report.statuses[record.status] += 1

@@ -97,6 +97,7 @@ def _serve(config: WorkerConfig, conn: Any) -> None:
 
     import torch
     import torch.distributed as dist
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch re-exports it without __all__
 
     from difftest.artifacts import load_model
     from difftest.errors import InvariantViolated, Unsupported
@@ -108,13 +109,13 @@ def _serve(config: WorkerConfig, conn: Any) -> None:
     timeout = timedelta(seconds=config.collective_timeout_s)
     if config.rank == 0:
         # port 0: the OS picks a free loopback port, which rank 0 reports to the parent for the others
-        store = dist.TCPStore(
+        store = TCPStore(
             "127.0.0.1", 0, config.world_size, is_master=True, timeout=timeout, wait_for_workers=False
         )
         conn.send(("port", store.port))
     else:
         port = conn.recv()
-        store = dist.TCPStore("127.0.0.1", port, config.world_size, is_master=False, timeout=timeout)
+        store = TCPStore("127.0.0.1", port, config.world_size, is_master=False, timeout=timeout)
     if config.device == "cuda":
         torch.cuda.set_device(torch.device(_device_for(config)))
     load_plugins(config.plugins)
@@ -180,6 +181,7 @@ def _open_world(config: WorkerConfig, store: Any, serial: int, timeout: Any) -> 
     closing it destroys every group the case made (see `_close_world`).
     """
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import PrefixStore
 
     global _SOCKETS_BEFORE_WORLD
     _SOCKETS_BEFORE_WORLD = _open_sockets()
@@ -187,7 +189,7 @@ def _open_world(config: WorkerConfig, store: Any, serial: int, timeout: Any) -> 
 
     dist.init_process_group(
         config.backend,
-        store=dist.PrefixStore(f"case{serial}", store),
+        store=PrefixStore(f"case{serial}", store),
         rank=config.rank,
         world_size=config.world_size,
         timeout=timeout,

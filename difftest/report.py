@@ -4,8 +4,8 @@ references against the tolerance. Plotly's JavaScript is embedded once, so the p
 
 from __future__ import annotations
 
-import html
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,78 +44,44 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list[Finding], min
                  tol: Any = None) -> Path:
     """Write `run_dir/report.html` and return its path."""
     import plotly.graph_objects as go  # noqa: F401  (fails here, not halfway through, if plotly is missing)
+    from markupsafe import Markup
 
     from difftest.oracle import Tolerance
+    from difftest.render import render
 
     tol = tol or Tolerance()
     smallest = {m.finding_id: m for m in (minimised or [])}
-    parts = [f"<h1>difftest report</h1><p class='muted'>{html.escape(str(run_dir))} · written "
-             f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p><p id='stack' class='muted'>Stack: "
-             f"{html.escape(stack.describe(stack.recorded(run_dir)))}</p>", _counts(analysis), _findings_table(run_dir, findings, smallest)]
     claims, calibrations = heatmap_rows(analysis.cases)
-    figures = [("", _heatmap(analysis.cases, claims, "Verdicts: settings × models, failing settings first")),
-               (f"Calibration runs ({len(calibrations)}): the calibrated oracle's measurements of each root's noise, "
-                "not claims", _heatmap(analysis.cases, calibrations, "Calibration runs × models")),
-               ("", _distances(analysis, tol))]
-    first = True
-    for folded, (title, figure) in figures:
+    drawn: list[tuple[str, bool, Markup]] = []
+    for folded, (title, figure) in (
+            ("", _heatmap(analysis.cases, claims, "Verdicts: settings × models, failing settings first")),
+            (f"Calibration runs ({len(calibrations)}): the calibrated oracle's measurements of each root's noise, "
+             "not claims", _heatmap(analysis.cases, calibrations, "Calibration runs × models")),
+            ("", _distances(analysis, tol))):
         if figure is None:
             continue
-        drawn = figure.to_html(full_html=False, include_plotlyjs=first, config={"displaylogo": False})
-        if folded:  # shown on request: a reader asked for the settings, not for the oracle's bookkeeping
-            parts.append(f"<details id='calibration-runs'><summary>{html.escape(folded)}</summary>{drawn}</details>")
-        else:
-            parts.append(f"<h2>{html.escape(title)}</h2>{drawn}")
-        first = False
-    parts += [_finding_section(run_dir, f, smallest.get(f.id)) for f in findings]
-    page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>difftest: {html.escape(run_dir.name)}"
-            f"</title><style>{_STYLE}</style></head><body>{''.join(parts)}</body></html>")
+        # plotly's own markup, its JavaScript embedded once; a folded figure is shown on request: a reader asked
+        # for the settings, not for the oracle's bookkeeping
+        html_figure = Markup(figure.to_html(full_html=False, include_plotlyjs=not drawn, config={"displaylogo": False}))
+        drawn.append((folded or title, bool(folded), html_figure))
+    counts = analysis.cases["verdict"].value_counts()
+    d3 = analysis.cases["d3_verdict"].value_counts()
+    page = render(
+        "report.html.j2", run_name=run_dir.name, run_dir=str(run_dir), written=time.strftime("%Y-%m-%d %H:%M:%S"),
+        stack=stack.describe(stack.recorded(run_dir)), style=Markup(_STYLE), sweep_running=analysis.sweep_running,
+        calibrated=int((analysis.cases["calibrated"] == "yes").sum()), total=len(analysis.cases),
+        counts=[(v, int(counts.get(v, 0)), int(d3.get(v, 0))) for v in VERDICT_COLOURS
+                if counts.get(v, 0) or d3.get(v, 0)],
+        findings=[_shown(run_dir, f, smallest.get(f.id)) for f in findings],
+        not_ok=sum(len(f.rows) for f in findings), figures=drawn)
     path = run_dir / REPORT
     path.write_text(page, encoding="utf-8")
     return path
 
 
-def _counts(analysis: Analysis) -> str:
-    counts = analysis.cases["verdict"].value_counts()
-    d3 = analysis.cases["d3_verdict"].value_counts()
-    cells = "".join(f"<tr><td class='status-{v}'>{v}</td><td class='num'>{int(counts.get(v, 0))}</td>"
-                    f"<td class='num'>{int(d3.get(v, 0))}</td></tr>"
-                    for v in VERDICT_COLOURS if counts.get(v, 0) or d3.get(v, 0))
-    running = ("<p><b>A sweep is still writing this run:</b> this is a snapshot of the cases it had committed.</p>"
-               if analysis.sweep_running else "")
-    calibrated = int((analysis.cases["calibrated"] == "yes").sum())
-    return (f"<h2>Cases</h2>{running}<p>{calibrated} cases judged by the calibrated oracle (distance to the root's "
-            "float64 run against the envelope of legitimate results); the others, and the D3 column, by "
-            f"allclose or their scheme's bound.</p><table id='counts'><tr><th>verdict</th><th>cases</th>"
-            f"<th>D3 allclose</th></tr>{cells}<tr><th>all</th><th class='num'>{len(analysis.cases)}</th>"
-            f"<th class='num'>{len(analysis.cases)}</th></tr></table>")
-
-
 def _size(m: Any, which: str) -> str:
     size = m.size(m.original if which == "original" else None)
     return ", ".join(f"{k} {v}" for k, v in size.items())
-
-
-def _findings_table(run_dir: Path, findings: list[Finding], smallest: dict[str, Minimisation]) -> str:
-    if not findings:
-        return "<h2>Findings</h2><p>No findings: every case that ran agreed with its reference.</p>"
-    head = ("<tr><th>id</th><th>status</th><th>finding (and its reproducer)</th><th>cases</th><th>settings</th>"
-            "<th>models</th><th>first divergence</th><th>worst L∞</th><th>minimal case</th></tr>")
-    rows = []
-    for f in findings:
-        m = smallest.get(f.id)
-        minimal = html.escape(_size(m, "minimal")) if m is not None and m.best is not m.original else ""
-        worst = f.rows["worst_linf"].max()
-        rows.append(
-            f"<tr><td><a href='#{f.id}'>{f.id}</a></td><td class='status-{f.status}'>{f.status}</td>"
-            f"<td class='repro'>{html.escape(f.title)}<br><code>python "
-            f"{html.escape(str(run_dir / 'findings' / f.id / 'repro.py'))}</code></td><td class='num'>{len(f.rows)}</td>"
-            f"<td class='num'>{f.rows['setting'].nunique()}</td><td class='num'>{f.rows['model'].nunique()}</td>"
-            f"<td><code>{html.escape(f.first_divergence)}</code></td>"
-            f"<td class='num'>{'' if pd.isna(worst) else f'{worst:.3g}'}</td><td>{minimal}</td></tr>")
-    return (f"<h2>Findings</h2><p>{len(findings)} distinct findings cover the "
-            f"{sum(len(f.rows) for f in findings)} cases that are not ok; each case belongs to exactly one.</p>"
-            f"<table id='findings'><thead>{head}</thead><tbody>{''.join(rows)}</tbody></table>")
 
 
 def heatmap_rows(cases: pd.DataFrame) -> tuple[list[str], list[str]]:
@@ -180,35 +146,26 @@ def _distances(analysis: Analysis, tol: Any) -> tuple[str, Any]:
     return f"How far from the reference, per family (exact agreement drawn at {EXACT:g})", figure
 
 
-def _finding_section(run_dir: Path, f: Any, m: Any) -> str:
-    lines = [f"<section class='finding' id='{f.id}'><h3>{f.id}: {html.escape(f.title)}</h3>",
-             f"<p><code>{html.escape(f.signature)}</code></p><ul>",
-             f"<li><span class='status-{f.status}'>{f.status}</span>, {len(f.rows)} case(s) on "
-             f"{f.rows['model'].nunique()} model(s): {html.escape(', '.join(sorted(f.rows['setting'].unique())[:12]))}</li>"]
-    if f.first_divergence:
-        lines.append(f"<li>first diverges at <code>{html.escape(f.first_divergence)}</code></li>")
-    if f.distinguishing:
-        lines.append(f"<li>its cases share, and passing cases of the same settings mostly lack: "
-                     f"{html.escape(', '.join(f.distinguishing))}</li>")
-    message = str(f.example["message"])
-    if message:
-        lines.append(f"<li>message: <code>{html.escape(message[:500])}</code></li>")
-    if m is not None:
-        lines.append(f"<li>example <code>{html.escape(m.original.model_id)}</code> × "
-                     f"<code>{html.escape(m.original.setting)}</code> ({html.escape(_size(m, 'original'))}) → minimal "
-                     f"<code>{html.escape(m.best.model_id)}</code> × <code>{html.escape(m.best.setting)}</code> "
-                     f"({html.escape(_size(m, 'minimal'))}) in {m.tries} tries, {m.seconds:.0f} s: "
-                     f"{html.escape(m.outcome)}</li>")
-    lines.append(f"<li>reproduce: <code>python {html.escape(str(run_dir / 'findings' / f.id / 'repro.py'))}</code> "
-                 "(exits 1 while the finding is present)</li></ul>")
-    if f.pairwise:
-        sides = [(k, v) for k, v in f.pairwise.items() if k.startswith("agree")]
-        cells = "".join(f"<tr><td>{html.escape(k)}</td><td class='num'>{len(v)}</td>"
-                        f"<td>{html.escape(', '.join(v[:10]))}{' …' if len(v) > 10 else ''}</td></tr>" for k, v in sides)
-        lines.append(f"<p>Pairwise, on <code>{html.escape(f.pairwise['model'][0])}</code> at "
-                     f"<code>{html.escape(f.pairwise['tensor'][0])}</code>: the peers of "
-                     f"<code>{html.escape(f.pairwise['failing'][0])}</code> (judged against the same reference)</p>"
-                     f"<table class='pairwise'><tr><th>side</th><th>settings</th><th></th></tr>{cells}</table>")
-    lines.append("</section>")
-    return "".join(lines)
+@dataclass(frozen=True)
+class _Shown:
+    """A finding as the report shows it, with what the template would otherwise compute."""
 
+    f: Finding
+    m: Minimisation | None
+    reproducer: str
+    settings: list[str]
+    models: int
+    worst: str
+    message: str
+    minimal_size: str
+    original_size: str
+    best_size: str
+
+
+def _shown(run_dir: Path, f: Finding, m: Minimisation | None) -> _Shown:
+    worst = f.rows["worst_linf"].max()
+    shrunk = m is not None and m.best is not m.original
+    return _Shown(f, m, str(run_dir / "findings" / f.id / "repro.py"), sorted(f.rows["setting"].unique()),
+                  int(f.rows["model"].nunique()), "" if pd.isna(worst) else f"{worst:.3g}",
+                  str(f.example["message"])[:500], _size(m, "minimal") if shrunk else "",
+                  _size(m, "original") if m is not None else "", _size(m, "minimal") if m is not None else "")

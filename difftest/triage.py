@@ -47,6 +47,24 @@ FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "me
                     "settings", "worst_linf", "worst_bound_ratio", "first_divergence", "distinguishing",
                     "example_model", "example_setting", "example_message", "reproducer"]
 
+@dataclass(frozen=True)
+class Pairwise:
+    """D3's pairwise view of a disagreement on its example model, at its first divergence: the peers of the failing
+    setting (judged against the same reference) that side with the reference, with the failing setting, or with
+    neither — "this setting is wrong" against "the reference is wrong"."""
+
+    model: str
+    tensor: str
+    failing: str
+    with_reference: list[str]
+    with_failing: list[str]
+    with_neither: list[str]
+
+    def sides(self) -> list[tuple[str, list[str]]]:
+        return [("agree with the reference", self.with_reference), ("agree with the failing setting", self.with_failing),
+                ("agree with neither", self.with_neither)]
+
+
 @dataclass
 class Finding:
     id: str
@@ -56,9 +74,7 @@ class Finding:
     rows: pd.DataFrame  # the failing cases: one row each (model, setting, message, first divergence, …)
     first_divergence: str = ""
     distinguishing: list[str] = field(default_factory=list)
-    # D3's pairwise view on the example model, at the first divergence: which other settings side with the
-    # reference, which with the failing setting, which with neither ("the reference is wrong" vs "this setting is")
-    pairwise: dict[str, list[str]] = field(default_factory=dict)
+    pairwise: Pairwise | None = None  # on the example model, for a disagreement
     # the parameter values of the run's contrast that sign this finding's cases (its reproducer signs with them too)
     contrast: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
     # the library bug of difftest/known_issues.toml that explains its cases, if any
@@ -201,8 +217,7 @@ def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance
             reference, bad = value(failing_setting.reference), value(failing)
             if reference is None or bad is None:
                 continue
-            sides: dict[str, list[str]] = {"agree with the reference": [], "agree with the failing setting": [],
-                                           "agree with neither": []}
+            sides: dict[str, list[str]] = {"reference": [], "failing": [], "neither": []}
             for name in sorted(by_setting):
                 other = _registered(name)
                 if (name in (failing, failing_setting.reference) or other is None or other.tolerance(tol) != tol
@@ -213,10 +228,8 @@ def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance
                     continue
                 with_reference = np.allclose(mine, reference, atol=tol.atol, rtol=tol.rtol)
                 with_failing = np.allclose(mine, bad, atol=tol.atol, rtol=tol.rtol)
-                side = ("agree with the reference" if with_reference else
-                        "agree with the failing setting" if with_failing else "agree with neither")
-                sides[side].append(name)
-            finding.pairwise = {"model": [model], "tensor": [tensor], "failing": [failing], **sides}
+                sides["reference" if with_reference else "failing" if with_failing else "neither"].append(name)
+            finding.pairwise = Pairwise(model, tensor, failing, sides["reference"], sides["failing"], sides["neither"])
     finally:
         store.close()
 
@@ -254,39 +267,20 @@ def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict[str, Any]
 def _write(run_dir: Path, findings: list[Finding]) -> None:
     pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
                                                                                       index=False)
-    cases = sum(len(f.rows) for f in findings)
-    lines = [f"# Findings in {run_dir}", "", f"Stack: {stack.describe(stack.recorded(run_dir))}", "",
-             f"{len(findings)} distinct findings cover the {cases} cases that are not ok "
-             f"(every such case belongs to exactly one); upstream: {upstream_counts(findings)}.", ""]
-    for f in findings:
-        settings = sorted(f.rows["setting"].unique())
-        lines += [f"## {f.id}: {f.title}", "",
-                  f"- **{f.status}**, {len(f.rows)} case(s) on {f.rows['model'].nunique()} model(s) under "
-                  f"{len(settings)} setting(s): {', '.join(settings[:8])}{' …' if len(settings) > 8 else ''}"]
-        lines.append(f"- upstream: **{f.upstream}**" + (
-            f" — {f.known.title} (`{f.known.id}` in difftest/known_issues.toml"
-            + (f"; {', '.join(str(r) for r in f.known.references)})" if f.known.references else ")")
-            if f.known else " — no entry in difftest/known_issues.toml explains it: look at this one first"))
-        if f.merged:
-            assert f.known is not None  # `merge_known` merges only the findings one known issue explains
-            lines.append(f"- one root cause: {len(f.merged)} signatures merged because `{f.known.id}` explains every "
-                         f"case of each (settings {', '.join(f.known.settings)}; statuses {', '.join(f.known.statuses)}"
-                         + (f"; message /{f.known.message}/" if f.known.message else "") + "): "
-                         + "; ".join(f"{i} ({n} case(s)): `{sig}`" for i, sig, n in f.merged))
-        if f.first_divergence:
-            lines.append(f"- first diverges at `{f.first_divergence}`; worst L∞ {f.rows['worst_linf'].max():.3g}")
-        if f.pairwise:
-            sides = {k: v for k, v in f.pairwise.items() if k.startswith("agree")}
-            lines.append(f"- pairwise on `{f.pairwise['model'][0]}` at `{f.pairwise['tensor'][0]}`: "
-                         + "; ".join(f"{len(v)} {k}" + (f" ({', '.join(v[:6])}{' …' if len(v) > 6 else ''})"
-                                                         if v and k != "agree with the reference" else "")
-                                     for k, v in sides.items()))
-        if f.distinguishing:
-            lines.append(f"- what its cases share and passing cases of the same settings mostly lack: "
-                         f"{', '.join(f.distinguishing)}")
-        lines += [f"- example: `{f.example['model']}` × `{f.example['setting']}`",
-                  f"- message: `{str(f.example['message'])[:300].replace('`', chr(39))}`" if f.example["message"]
-                  else "- message: (none)",
-                  f"- reproduce alone: `python {_reproducer(run_dir, f)}` (exits 1 while present), or "
-                  f"`difftest repro {run_dir} {f.example['model']} {f.example['setting']}`", ""]
-    (run_dir / "findings.md").write_text("\n".join(lines))
+    from difftest.render import render
+
+    shown = [_Shown(f, sorted(f.rows["setting"].unique()), _reproducer(run_dir, f)) for f in findings]
+    (run_dir / "findings.md").write_text(render(
+        "findings.md.j2", run_dir=run_dir, stack=stack.describe(stack.recorded(run_dir)), findings=shown,
+        cases=sum(len(f.rows) for f in findings), upstream=upstream_counts(findings)))
+
+
+class _Shown:
+    """A finding as findings.md shows it: its fields, its settings sorted and its reproducer's path."""
+
+    def __init__(self, finding: Finding, settings: list[str], reproducer: str) -> None:
+        self._finding, self.settings, self.reproducer = finding, settings, reproducer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._finding, name)
+

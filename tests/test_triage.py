@@ -87,9 +87,10 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     assert set(grid.rows["setting"]) == {"torchrec/ebc/grid_shard/ws2", "torchrec/ebc/grid_shard/ws3"}
     assert grid.first_divergence.startswith("eval_before/pooled.")  # the embedding, before the prediction
     # pairwise: the other grid world size sides with the failing setting, a clean sharding with the reference
-    other_grid = ({"torchrec/ebc/grid_shard/ws2", "torchrec/ebc/grid_shard/ws3"} - {grid.pairwise["failing"][0]})
-    assert set(grid.pairwise["agree with the failing setting"]) == other_grid
-    assert "torchrec/ebc/table_wise/ws2" in grid.pairwise["agree with the reference"]
+    assert grid.pairwise is not None
+    other_grid = ({"torchrec/ebc/grid_shard/ws2", "torchrec/ebc/grid_shard/ws3"} - {grid.pairwise.failing})
+    assert set(grid.pairwise.with_failing) == other_grid
+    assert "torchrec/ebc/table_wise/ws2" in grid.pairwise.with_reference
     zbv = next(f for t, f in by_title.items() if "steal_bwd_input" in t)
     assert len(zbv.rows) == 4 and "torch/distributed/pipelining/stage.py:get_local_bwd_output" in zbv.signature
     raised = next(f for t, f in by_title.items() if "planted failure" in t)

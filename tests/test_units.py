@@ -393,3 +393,14 @@ def test_tables_off_a_terminal_keep_full_kind_names(tmp_path: Path) -> None:
               "t.add_row('keras-transformer', *('123456' for _ in range(12))); out_console.print(t)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "keras-transformer" in result.stdout and "…" not in result.stdout
+
+
+def test_the_report_template_escapes_what_a_run_wrote() -> None:
+    """A message, a setting or a run folder's name is text on the page, never markup."""
+    from difftest.render import render
+
+    hostile = "<script>alert(1)</script>"
+    page = render("report.html.j2", run_name=hostile, run_dir=hostile, written="now", stack=hostile, style="",
+                  sweep_running=False, calibrated=0, total=1, counts=[(hostile, 1, 1)], findings=[], not_ok=0,
+                  figures=[(hostile, True, hostile)])
+    assert hostile not in page and page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 7

@@ -265,22 +265,12 @@ def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict[str, Any]
 
 
 def _write(run_dir: Path, findings: list[Finding]) -> None:
-    pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
-                                                                                      index=False)
     from difftest.render import render
 
-    shown = [_Shown(f, sorted(f.rows["setting"].unique()), _reproducer(run_dir, f)) for f in findings]
+    pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
+                                                                                      index=False)
     (run_dir / "findings.md").write_text(render(
-        "findings.md.j2", run_dir=run_dir, stack=stack.describe(stack.recorded(run_dir)), findings=shown,
-        cases=sum(len(f.rows) for f in findings), upstream=upstream_counts(findings)))
-
-
-class _Shown:
-    """A finding as findings.md shows it: its fields, its settings sorted and its reproducer's path."""
-
-    def __init__(self, finding: Finding, settings: list[str], reproducer: str) -> None:
-        self._finding, self.settings, self.reproducer = finding, settings, reproducer
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._finding, name)
+        "findings.md.j2", run_dir=run_dir, stack=stack.describe(stack.recorded(run_dir)), findings=findings,
+        reproducers={f.id: _reproducer(run_dir, f) for f in findings}, cases=sum(len(f.rows) for f in findings),
+        upstream=upstream_counts(findings)))
 

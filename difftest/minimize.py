@@ -31,6 +31,8 @@ from difftest.registry import all_settings, get_generator, get_setting, kind_una
 from difftest.spec import ModelSpec, RunConfig
 
 if TYPE_CHECKING:
+    from difftest.runner.executor import SweepOptions
+    from difftest.runner.local import WarmGroups
     from difftest.triage import Finding
 
 PER_FINDING_PER_ROUND = 8  # proposals a finding runs per round: a round's time is what every finding is charged
@@ -194,19 +196,10 @@ def _materialise(trial: Trial, models_dir: Path) -> str | None:
     return None
 
 
-def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budget_s: float = 60.0, timeout_s: float = 120.0,
-             device: str = "cpu", plugins: tuple[str, ...] = (),
-             on_round: Callable[[int, list[Minimisation], float, float, int], None] | None = None) -> list[Minimisation]:
-    """Shrink every finding's example within `budget_s` seconds of rounds each; write each finding's minimal case to
-    `findings/<id>/` (model folder, repro.py, minimize.json). Returns the minimisations in the order of `findings`.
-    `on_round(number, minimisations, seconds, seconds building models, cases)` after each round."""
-    from difftest.runner.executor import SweepOptions
-    from difftest.runner.local import WarmGroups
-    from difftest.runner.sweep import run_sweep
-    from difftest.signature import separating_values, signatures
-
-    config = RunConfig.load(run_dir / "run.json")
-    separating = separating_values(analysis.cases)
+def _start(run_dir: Path, findings: list[Finding], budget_s: float,
+           timeout_s: float) -> tuple[list[Minimisation], dict[str, Minimisation]]:
+    """Planning, once: a minimisation per finding, those an earlier triage finished kept apart, and those that
+    cannot shrink here (their generator is missing; a timeout the budget cannot wait for twice) stopped at once."""
     work: list[Minimisation] = []
     kept: dict[str, Minimisation] = {}
     for finding in findings:
@@ -223,9 +216,146 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
             m.active, m.outcome = False, (f"not minimised: each try waits for the {timeout_s:g} s timeout; "
                                           f"a --minimize-budget of {2 * timeout_s:g} s or more tries")
         work.append(m)
+    return work, kept
+
+
+@dataclass
+class _Round:
+    """One round: the trials each active finding runs, what each case cost, and how each was signed."""
+
+    number: int
+    folder: Path
+    planned: dict[str, list[Trial]] = field(default_factory=dict)
+    built_s: float = 0.0  # materialising the round's models
+    cost: dict[tuple[str, str], float] = field(default_factory=dict)  # per case, including its references
+    signed: dict[tuple[str, str], str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def pairs(self) -> tuple[tuple[str, str], ...]:
+        return tuple(dict.fromkeys((t.model_id, t.setting) for ts in self.planned.values() for t in ts))
+
+
+def _plan(this: _Round, work: list[Minimisation], serial: Callable[[], str]) -> None:
+    """Planning a round: each active finding's next proposals, as many as the rest of its budget affords at what
+    a try has cost it so far (a crash costs a worker group's restart), each model materialised once."""
+    started = time.perf_counter()
+    by_key: dict[str, Trial] = {}
+    for m in work:
+        if not m.active:
+            continue
+        if this.number == 1:  # the example alone first: a case that only fails beside others is no minimum
+            m.pending = [dataclasses.replace(m.original, spec=dataclasses.replace(m.original.spec, variant=serial()),
+                                             change=ALONE)]
+            m.pending += _proposals(m, serial)
+        elif not m.pending:
+            m.pending = _proposals(m, serial)
+        per_try = m.seconds / m.tries if m.tries else FIRST_TRY_COST_S.get(m.status, 1.0)
+        room = max(1, min(PER_FINDING_PER_ROUND, int((m.budget_s - m.seconds) / per_try)))
+        chosen: list[Trial] = []
+        while m.pending and len(chosen) < room + (this.number == 1):
+            trial = m.pending.pop(0)
+            built_before = by_key.get(trial.key())
+            if built_before is not None:
+                trial = dataclasses.replace(trial, spec=built_before.spec)
+            elif (why := _materialise(trial, this.folder / "models")) is None:
+                by_key[trial.key()] = trial
+            else:  # told in its outcome: a generator whose reductions cannot be built looks minimal
+                m.unbuilt.append(f"{trial.change}: {why}")
+                continue
+            chosen.append(trial)
+        this.planned[m.finding_id] = chosen
+    this.built_s = time.perf_counter() - started
+
+
+def _run(this: _Round, needs_envelope: set[str], options: SweepOptions, warm: WarmGroups,
+         separating: dict[str, Any], plugins: tuple[str, ...]) -> None:
+    """Running a round: its cases as one sweep over the round's private run, each case's time taken as the time
+    since the case before it in its worker group (so references and a crash's restart are in it), then signed."""
+    from difftest.runner.sweep import run_sweep
+    from difftest.signature import signatures
+
+    clocks: dict[int, float] = {}
+    sweep_start = time.perf_counter()
+
+    def clock(case: Any, record: Any) -> None:
+        now, thread = time.perf_counter(), threading.get_ident()
+        this.cost[(case.model_id, case.setting.name)] = now - clocks.get(thread, sweep_start)
+        clocks[thread] = now
+
+    if pairs := this.pairs():
+        # calibration runs only for the findings only the calibrated oracle sees: the others keep failing D3
+        # (or erring) without them, and each trial model would otherwise pay its root's calibrations
+        calibrated = tuple(dict.fromkeys((t.model_id, t.setting) for f, ts in this.planned.items()
+                                         if f in needs_envelope for t in ts))
+        run_sweep(this.folder, dataclasses.replace(options, pairs=pairs, calibrated_pairs=calibrated),
+                  on_result=clock, warm=warm)
+        this.signed = signatures(analyze(this.folder, plugins=plugins), separating)
+    this.seconds = this.built_s + time.perf_counter() - sweep_start
+
+
+def charges(planned: dict[str, list[Trial]], cost: dict[tuple[str, str], float], built_s: float,
+            active: int) -> dict[str, float]:
+    """Charging a round, a pure function: each finding pays for its own cases (a crash: its restart too), its
+    share of the reference runs of the models it used (split among the findings that used them) and its share of
+    building the round's models."""
+    tried = {(t.model_id, t.setting) for ts in planned.values() for t in ts}
+    references: dict[str, float] = {}
+    for (model, setting), seconds in cost.items():
+        if (model, setting) not in tried:
+            references[model] = references.get(model, 0.0) + seconds
+    users = Counter(model for ts in planned.values() for model in {t.model_id for t in ts})
+    shared = max(0.0, built_s) / max(1, active)
+    return {finding: sum(cost.get((t.model_id, t.setting), 0.0) for t in chosen)
+            + sum(references.get(model, 0.0) / users[model] for model in {t.model_id for t in chosen}) + shared
+            for finding, chosen in planned.items()}
+
+
+def resign(m: Minimisation, round_no: int, chosen: list[Trial], signed: dict[tuple[str, str], str],
+           seconds: float) -> None:
+    """Re-signing, without I/O: the round's trials signed as the finding is are wins; the finding moves to the
+    smallest, or stops (minimal, its budget spent, or its example not reproducing alone)."""
+    m.rounds, m.tries, m.seconds = m.rounds + 1, m.tries + len(chosen), m.seconds + seconds
+    won = [t for t in chosen if signed.get((t.model_id, t.setting)) == m.signature]
+    if round_no == 1:
+        alone = next((t for t in chosen if t.change == ALONE), None)
+        if alone is None or alone not in won:
+            got = signed.get((alone.model_id, alone.setting), "ok") if alone else "not built"
+            m.active, m.outcome = False, f"not minimised: the example alone does not reproduce ({got})"
+            return
+        won.remove(alone)
+    if won:
+        smallest = min(won, key=lambda t: _order(m, t))
+        m.best = smallest
+        m.changes.append(smallest.change)
+        m.composite = [t.change for t in won if " + " not in t.change] if len(won) > 1 else []
+        m.pending = []  # the next round proposes from the new smallest
+    elif not m.pending:
+        m.active, m.outcome = False, "minimal: no case one step smaller reproduces"
+        if m.unbuilt:
+            m.outcome += f" ({len(m.unbuilt)} smaller case(s) could not be built, e.g. {m.unbuilt[0]})"
+        return
+    if m.seconds >= m.budget_s:
+        m.active = False
+        m.outcome = f"budget of {m.budget_s:g} s spent after {m.rounds} rounds: the smallest case found so far is kept"
+
+
+def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budget_s: float = 60.0, timeout_s: float = 120.0,
+             device: str = "cpu", plugins: tuple[str, ...] = (),
+             on_round: Callable[[int, list[Minimisation], float, float, int], None] | None = None) -> list[Minimisation]:
+    """Shrink every finding's example within `budget_s` seconds of rounds each; write each finding's minimal case to
+    `findings/<id>/` (model folder, repro.py, minimize.json). Returns the minimisations in the order of `findings`.
+    `on_round(number, minimisations, seconds, seconds building models, cases)` after each round."""
+    from difftest.runner.executor import SweepOptions
+    from difftest.runner.local import WarmGroups
+    from difftest.signature import separating_values
+
+    config = RunConfig.load(run_dir / "run.json")
+    separating = separating_values(analysis.cases)
+    work, kept = _start(run_dir, findings, budget_s, timeout_s)
     verdicts = {(c.model, c.setting): c.d3_verdict for c in analysis.cases.itertuples()}
     needs_envelope = {f.id for f in findings if f.status == "inconsistent"
                       and verdicts.get((f.example["model"], f.example["setting"])) == "ok"}
+    options = SweepOptions(timeout_s=timeout_s, device=device, plugins=plugins)
     scratch = Path(tempfile.mkdtemp(prefix=".minimize-", dir=run_dir))
     warm = WarmGroups()
     counter = iter(range(1, 10**9))
@@ -233,104 +363,19 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
         round_no = 0
         while any(m.active for m in work):
             round_no += 1
-            private = scratch / f"round{round_no}"
-            (private / "models").mkdir(parents=True)
-            (private / "run.json").write_text(config.to_json())
-            started = time.perf_counter()
-            planned: dict[str, list[Trial]] = {}
-            by_key: dict[str, Trial] = {}
+            this = _Round(round_no, scratch / f"round{round_no}")
+            (this.folder / "models").mkdir(parents=True)
+            (this.folder / "run.json").write_text(config.to_json())
+            _plan(this, work, lambda: f"m{next(counter)}")
+            _run(this, needs_envelope, options, warm, separating, config.plugins + plugins)
+            charged = charges(this.planned, this.cost, this.built_s, sum(m.active for m in work))
             for m in work:
-                if not m.active:
-                    continue
-                if round_no == 1:  # the example alone first: a case that only fails beside others is no minimum
-                    m.pending = [dataclasses.replace(m.original, spec=dataclasses.replace(
-                        m.original.spec, variant=f"m{next(counter)}"), change=ALONE)]
-                    m.pending += _proposals(m, lambda: f"m{next(counter)}")
-                elif not m.pending:
-                    m.pending = _proposals(m, lambda: f"m{next(counter)}")
-                chosen: list[Trial] = []
-                # as many tries as the rest of its budget affords at what a try has cost it so far (a crash
-                # costs a worker group's restart): a round ends about when the budget does
-                per_try = m.seconds / m.tries if m.tries else FIRST_TRY_COST_S.get(m.status, 1.0)
-                room = max(1, min(PER_FINDING_PER_ROUND, int((budget_s - m.seconds) / per_try)))
-                while m.pending and len(chosen) < room + (round_no == 1):
-                    trial = m.pending.pop(0)
-                    built_before = by_key.get(trial.key())
-                    if built_before is not None:
-                        trial = dataclasses.replace(trial, spec=built_before.spec)
-                    elif (why := _materialise(trial, private / "models")) is None:
-                        by_key[trial.key()] = trial
-                    else:  # told in its outcome: a generator whose reductions cannot be built looks minimal
-                        m.unbuilt.append(f"{trial.change}: {why}")
-                        continue
-                    chosen.append(trial)
-                planned[m.finding_id] = chosen
-            built = time.perf_counter() - started
-            pairs = tuple(dict.fromkeys((t.model_id, t.setting) for ts in planned.values() for t in ts))
-            cost: dict[tuple[str, str], float] = {}  # per case: the time since the case before it in its bucket
-            clocks: dict[int, float] = {}
-            sweep_start = time.perf_counter()
-
-            def charge(case: Any, record: Any) -> None:
-                now, thread = time.perf_counter(), threading.get_ident()
-                cost[(case.model_id, case.setting.name)] = now - clocks.get(thread, sweep_start)
-                clocks[thread] = now
-
-            if pairs:
-                # calibration runs only for the findings only the calibrated oracle sees: the others keep failing D3
-                # (or erring) without them, and each trial model would otherwise pay its root's calibrations
-                calibrated = tuple(dict.fromkeys((t.model_id, t.setting) for f, ts in planned.items()
-                                                 if f in needs_envelope for t in ts))
-                run_sweep(private, SweepOptions(pairs=pairs, calibrated_pairs=calibrated, timeout_s=timeout_s,
-                                                device=device, plugins=plugins), on_result=charge, warm=warm)
-                signed = signatures(analyze(private, plugins=config.plugins + plugins), separating)
-            else:
-                signed = {}
-            elapsed = time.perf_counter() - started
-            tried = {(t.model_id, t.setting) for ts in planned.values() for t in ts}
-            references: dict[str, float] = {}
-            for (model, setting), seconds in cost.items():
-                if (model, setting) not in tried:
-                    references[model] = references.get(model, 0.0) + seconds
-            users = Counter(model for ts in planned.values() for model in {t.model_id for t in ts})
-            for m in work:
-                if not m.active:
-                    continue
-                chosen = planned.get(m.finding_id, [])
-                # a finding pays for its own cases (a crash: its restart too) and its share of the round's set-up
-                own = sum(cost.get((t.model_id, t.setting), 0.0) for t in chosen)
-                for model in {t.model_id for t in chosen}:  # its references, shared with who else used the model
-                    own += references.get(model, 0.0) / users[model]
-                shared = max(0.0, built) / max(1, sum(x.active for x in work))
-                m.rounds, m.tries, m.seconds = m.rounds + 1, m.tries + len(chosen), m.seconds + own + shared
-                won = [t for t in chosen if signed.get((t.model_id, t.setting)) == m.signature]
-                if round_no == 1:
-                    alone = next((t for t in chosen if t.change == ALONE), None)
-                    if alone is None or alone not in won:
-                        got = signed.get((alone.model_id, alone.setting), "ok") if alone else "not built"
-                        m.active, m.outcome = False, f"not minimised: the example alone does not reproduce ({got})"
-                        continue
-                    won.remove(alone)
-                if won:
-                    smallest = min(won, key=lambda t: _order(m, t))
-                    m.best = smallest
-                    m.changes.append(smallest.change)
-                    m.composite = [t.change for t in won if " + " not in t.change] if len(won) > 1 else []
-                    m.pending = []  # the next round proposes from the new smallest
-                elif not m.pending:
-                    m.active, m.outcome = False, "minimal: no case one step smaller reproduces"
-                    if m.unbuilt:
-                        m.outcome += (f" ({len(m.unbuilt)} smaller case(s) could not be built, e.g. "
-                                      f"{m.unbuilt[0]})")
-                    continue
-                if m.seconds >= budget_s:
-                    m.active = False
-                    m.outcome = (f"budget of {budget_s:g} s spent after {m.rounds} rounds: "
-                                 "the smallest case found so far is kept")
+                if m.active:
+                    resign(m, round_no, this.planned.get(m.finding_id, []), this.signed, charged[m.finding_id])
             if on_round is not None:
-                on_round(round_no, work, elapsed, built, len(pairs))
+                on_round(round_no, work, this.seconds, this.built_s, len(this.pairs()))
             # the minimal models are copied out at the end; a round's folder is not needed past its verdicts
-            shutil.rmtree(private / "outputs", ignore_errors=True)
+            shutil.rmtree(this.folder / "outputs", ignore_errors=True)
         by_id = {m.finding_id: m for m in work}
         for finding in findings:
             if finding.id in by_id:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -405,3 +406,33 @@ def test_the_report_template_escapes_what_a_run_wrote() -> None:
                   sweep_running=False, calibrated=0, total=1, counts=[(hostile, 1, 1)], findings=[], not_ok=0,
                   figures=[(hostile, True, hostile)])
     assert hostile not in page and page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 7
+
+
+def test_minimisation_charges_each_finding_its_cases_its_share_of_references_and_moves_to_the_smallest_win() -> None:
+    from difftest.minimize import ALONE, Minimisation, Trial, charges, resign
+
+    example = DlrmGenerator().spec(0, 0)
+    smaller = [params for _, params in DlrmGenerator().reductions(example)]
+
+    def trial(variant: str, params: dict, change: str) -> Trial:
+        return Trial(dataclasses.replace(example, params=params, variant=variant), "ddp/default/ws2", 24, change)
+
+    alone, two, one = trial("m1", example.params, ALONE), trial("m2", smaller[0], "a"), trial("m3", smaller[1], "b")
+    planned = {"F1": [alone, two, one], "F2": [two]}
+    # F2 shares model m2 with F1: m2's reference run (a case nobody planned) is split between the two
+    cost = {(t.model_id, t.setting): 1.0 for t in (alone, two, one)} | {(two.model_id, "reference"): 4.0}
+    charged = charges(planned, cost, built_s=2.0, active=2)
+    assert charged == {"F1": 3.0 + 2.0 + 1.0, "F2": 1.0 + 2.0 + 1.0}
+
+    m = Minimisation("F1", "sig", alone, alone, budget_s=100.0)
+    signed = {(alone.model_id, "ddp/default/ws2"): "sig", (two.model_id, "ddp/default/ws2"): "sig", (one.model_id, "ddp/default/ws2"): "other"}
+    resign(m, 1, planned["F1"], signed, charged["F1"])
+    assert (m.best, m.changes, m.tries, m.seconds, m.active) == (two, ["a"], 3, 6.0, True)
+
+    lost = Minimisation("F2", "sig", alone, alone, budget_s=100.0)
+    resign(lost, 1, [dataclasses.replace(alone, change=ALONE)], {}, 1.0)
+    assert not lost.active and lost.outcome == "not minimised: the example alone does not reproduce (ok)"
+
+    spent = Minimisation("F3", "sig", two, two, budget_s=5.0, pending=[one])
+    resign(spent, 2, [one], {(one.model_id, "ddp/default/ws2"): "other"}, 6.0)
+    assert not spent.active and spent.outcome.startswith("budget of 5 s spent after 1 rounds")

@@ -1,0 +1,107 @@
+"""What follows a sweep, as one explicit pipeline: judge → triage → minimise → report.
+
+Every command that ends a run (`run`, `sweep`, `quant`, `analyze`) calls `run_pipeline` with one `PipelineOptions`;
+each step is a function of the steps before it, and what a person sees of each step goes through `PipelineEvents`
+(the CLI prints it; a test or another front end may listen or not).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from difftest.oracle import Tolerance
+
+if TYPE_CHECKING:
+    from difftest.analysis import Analysis
+    from difftest.minimize import Minimisation
+    from difftest.triage import Finding
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The options every step after a sweep shares."""
+
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    oracle: str = "calibrated"  # one of difftest.analysis.ORACLES
+    minimize_budget_s: float = 20.0  # per finding; 0: no minimisation
+    timeout_s: float = 120.0  # per case the minimiser runs
+    device: str = "cpu"
+
+
+class PipelineEvents:
+    """What the pipeline tells as it goes; every method does nothing here, a front end overrides what it shows."""
+
+    def judged(self, analysis: Analysis) -> None: ...
+
+    def triaged(self, findings: list[Finding], seconds: float) -> None: ...
+
+    def minimising(self, fresh: int, kept: int, budget_s: float) -> None: ...
+
+    def minimise_round(self, number: int, work: list[Minimisation], seconds: float, built_s: float,
+                       cases: int) -> None: ...
+
+    def minimised(self, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    analysis: Analysis
+    findings: list[Finding]
+    minimised: list[Minimisation]
+    report: Path
+
+
+def judge(run_dir: Path, options: PipelineOptions) -> Analysis:
+    """Every stored case against its reference (the CSVs of the run)."""
+    from difftest.analysis import analyze
+    from difftest.spec import RunConfig
+
+    return analyze(run_dir, options.tolerance, RunConfig.load(run_dir / "run.json").plugins, options.oracle)
+
+
+def triage_run(run_dir: Path, analysis: Analysis) -> list[Finding]:
+    """The distinct findings (findings.csv, findings.md), each with its folder and reproducer."""
+    from difftest.finding_folders import write_finding_folders
+    from difftest.triage import triage
+
+    found = triage(run_dir, analysis)
+    write_finding_folders(run_dir, found)
+    return found
+
+
+def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options: PipelineOptions,
+             events: PipelineEvents) -> list[Minimisation]:
+    """Each finding's example shrunk within its budget; a run still being swept, or a budget of 0, keeps what
+    earlier triages of the run minimised."""
+    from difftest.minimize import load_previous, minimize
+    from difftest.spec import RunConfig
+
+    budget = options.minimize_budget_s
+    if not findings:
+        return []
+    if budget <= 0 or analysis.sweep_running:
+        return [m for f in findings if (m := load_previous(run_dir, f, 0.0)) is not None]
+    started = time.perf_counter()
+    fresh = sum(load_previous(run_dir, f, budget) is None for f in findings)
+    events.minimising(fresh, len(findings) - fresh, budget)
+    done = minimize(run_dir, findings, analysis, budget_s=budget, timeout_s=options.timeout_s, device=options.device,
+                    plugins=RunConfig.load(run_dir / "run.json").plugins, on_round=events.minimise_round)
+    events.minimised(time.perf_counter() - started)
+    return done
+
+
+def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents | None = None) -> PipelineResult:
+    """judge → triage → minimise → report, on a swept (or still sweeping) run folder."""
+    from difftest.report import write_report
+
+    events = events or PipelineEvents()
+    started = time.perf_counter()
+    analysis = judge(run_dir, options)
+    events.judged(analysis)
+    findings = triage_run(run_dir, analysis)
+    events.triaged(findings, time.perf_counter() - started)
+    minimised = minimise(run_dir, findings, analysis, options, events)
+    report = write_report(run_dir, analysis, findings, minimised, options.tolerance)
+    return PipelineResult(analysis, findings, minimised, report)

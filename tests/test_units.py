@@ -212,27 +212,30 @@ def test_collectives_gloo_does_not_carry_on_cuda_are_refused_and_nothing_else() 
 
 
 def test_settings_list_names_gives_one_full_name_per_line_per_tier() -> None:
-    def lines(*command: str) -> list[str]:
-        result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-2000:]
+    from typer.testing import CliRunner
+
+    from difftest.cli import app
+    from difftest.registry import derived_prefixes
+
+    def lines(*args: str) -> list[str]:  # in this process: the registry it lists is the one compared with
+        result = CliRunner().invoke(app, list(args))
+        assert result.exit_code == 0, result.output[-2000:]
         return result.stdout.splitlines()
 
-    # the registry as a fresh process sees it: this test process may have loaded a test plugin
-    registry = "from difftest.registry import load_plugins, tier; load_plugins(); print(*(s.name for s in tier({!r})), sep=chr(10))"
-    for name in ("full", "default"):
-        assert lines("-m", "difftest.cli", "settings", "list", "--names", "--tier", name) == \
-            lines("-c", registry.format(name))
-    assert lines("-m", "difftest.cli", "settings", "list", "--names") == lines("-c", registry.format("full"))
-    piped = lines("-m", "difftest.cli", "settings", "list")  # not a terminal: one tab-separated line per setting
+    load_plugins()
+    full, default = ([s.name for s in tier(name)] for name in ("full", "default"))
+    assert lines("settings", "list", "--names", "--tier", "full") == full
+    assert lines("settings", "list", "--names", "--tier", "default") == default
+    assert lines("settings", "list", "--names") == full
+    piped = lines("settings", "list")  # not a terminal: one tab-separated line per setting
     assert piped[0].split("\t")[:3] == ["setting", "tier", "family"]
     listed = [line.split("\t") for line in piped[1:] if line.split("\t")[1] != "derived"]
-    assert [row[0] for row in listed] == lines("-c", registry.format("full"))
+    assert [row[0] for row in listed] == full
     assert {row[1] for row in listed} == {"default", "full"}
     # and one line per derived family, as in the terminal's table: a script can discover rerun/<setting>
     derived = [line.split("\t")[0] for line in piped[1:] if line.split("\t")[1] == "derived"]
-    prefixes = "from difftest.registry import load_plugins, derived_prefixes; load_plugins(); print(*derived_prefixes(), sep=chr(10))"
-    assert derived == [f"{p}/<setting>" for p in lines("-c", prefixes)] and "rerun/<setting>" in derived
-    assert [line.split("\t")[0] for line in lines("-m", "difftest.cli", "settings", "list", "--derived")] == derived
+    assert derived == [f"{p}/<setting>" for p in derived_prefixes()] and "rerun/<setting>" in derived
+    assert [line.split("\t")[0] for line in lines("settings", "list", "--derived")] == derived
 
 
 def test_progress_off_a_terminal_prints_plain_lines_with_counts_and_an_eta() -> None:

@@ -1,4 +1,4 @@
-"""What follows a sweep, as one explicit pipeline: judge → triage → minimise → report.
+"""What follows a sweep, as one explicit pipeline: judge → triage → minimise → report (ISSUE.md per finding, report.html).
 
 Every command that ends a run (`run`, `sweep`, `quant`, `analyze`) calls `run_pipeline` with one `PipelineOptions`;
 each step is a function of the steps before it, and what a person sees of each step goes through `PipelineEvents`
@@ -94,6 +94,7 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options
 
 def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents | None = None) -> PipelineResult:
     """judge → triage → minimise → report, on a swept (or still sweeping) run folder."""
+    from difftest.issue_report import write_issues
     from difftest.report import write_report
 
     events = events or PipelineEvents()
@@ -103,5 +104,6 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     findings = triage_run(run_dir, analysis)
     events.triaged(findings, time.perf_counter() - started)
     minimised = minimise(run_dir, findings, analysis, options, events)
+    write_issues(run_dir, analysis, findings, minimised)
     report = write_report(run_dir, analysis, findings, minimised, options.tolerance)
     return PipelineResult(analysis, findings, minimised, report)

@@ -70,7 +70,6 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
     from difftest.runner.executor import SweepOptions
     from difftest.runner.sweep import run_sweep
     from difftest.spec import RunConfig
-    from difftest.store import Store
 
     run_dir = Path(run_dir)
     source = run_dir / "models" / model
@@ -96,19 +95,32 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
     result = Reproduction(model, setting, case["verdict"], str(failed.iloc[0]["message"]) if not failed.empty else "",
                           worst, signature=signatures(analysis, contrast or {}).get((model, setting), ""))
     if worst is not None and not compared.empty:
-        store = Store(private)
-        try:
-            records = {r.setting: r for r in store.records()}
-            name = f"{worst['phase']}/{worst['tensor']}"
-            mine = store.load_outputs(records[setting]).get(name)
-            theirs = store.load_outputs(records[worst["reference"]]).get(name)
-        finally:
-            store.close()
-        if mine is not None and theirs is not None and mine.shape == theirs.shape and mine.size:
-            where = np.unravel_index(np.argmax(np.abs(mine.astype(np.float64) - theirs.astype(np.float64))), mine.shape)
-            result.reference_value, result.setting_value = theirs[where].item(), mine[where].item()
+        values = values_at_worst_element(private, setting, worst)
+        if values is not None:
+            result.reference_value, result.setting_value = values
     shutil.rmtree(private.parent, ignore_errors=True)
     return result
+
+
+def values_at_worst_element(run_dir: Path, setting: str, row: pd.Series) -> tuple[float, float] | None:
+    """(reference, setting) at the element where a comparison row's tensor differs most, read from the run's
+    stored outputs; None where either side did not store it or the shapes differ."""
+    from difftest.store import Store
+
+    store = Store(run_dir)
+    try:
+        records = {r.setting: r for r in store.records() if r.model == row["model"]}
+        name = f"{row['phase']}/{row['tensor']}"
+        if setting not in records or row["reference"] not in records:
+            return None
+        mine = store.load_outputs(records[setting]).get(name)
+        theirs = store.load_outputs(records[row["reference"]]).get(name)
+    finally:
+        store.close()
+    if mine is None or theirs is None or mine.shape != theirs.shape or not mine.size:
+        return None
+    where = np.unravel_index(np.argmax(np.abs(mine.astype(np.float64) - theirs.astype(np.float64))), mine.shape)
+    return theirs[where].item(), mine[where].item()
 
 
 REPRO_SCRIPT = '''"""Finding {finding_id}: {title}

@@ -42,6 +42,9 @@ def current() -> dict[str, Any]:
         import torch  # every difftest process has it (and has imported it already where it runs cases)
     except ImportError:
         return stack
+    # the build as torch names it (`2.14.1+cu130`, `2.6.0+cpu`): the wheel's CUDA or CPU build, which the
+    # distribution's metadata leaves out
+    libraries["torch"] = torch.__version__
     try:
         stack["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     except AttributeError:

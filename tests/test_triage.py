@@ -106,6 +106,24 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     assert set(earliest["setting"]) == {"torchrec/ebc/grid_shard/ws2", "torchrec/ebc/grid_shard/ws3",
                                         "faults/shard_off_by_one_row/ws2"}
     assert all(f"## {f.id}: " in (fresh_run / "findings.md").read_text() for f in findings)
+    # each finding as a maintainer would file it: environment, what happens with both sides' values, references
+    import torch
+
+    from difftest.issue_report import write_issues
+
+    write_issues(fresh_run, analysis, findings, [])
+    issue = (fresh_run / "findings" / grid.id / "ISSUE.md").read_text()
+    assert issue.startswith(f"# {grid.known.title if grid.known else grid.title}\n")
+    assert f"- torch: {torch.__version__}" in issue and "- CPU: " in issue
+    assert f"The first tensor that differs, in computation order: `{grid.first_divergence}`" in issue
+    worst = analysis.comparisons[(analysis.comparisons["model"] == grid.example["model"])
+                                 & (analysis.comparisons["setting"] == grid.example["setting"])]["linf"].max()
+    assert f"L∞ {worst:.6g}" in issue and "At its worst element the single-process program gives `" in issue
+    assert "the `torchrec` family has no emitter" in issue and "python repro.py" in issue
+    for reference in (grid.known.references if grid.known else ()):
+        assert f"{reference.tracker}#{reference.number}" in issue
+    failure = (fresh_run / "findings" / raised.id / "ISSUE.md").read_text()
+    assert "ends in **error**" in failure and "planted failure" in failure and "refuse the configuration" in failure
     # a finding's reproducer runs its case alone through the public API and fails while the bug is there
     script = fresh_run / "findings" / grid.id / "repro.py"
     root = Path(__file__).resolve().parents[1]  # the run names the test plugin: it must be importable

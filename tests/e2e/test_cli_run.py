@@ -94,9 +94,14 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert set(findings["upstream"]) <= {"known", "related", "unreported"}  # every one a known library bug
     assert findings["known_issue"].is_unique  # one root cause, one finding
     stack = json.loads((out / "run.json").read_text())["stack"]
-    assert stack["libraries"]["torch"] == known.installed_version("torch") and stack["cpu_capability"]
+    assert stack["libraries"]["torch"].split("+")[0] == known.installed_version("torch") and stack["cpu_capability"]
     assert f"torch {stack['libraries']['torch']}" in (out / "findings.md").read_text()
     assert all((out / "findings" / fid / "repro.py").is_file() for fid in findings["id"])
+    # and each as a maintainer would file it: the run's environment, the oracle, the manifest's upstream references
+    for fid, references in zip(findings["id"], findings["references"].fillna(""), strict=True):
+        issue = (out / "findings" / fid / "ISSUE.md").read_text()
+        assert f"- torch: {stack['libraries']['torch']}" in issue and "## What was expected, and why" in issue
+        assert all(ref in issue for ref in re.findall(r"[\w.-]+/[\w.-]+#\d+", references)), (fid, references)
     assert "distinct findings" in result.stdout
     # the sweep told its findings as it found them, before its end and before triage
     live = re.findall(r"\] finding (\d+) so far: ", result.stderr)

@@ -1,0 +1,117 @@
+"""`findings/<id>/ISSUE.md`: a finding as a library maintainer would want it filed.
+
+A title, the environment the run recorded (`difftest.stack`), what happened on the finding's example and what was
+expected instead (and why: the oracle in one paragraph), how to reproduce it, and the upstream issues the manifest
+relates it to. Rendered from `templates/ISSUE.md.j2`; every value comes from the run's own tables and outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from difftest import stack
+from difftest.errors import UserError
+from difftest.render import render
+
+if TYPE_CHECKING:
+    from difftest.analysis import Analysis
+    from difftest.minimize import Minimisation
+    from difftest.triage import Finding
+
+ISSUE_FILE = "ISSUE.md"
+STANDALONE_FILE = "standalone.py"
+# the environment lines a report carries, in this order; a library the run's stack lacks is left out
+ENVIRONMENT = ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "tensorflow", "tensorflow-cpu", "keras", "tf2onnx",
+               "onnx", "onnxruntime", "onnx2torch", "onnx2pytorch", "numpy")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the run measured on the finding's example at its worst tensor."""
+
+    tensor: str
+    reference: str  # the setting it was judged against
+    linf: float
+    mismatches: int
+    numel: int
+    calibrated_linf: float | None
+    calibrated_ratio: float | None
+    reference_value: float | None
+    setting_value: float | None
+
+
+def _number(value: object) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(str(value))
+
+
+def evidence(run_dir: Path, analysis: Analysis, model: str, setting: str) -> Evidence | None:
+    """The example's comparison row with the largest error among those not ok (else overall), with both sides'
+    values at its worst element."""
+    from difftest.repro import values_at_worst_element
+
+    rows = analysis.comparisons[(analysis.comparisons["model"] == model) & (analysis.comparisons["setting"] == setting)]
+    compared = rows.dropna(subset=["linf"])
+    if compared.empty:
+        return None
+    failing = compared[compared["status"] != "ok"]
+    pool = failing if not failing.empty else compared
+    worst: pd.Series = pool.loc[pool["linf"].idxmax()]
+    values = values_at_worst_element(run_dir, setting, worst)
+    return Evidence(tensor=f"{worst['phase']}/{worst['tensor']}", reference=str(worst["reference"]),
+                    linf=float(worst["linf"]), mismatches=int(worst["mismatches"]), numel=int(worst["numel"]),
+                    calibrated_linf=_number(worst.get("calibrated_linf")),
+                    calibrated_ratio=_number(worst.get("calibrated_ratio")),
+                    reference_value=values[0] if values else None, setting_value=values[1] if values else None)
+
+
+def _family(setting: str) -> str:
+    from difftest.registry import get_setting
+
+    try:
+        return get_setting(setting).family
+    except UserError:  # a plugin's setting, judged without its plugin
+        return setting.split("/")[0]
+
+
+def environment(run_dir: Path) -> list[tuple[str, str]]:
+    recorded = stack.recorded(run_dir)
+    if not recorded:
+        return [("stack", "not recorded (a run made before difftest recorded it)")]
+    libraries = recorded.get("libraries", {})
+    cpu = recorded.get("cpu", "?") + (f" ({recorded['cpu_capability']} kernels)" if recorded.get("cpu_capability")
+                                      else "")
+    lines = [("python", recorded.get("python", "?")), ("OS", recorded.get("os", "?")), ("CPU", cpu)]
+    if recorded.get("gpus"):
+        lines.append(("GPUs", f"{', '.join(recorded['gpus'])} (CUDA {recorded.get('cuda')})"))
+    return lines + [(name, libraries[name]) for name in ENVIRONMENT if name in libraries]
+
+
+def write_issue(run_dir: Path, analysis: Analysis, finding: Finding, minimised: Minimisation | None) -> Path:
+    """Write `findings/<id>/ISSUE.md` for one finding and return its path."""
+    folder = run_dir / "findings" / finding.id
+    folder.mkdir(parents=True, exist_ok=True)
+    model, setting = str(finding.example["model"]), str(finding.example["setting"])
+    minimal = None
+    if minimised is not None and minimised.best is not minimised.original:
+        minimal = {"model": minimised.best.model_id, "setting": minimised.best.setting, "size": minimised.size(),
+                   "original": minimised.size(minimised.original), "outcome": minimised.outcome}
+    standalone = folder / STANDALONE_FILE
+    text = render("ISSUE.md.j2", finding=finding, model=model, setting=setting, family=_family(setting),
+                  environment=environment(run_dir), evidence=evidence(run_dir, analysis, model, setting),
+                  minimal=minimal, message=str(finding.example.get("message") or ""),
+                  standalone=standalone.name if standalone.is_file() else None,
+                  settings=sorted(finding.rows["setting"].unique()), models=finding.rows["model"].nunique())
+    path = folder / ISSUE_FILE
+    path.write_text(text)
+    return path
+
+
+def write_issues(run_dir: Path, analysis: Analysis, findings: list[Finding],
+                 minimised: list[Minimisation]) -> list[Path]:
+    by_id = {m.finding_id: m for m in minimised}
+    return [write_issue(run_dir, analysis, f, by_id.get(f.id)) for f in findings]

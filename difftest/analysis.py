@@ -90,11 +90,16 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
     cases_df = pd.DataFrame(verdicts, columns=CASE_COLUMNS)
     analysis = Analysis(comparisons_df, cases_df, _summarise(cases_df, "setting"), _summarise(cases_df, "kind"),
                         _by_feature(cases_df, specs), sweep_running=running)
-    comparisons_df.to_csv(run_dir / "comparisons.csv", index=False)
+    write_tables(run_dir, analysis)
+    return analysis
+
+
+def write_tables(run_dir: Path, analysis: Analysis) -> None:
+    """The run's CSVs of an analysis: comparisons, inconsistencies, summary (per setting), by_feature."""
+    analysis.comparisons.to_csv(run_dir / "comparisons.csv", index=False)
     analysis.inconsistencies.to_csv(run_dir / "inconsistencies.csv", index=False)
     analysis.by_setting.to_csv(run_dir / "summary.csv")
     analysis.by_feature.to_csv(run_dir / "by_feature.csv", index=False)
-    return analysis
 
 
 @dataclass
@@ -199,28 +204,36 @@ class Judge:
         actual = _load(self.store, record)
         if isinstance(actual, str):  # a finding of its own in triage, not a traceback that ends the analysis
             return Judgement("error", rows=[_case_row(base, "error", f"outputs unreadable: {actual}")])
-        if setting is not None:
-            expected = {k: v for k, v in expected.items() if setting.judges(k)}
-            # (a bound `allowed/<name>` goes with its tensor)
-            actual = {k: v for k, v in actual.items() if setting.judges(k.removeprefix(BOUND_PREFIX))}
-        comparisons = compare(actual, expected, setting.tolerance(self.tol) if setting is not None else self.tol)
-        mismatch = setting.mismatch_status if setting is not None else "inconsistent"
-        rows, finals, d3 = [], [], []
-        for c in comparisons:
-            name = f"{c.phase}/{c.tensor}"
-            judged = (envelope.judge(name, actual[name])
-                      if envelope is not None and name in actual and c.oracle != "bound" else None)
-            ok = judged.consistent if judged is not None else c.consistent
-            finals.append(ok)
-            d3.append(c.consistent)
-            rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
-                         "status": "ok" if ok else mismatch, "message": c.message or record.message,
-                         "calibrated_linf": judged.linf if judged else math.nan,
-                         "calibrated_ratio": judged.ratio if judged else math.nan,
-                         "d3_status": "ok" if c.consistent else mismatch})
-        return Judgement("ok" if all(finals) else mismatch, "ok" if all(d3) else mismatch,
-                         "yes" if envelope is not None else f"no: {why_not}",
-                         max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan), rows)
+        return judge_outputs(actual, expected, envelope, why_not, setting, self.tol, base, record.message)
+
+
+def judge_outputs(actual: Outputs, expected: Outputs, envelope: Envelope | None, why_not: str, setting: Setting | None,
+                  tol: Tolerance, base: dict[str, Any], message: str = "") -> Judgement:
+    """Judging one case, without I/O: its outputs against its reference's on the tensors the setting `judges`, each
+    by the root's envelope where there is one (`why_not` says why there is none), D3's allclose beside it; `base`
+    holds the row's identifying columns."""
+    if setting is not None:
+        expected = {k: v for k, v in expected.items() if setting.judges(k)}
+        # (a bound `allowed/<name>` goes with its tensor)
+        actual = {k: v for k, v in actual.items() if setting.judges(k.removeprefix(BOUND_PREFIX))}
+    comparisons = compare(actual, expected, setting.tolerance(tol) if setting is not None else tol)
+    mismatch = setting.mismatch_status if setting is not None else "inconsistent"
+    rows, finals, d3 = [], [], []
+    for c in comparisons:
+        name = f"{c.phase}/{c.tensor}"
+        judged = (envelope.judge(name, actual[name])
+                  if envelope is not None and name in actual and c.oracle != "bound" else None)
+        ok = judged.consistent if judged is not None else c.consistent
+        finals.append(ok)
+        d3.append(c.consistent)
+        rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
+                     "status": "ok" if ok else mismatch, "message": c.message or message,
+                     "calibrated_linf": judged.linf if judged else math.nan,
+                     "calibrated_ratio": judged.ratio if judged else math.nan,
+                     "d3_status": "ok" if c.consistent else mismatch})
+    return Judgement("ok" if all(finals) else mismatch, "ok" if all(d3) else mismatch,
+                     "yes" if envelope is not None else f"no: {why_not}",
+                     max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan), rows)
 
 
 def _load(store: Store, record: CaseRecord) -> Outputs | str:

@@ -439,3 +439,15 @@ def test_minimisation_charges_each_finding_its_cases_its_share_of_references_and
     spent = Minimisation("F3", "sig", two, two, budget_s=5.0, pending=[one])
     resign(spent, 2, [one], {(one.model_id, "ddp/default/ws2"): "other"}, 6.0)
     assert not spent.active and spent.outcome.startswith("budget of 5 s spent after 1 rounds")
+
+
+def test_judging_a_case_is_a_pure_function_of_its_outputs_its_references_and_its_envelope() -> None:
+    from difftest.analysis import judge_outputs
+
+    expected = {"eval_before/prediction": np.ones(4, np.float32)}
+    same = judge_outputs(dict(expected), expected, None, "no calibration", None, Tolerance(), {"model": "m"})
+    assert (same.verdict, same.d3_verdict, same.calibrated, same.worst_linf) == ("ok", "ok", "no: no calibration", 0.0)
+    off = {"eval_before/prediction": np.array([1, 1, 1, 1.5], np.float32)}
+    wrong = judge_outputs(off, expected, None, "no calibration", None, Tolerance(), {"model": "m"})
+    assert (wrong.verdict, wrong.worst_linf) == ("inconsistent", 0.5)
+    assert wrong.rows[0]["model"] == "m" and wrong.rows[0]["tensor"] == "prediction" and wrong.rows[0]["mismatches"] == 1

@@ -49,9 +49,9 @@ def _number(value: object) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(str(value))
 
 
-def evidence(run_dir: Path, analysis: Analysis, model: str, setting: str) -> Evidence | None:
-    """The example's comparison row with the largest error among those not ok (else overall), with both sides'
-    values at its worst element."""
+def evidence(run_dir: Path, analysis: Analysis, model: str, setting: str, tensor: str = "") -> Evidence | None:
+    """The example's comparison row of `tensor` (its first divergence) where it has one, else the one with the
+    largest error among those not ok (else overall), with both sides' values at its worst element."""
     from difftest.repro import values_at_worst_element
 
     rows = analysis.comparisons[(analysis.comparisons["model"] == model) & (analysis.comparisons["setting"] == setting)]
@@ -59,7 +59,8 @@ def evidence(run_dir: Path, analysis: Analysis, model: str, setting: str) -> Evi
     if compared.empty:
         return None
     failing = compared[compared["status"] != "ok"]
-    pool = failing if not failing.empty else compared
+    named = compared[compared["phase"] + "/" + compared["tensor"] == tensor]
+    pool = named if not named.empty else failing if not failing.empty else compared
     worst: pd.Series = pool.loc[pool["linf"].idxmax()]
     values = values_at_worst_element(run_dir, setting, worst)
     return Evidence(tensor=f"{worst['phase']}/{worst['tensor']}", reference=str(worst["reference"]),
@@ -67,6 +68,12 @@ def evidence(run_dir: Path, analysis: Analysis, model: str, setting: str) -> Evi
                     calibrated_linf=_number(worst.get("calibrated_linf")),
                     calibrated_ratio=_number(worst.get("calibrated_ratio")),
                     reference_value=values[0] if values else None, setting_value=values[1] if values else None)
+
+
+def _readable(message: str) -> str:
+    """A stored message keeps a traceback on one line (`exception || frame | code | frame …`): its lines again."""
+    head, _, frames = message.partition(" || ")
+    return head + ("\n\nTraceback, innermost frames last:\n" + "\n".join(frames.split(" | ")) if frames else "")
 
 
 def _family(setting: str) -> str:
@@ -102,8 +109,10 @@ def write_issue(run_dir: Path, analysis: Analysis, finding: Finding, minimised: 
                    "original": minimised.size(minimised.original), "outcome": minimised.outcome}
     standalone = folder / STANDALONE_FILE
     text = render("ISSUE.md.j2", finding=finding, model=model, setting=setting, family=_family(setting),
-                  environment=environment(run_dir), evidence=evidence(run_dir, analysis, model, setting),
-                  minimal=minimal, message=str(finding.example.get("message") or ""),
+                  environment=environment(run_dir),
+                  evidence=evidence(run_dir, analysis, model, setting, finding.first_divergence),
+                  worst_linf=float(finding.rows["worst_linf"].max()),
+                  minimal=minimal, message=_readable(str(finding.example.get("message") or "")),
                   standalone=standalone.name if standalone.is_file() else None,
                   settings=sorted(finding.rows["setting"].unique()), models=finding.rows["model"].nunique())
     path = folder / ISSUE_FILE

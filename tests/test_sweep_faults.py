@@ -208,14 +208,16 @@ def test_after_a_crash_the_next_case_runs_on_a_replacement_and_gives_a_fresh_gro
 def test_a_group_is_recycled_after_its_case_budget_and_the_results_do_not_change(fresh_run: Path, tmp_path: Path) -> None:
     import shutil
 
-    selection = "torchrec/ebc/table_wise/ws2,torchrec/ebc/row_wise/ws2"
+    models = sorted(p.name for p in (fresh_run / "models").iterdir())
+    # the cases and their references, not the calibration runs: nothing here is judged
+    pairs = tuple((m, s) for m in models for s in ("torchrec/ebc/table_wise/ws2", "torchrec/ebc/row_wise/ws2"))
     twin = tmp_path / "twin"
     shutil.copytree(fresh_run, twin)
-    recycled = run_sweep(fresh_run, SweepOptions(settings=selection, recycle_after=2, jobs=1))
-    assert recycled.statuses == {"ok": 6 + 2 * REFERENCE_CALIBRATIONS}
-    # a group per 2 cases: ws1 runs 2 references and their calibration runs, ws2 the 4 sharded cases
-    assert recycled.groups_started == 2 * (1 + REFERENCE_CALIBRATIONS) // 2 + 4 // 2
-    kept = run_sweep(twin, SweepOptions(settings=selection, jobs=1))
+    recycled = run_sweep(fresh_run, SweepOptions(pairs=pairs, calibrated_pairs=(), recycle_after=2, jobs=1))
+    assert recycled.statuses == {"ok": 6}
+    # a group per 2 cases: one runs the 2 references (one rank), two the 4 sharded cases (two ranks)
+    assert recycled.groups_started == 1 + 2
+    kept = run_sweep(twin, SweepOptions(pairs=pairs, calibrated_pairs=(), jobs=1))
     assert kept.groups_started == 2
     first, second = _outputs(fresh_run), _outputs(twin)
     assert first.keys() == second.keys()

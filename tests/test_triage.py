@@ -113,13 +113,17 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
 
     write_issues(fresh_run, analysis, findings, [])
     issue = (fresh_run / "findings" / grid.id / "ISSUE.md").read_text()
+    prose = " ".join(issue.split())  # the template wraps its lines
     assert issue.startswith(f"# {grid.known.title if grid.known else grid.title}\n")
     assert f"- torch: {torch.__version__}" in issue and "- CPU: " in issue
-    assert f"The first tensor that differs, in computation order: `{grid.first_divergence}`" in issue
-    worst = analysis.comparisons[(analysis.comparisons["model"] == grid.example["model"])
-                                 & (analysis.comparisons["setting"] == grid.example["setting"])]["linf"].max()
-    assert f"L∞ {worst:.6g}" in issue and "At its worst element the single-process program gives `" in issue
-    assert "the `torchrec` family has no emitter" in issue and "python repro.py" in issue
+    assert f"The first tensor that differs, in the order the program computes them, is `{grid.first_divergence}`" in prose
+    compared = analysis.comparisons
+    first = compared[(compared["model"] == grid.example["model"]) & (compared["setting"] == grid.example["setting"])
+                     & (compared["phase"] + "/" + compared["tensor"] == grid.first_divergence)]["linf"].max()
+    assert (f"`{grid.first_divergence}` is L∞ {first:.6g} off (the worst tensor of these cases: L∞ "
+            f"{grid.rows['worst_linf'].max():.6g})") in prose
+    assert "At its worst element the single-process program gives `" in prose
+    assert "the `torchrec` family has no emitter" in prose and "python repro.py" in prose
     for reference in (grid.known.references if grid.known else ()):
         assert f"{reference.tracker}#{reference.number}" in issue
     failure = (fresh_run / "findings" / raised.id / "ISSUE.md").read_text()

@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
 ISSUE_FILE = "ISSUE.md"
 STANDALONE_FILE = "standalone.py"
-# the environment lines a report carries, in this order; a library the run's stack lacks is left out
-ENVIRONMENT = ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "tensorflow", "tensorflow-cpu", "keras", "tf2onnx",
-               "onnx", "onnxruntime", "onnx2torch", "onnx2pytorch", "numpy")
+# the environment lines a report carries: the recorded libraries, less Ray (difftest's executor, not a library under
+# test); one the run's stack lacks is left out
+ENVIRONMENT = tuple(name for name in stack.LIBRARIES if name != "ray")
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,22 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
     return analysis
 
 
+def envelope_spread(run_dir: Path, model: str, setting: str, tol: Tolerance = Tolerance()) -> dict[str, float]:
+    """Per recorded tensor of `setting` on `model`: the largest distance from the float64 result that its root's
+    legitimate runs reached (what the calibrated oracle judges it by); empty where no envelope judges it."""
+    registered = _registered(setting)
+    store = Store(run_dir)
+    try:
+        judge = Judge(store, tol)
+        for record in store.records():
+            if record.model == model:
+                judge.add(record)
+        envelope, _ = judge.envelope(model, registered)
+    finally:
+        store.close()
+    return {} if envelope is None else {name: float(e.max(initial=0.0)) for name, e in envelope.spread.items()}
+
+
 def write_tables(run_dir: Path, analysis: Analysis) -> None:
     """The run's CSVs of an analysis: comparisons, inconsistencies, summary (per setting), by_feature."""
     analysis.comparisons.to_csv(run_dir / "comparisons.csv", index=False)
@@ -148,7 +164,7 @@ class Judge:
             self._outputs[key] = loaded if isinstance(loaded, dict) else None
         return self._outputs[key]
 
-    def _envelope(self, model: str, setting: Setting | None) -> tuple[Envelope | None, str]:
+    def envelope(self, model: str, setting: Setting | None) -> tuple[Envelope | None, str]:
         """The envelope judging `setting` on `model`, or why the D3 verdict stands (`_PENDING`: not yet known)."""
         if self.oracle != "calibrated":
             return None, "d3 oracle chosen"
@@ -198,7 +214,7 @@ class Judge:
             ref = self.records.get((record.model, reference))
             why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
             return Judgement("error", rows=[_case_row(base, "error", f"cannot judge: the reference case {why}")])
-        envelope, why_not = self._envelope(record.model, setting)
+        envelope, why_not = self.envelope(record.model, setting)
         if why_not == _PENDING:
             return None
         actual = _load(self.store, record)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from difftest.analysis import Analysis
     from difftest.minimize import Minimisation
     from difftest.runner.executor import Case, ExecutorConfig
+    from difftest.standalone_findings import Emitted
     from difftest.store import CaseRecord
     from difftest.triage import Finding
 
@@ -277,6 +278,13 @@ class _ConsoleEvents(PipelineEvents):
 
     def minimised(self, seconds: float) -> None:
         console.print(f"minimised in {seconds:.1f}s", highlight=False)
+
+    def standalone(self, emitted: list[Emitted], seconds: float) -> None:
+        scripts = [e for e in emitted if e.path is not None]
+        reproducing = sum(e.checked is not None and e.checked.reproduces for e in scripts)
+        console.print(f"standalone scripts (no difftest needed): {len(scripts)} of {len(emitted)} findings, "
+                      f"{reproducing} reproducing when run alone, in {seconds:.1f}s; findings.md says why the others "
+                      "have none", highlight=False)
 
 
 def _analyze(out: Path, options: PipelineOptions, fail: bool = False, new_only: bool = False) -> None:

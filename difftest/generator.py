@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +24,24 @@ if TYPE_CHECKING:
 
 # where a tensor of no declared stage sits: after every stage a kind declares
 UNPLACED = 9
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """One TorchRec embedding table of a model, as a script outside difftest rebuilds it."""
+
+    collection: str  # the qualified name of its EmbeddingBagCollection in the model (where a sharding plan names it)
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    pooling: str  # a torchrec PoolingType name: "SUM", "MEAN"
+    features: tuple[str, ...]
+    weighted: bool
+    outputs: tuple[str, ...]  # the names `evaluate` records each feature's pooled embedding under
+
+    @property
+    def state_key(self) -> str:
+        return f"{self.collection}.embedding_bags.{self.name}.weight"
 
 
 class Generator(abc.ABC):
@@ -120,6 +139,11 @@ class Generator(abc.ABC):
                 loss_parallel: bool) -> dict[str, Any] | None:
         """The architecture's own tensor-parallel plan (module name → ParallelStyle), as its authors would write it;
         None when the kind has none and a setting derives one from the module's layers."""
+        return None
+
+    def embedding_tables(self, spec: ModelSpec) -> list[EmbeddingTable] | None:
+        """The model's TorchRec embedding tables, in module order; None: not declared (a standalone script cannot
+        rebuild them)."""
         return None
 
 

@@ -17,6 +17,7 @@ import pandas as pd
 from difftest import stack
 from difftest.errors import UserError
 from difftest.render import render
+from difftest.standalone import STANDALONE_FILE
 
 if TYPE_CHECKING:
     from difftest.analysis import Analysis
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from difftest.triage import Finding
 
 ISSUE_FILE = "ISSUE.md"
-STANDALONE_FILE = "standalone.py"
 # the environment lines a report carries: the recorded libraries, less Ray (difftest's executor, not a library under
 # test); one the run's stack lacks is left out
 ENVIRONMENT = tuple(name for name in stack.LIBRARIES if name != "ray")

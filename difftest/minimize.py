@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from difftest.analysis import Analysis, analyze
+from difftest.analysis import Analysis, analyze, envelope_spread
 from difftest.artifacts import load_spec
 from difftest.errors import UserError
 from difftest.registry import all_settings, get_generator, get_setting, kind_unavailable
@@ -76,6 +76,8 @@ class Minimisation:
     composite: list[str] = field(default_factory=list)  # changes that succeeded last round, to try together
     active: bool = True
     unbuilt: list[str] = field(default_factory=list)  # proposals its generator could not build, with why
+    # the calibrated envelope's spread per tensor on `best` (`difftest.analysis.envelope_spread`), where one judged it
+    spread: dict[str, float] = field(default_factory=dict)
 
     def size(self, trial: Trial | None = None) -> dict[str, int]:
         trial = trial or self.best
@@ -87,7 +89,8 @@ class Minimisation:
                 "original": {"model": self.original.model_id, "setting": self.original.setting,
                              "size": self.size(self.original)},
                 "minimal": {"model": self.best.model_id, "setting": self.best.setting, "size": self.size()},
-                "changes": self.changes, "tries": self.tries, "rounds": self.rounds, "seconds": round(self.seconds, 1)}
+                "changes": self.changes, "tries": self.tries, "rounds": self.rounds, "seconds": round(self.seconds, 1),
+                "spread": self.spread}
 
 
 MINIMIZE_FILE = "minimize.json"
@@ -111,7 +114,7 @@ def load_previous(run_dir: Path, finding: Any, budget_s: float) -> Minimisation 
     return Minimisation(finding.id, finding.signature, first, best if best.model_id != first.model_id else first,
                         changes=list(saved["changes"]), tries=saved["tries"], rounds=saved["rounds"],
                         seconds=saved["seconds"], outcome=saved["outcome"], status=finding.status,
-                        budget_s=saved["budget_s"], active=False)
+                        budget_s=saved["budget_s"], active=False, spread=saved.get("spread", {}))
 
 
 def _generator_size(spec: ModelSpec) -> dict[str, int]:
@@ -229,6 +232,7 @@ class _Round:
     built_s: float = 0.0  # materialising the round's models
     cost: dict[tuple[str, str], float] = field(default_factory=dict)  # per case, including its references
     signed: dict[tuple[str, str], str] = field(default_factory=dict)
+    spreads: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)  # of the calibrated cases
     seconds: float = 0.0
 
     def pairs(self) -> tuple[tuple[str, str], ...]:
@@ -290,6 +294,7 @@ def _run(this: _Round, needs_envelope: set[str], options: SweepOptions, warm: Wa
         run_sweep(this.folder, dataclasses.replace(options, pairs=pairs, calibrated_pairs=calibrated),
                   on_result=clock, warm=warm)
         this.signed = signatures(analyze(this.folder, plugins=plugins), separating)
+        this.spreads = {pair: envelope_spread(this.folder, *pair) for pair in calibrated}
     this.seconds = this.built_s + time.perf_counter() - sweep_start
 
 
@@ -372,6 +377,7 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
             for m in work:
                 if m.active:
                     resign(m, round_no, this.planned.get(m.finding_id, []), this.signed, charged[m.finding_id])
+                    m.spread = this.spreads.get((m.best.model_id, m.best.setting), m.spread)
             if on_round is not None:
                 on_round(round_no, work, this.seconds, this.built_s, len(this.pairs()))
             # the minimal models are copied out at the end; a round's folder is not needed past its verdicts

@@ -1,4 +1,5 @@
-"""What follows a sweep, as one explicit pipeline: judge → triage → minimise → report (ISSUE.md per finding, report.html).
+"""What follows a sweep, as one explicit pipeline: judge → triage → minimise → standalone scripts → report (ISSUE.md per finding,
+report.html).
 
 Every command that ends a run (`run`, `sweep`, `quant`, `analyze`) calls `run_pipeline` with one `PipelineOptions`;
 each step is a function of the steps before it, and what a person sees of each step goes through `PipelineEvents`
@@ -17,6 +18,7 @@ from difftest.oracle import Tolerance
 if TYPE_CHECKING:
     from difftest.analysis import Analysis
     from difftest.minimize import Minimisation
+    from difftest.standalone_findings import Emitted
     from difftest.triage import Finding
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class PipelineOptions:
     minimize_budget_s: float = 20.0  # per finding; 0: no minimisation
     timeout_s: float = 120.0  # per case the minimiser runs
     device: str = "cpu"
+    # each finding's standalone script is run once, in a process where difftest does not import, within this many
+    # seconds; 0: written, not run
+    check_standalone_s: float = 120.0
 
 
 class PipelineEvents:
@@ -43,6 +48,8 @@ class PipelineEvents:
                        cases: int) -> None: ...
 
     def minimised(self, seconds: float) -> None: ...
+
+    def standalone(self, emitted: list[Emitted], seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,8 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     """judge → triage → minimise → report, on a swept (or still sweeping) run folder."""
     from difftest.issue_report import write_issues
     from difftest.report import write_report
+    from difftest.standalone_findings import write_standalones
+    from difftest.triage import write_findings
 
     events = events or PipelineEvents()
     started = time.perf_counter()
@@ -104,6 +113,11 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     findings = triage_run(run_dir, analysis)
     events.triaged(findings, time.perf_counter() - started)
     minimised = minimise(run_dir, findings, analysis, options, events)
+    if not analysis.sweep_running:
+        started = time.perf_counter()
+        emitted = write_standalones(run_dir, findings, minimised, options.tolerance, options.check_standalone_s)
+        write_findings(run_dir, findings)  # again: it names each finding's script
+        events.standalone(emitted, time.perf_counter() - started)
     write_issues(run_dir, analysis, findings, minimised)
     report = write_report(run_dir, analysis, findings, minimised, options.tolerance)
     return PipelineResult(analysis, findings, minimised, report)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # torch is imported by workers only
 
     from difftest.oracle import Tolerance
     from difftest.spec import ModelSpec
+    from difftest.standalone import Script, StandaloneCase
 
 # Tensor names are "<phase>/<tensor>", e.g. "eval_before/prediction", "param_after_step1/over.0.weight".
 Outputs = dict[str, np.ndarray]
@@ -162,6 +163,12 @@ class Setting(abc.ABC):
         """The torch.distributed operations it runs on tensors of its device ("all_reduce", "all_gather", "send", …),
         including those of processes it starts itself; None: not declared. A backend that does not carry one on the
         sweep's device makes the setting `unsupported` (`difftest.devices.collective_refusal`)."""
+        return None
+
+    def standalone(self, case: StandaloneCase) -> Script | None:
+        """This setting's part of a script that reproduces a finding without difftest (`difftest.standalone`): the
+        library code it runs, copied from its own module. None: its family has no emitter; raises `Unsupported`
+        when the emitter cannot express this case."""
         return None
 
     @abc.abstractmethod

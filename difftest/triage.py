@@ -154,7 +154,7 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     findings.sort(key=lambda f: (SEVERITY.index(f.status), -len(f.rows), f.id))
     findings = merge_known(findings)
     _pairwise(run_dir, findings)
-    _write(run_dir, findings)
+    write_findings(run_dir, findings)
     return findings
 
 
@@ -264,7 +264,20 @@ def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict[str, Any]
     } for f in findings]
 
 
-def _write(run_dir: Path, findings: list[Finding]) -> None:
+def standalone_verdicts(run_dir: Path, findings: list[Finding]) -> dict[str, str]:
+    """Per finding, the first line of its `standalone.txt`: what its script gave, or why it has none."""
+    from difftest.standalone import STANDALONE_VERDICT_FILE
+
+    verdicts = {}
+    for f in findings:
+        path = run_dir / "findings" / f.id / STANDALONE_VERDICT_FILE
+        if path.is_file():
+            verdicts[f.id] = path.read_text().partition("\n")[0]
+    return verdicts
+
+
+def write_findings(run_dir: Path, findings: list[Finding]) -> None:
+    """findings.csv and findings.md (again after the standalone scripts are written: it names them)."""
     from difftest.render import render
 
     pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
@@ -272,5 +285,5 @@ def _write(run_dir: Path, findings: list[Finding]) -> None:
     (run_dir / "findings.md").write_text(render(
         "findings.md.j2", run_dir=run_dir, stack=stack.describe(stack.recorded(run_dir)), findings=findings,
         reproducers={f.id: _reproducer(run_dir, f) for f in findings}, cases=sum(len(f.rows) for f in findings),
-        upstream=upstream_counts(findings)))
+        upstream=upstream_counts(findings), standalone=standalone_verdicts(run_dir, findings)))
 

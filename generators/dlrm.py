@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from difftest.generator import Generator, order_by_words
+from difftest.generator import EmbeddingTable, Generator, order_by_words
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators.inputs import Batch, jagged_feature
@@ -98,6 +98,13 @@ class DlrmGenerator(Generator):
 
     def frozen_names(self, params: dict[str, Any]) -> set[str]:
         return set(self.parameter_shapes(params))
+
+    def embedding_tables(self, spec: ModelSpec) -> list[EmbeddingTable]:
+        return [EmbeddingTable(collection="weighted_sparse" if t["weighted"] else "sparse", name=t["name"],
+                               num_embeddings=t["num_embeddings"], embedding_dim=t["embedding_dim"],
+                               pooling=t["pooling"], features=tuple(t["features"]), weighted=t["weighted"],
+                               outputs=tuple(f"pooled.{f}" for f in t["features"]))
+                for weighted in (False, True) for t in spec.params["tables"] if t["weighted"] == weighted]
 
     def tensor_order(self, tensor: str) -> tuple[int, int]:
         return order_by_words(tensor, STAGE_WORDS)

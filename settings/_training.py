@@ -17,6 +17,9 @@ from difftest.artifacts import Inputs
 from difftest.setting import Outputs, RunContext
 from generators.inputs import Batch
 
+# the first phase every training setting records: the evaluation before any step
+EVAL_BEFORE = "eval_before"
+
 
 def gather_to_rank0(ctx: RunContext, obj: Any) -> list[Any] | None:
     """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
@@ -101,7 +104,7 @@ def record_training(
             for name in pieces[0]:
                 outputs[f"{phase}/{name}"] = np.concatenate([p[name] for p in pieces])
 
-    gathered_predictions("eval_before")
+    gathered_predictions(EVAL_BEFORE)
     for step in range(1, ctx.steps + 1):
         loss = train_step(train)
         losses = one_per_share(None if loss is None else float(loss))

@@ -13,11 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from difftest.devices import SHARDED, across
 from difftest.errors import Unsupported
 from difftest.registry import register_settings, register_world_reset, traits_of
 from difftest.setting import Outputs, RunContext, Setting
-from settings._training import assemble, gather_to_rank0, record_training, to_numpy
+from difftest.standalone import Script, StandaloneCase
+from settings._training import EVAL_BEFORE, assemble, gather_to_rank0, record_training, to_numpy
 
 SHARDING_TYPES = (
     "table_wise",
@@ -128,28 +131,92 @@ class TorchRecSharding(Setting):
     def dense_step(self, ctx: RunContext, optimizer: Any) -> None:
         optimizer.step()
 
-    # --- plans ----------------------------------------------------------------------------------
     def _plan(self, ctx: RunContext, module: Any, sharder: Any) -> Any:
-        from torchrec.distributed.types import ShardingPlan
+        try:
+            return sharding_plan(module, sharder, self.sharding, self.plan_seed, ctx.world_size,
+                                 ctx.local_world_size, ctx.device, ctx.group)
+        except (ValueError, AssertionError, NotImplementedError) as exc:
+            if self.sharding == "planner":
+                raise
+            raise Unsupported(f"TorchRec cannot build this plan: {type(exc).__name__}: {exc}") from exc
 
-        local_size = ctx.local_world_size
-        if self.sharding == "planner":
-            from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    # --- a standalone script (difftest.standalone) ------------------------------------------------
+    def standalone(self, case: StandaloneCase) -> Script:
+        tables = case.generator.embedding_tables(case.spec)
+        if tables is None:
+            raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")
+        pooled = {f"{EVAL_BEFORE}/{name}": name for t in tables for name in t.outputs}
+        # by the tensor's kind (`pooled`): the example's first-diverging feature may not be in the minimal model
+        phase, _, tensor = case.first_divergence.partition("/")
+        kinds = {case.generator.tensor_class(name) for name in pooled.values()}
+        if phase != EVAL_BEFORE or case.generator.tensor_class(tensor) not in kinds:
+            raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not at a pooled embedding "
+                              "of the first evaluation, which is what the script compares")
+        if any("." in t.collection for t in tables):
+            raise Unsupported("its embedding collections are nested inside the model; the script holds them at its top")
+        batch = case.inputs["eval"]
+        data = {f"state.{t.state_key}": case.init_state[t.state_key] for t in tables}
+        for feature, bags in batch.sparse.items():
+            data |= {f"eval.{feature}.lengths": bags.lengths, f"eval.{feature}.values": bags.values}
+            if bags.weights is not None:
+                data[f"eval.{feature}.weights"] = bags.weights
+        plan = {"planner": "the plan TorchRec's EmbeddingShardingPlanner chooses",
+                "mixed": f"a seeded random sharding type per table (seed {self.plan_seed})"}.get(
+                    self.sharding, f"every table {self.sharding}")
+        return Script(
+            summary=f"TorchRec EmbeddingBagCollections sharded by DistributedModelParallel over {self.world_size} "
+                    f"CPU ranks (gloo), {plan}, against the same collections in one process: the pooled embeddings "
+                    "of one batch, before any training.",
+            libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
+            preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
+            case={"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
+                  "device": "cpu", "batch": batch.size,
+                  "tables": [{"collection": t.collection, "name": t.name, "num_embeddings": t.num_embeddings,
+                              "embedding_dim": t.embedding_dim, "pooling": t.pooling, "features": list(t.features),
+                              "weighted": t.weighted, "outputs": list(t.outputs)} for t in tables]},
+            functions=(embedding_collections, collection_tables, sharding_plan, _generator,
+                       *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size),
+                       _local_pieces, _load_full_state, standalone_tables, standalone_features, _pooled,
+                       single_process, on_rank),
+            tensors={name: recorded for recorded, name in pooled.items()},
+            data=data, world_size=self.world_size)
 
-            topology = Topology(
-                world_size=ctx.world_size, compute_device=ctx.device.split(":")[0], local_world_size=local_size
-            )
-            return EmbeddingShardingPlanner(topology=topology).collective_plan(module, [sharder], ctx.group)
 
-        rng = random.Random(self.plan_seed * 1009 + ctx.world_size)
-        per_collection: dict[str, Any] = {}
-        for path, collection in embedding_collections(module).items():
-            generators = {}
-            for position, table in enumerate(collection_tables(collection)):
-                kind = rng.choice(SHARDING_TYPES) if self.sharding == "mixed" else self.sharding
-                generators[table["name"]] = _generator(kind, position, table, ctx.world_size, local_size)
-            per_collection[path] = _construct(collection, generators, sharder, local_size, ctx.world_size, ctx.device)
-        return ShardingPlan(per_collection)
+def _plan_helpers(sharding: str, tables: list[Any], plan_seed: int, world_size: int) -> tuple[Callable, ...]:
+    """The helpers `_generator` calls for the sharding types this plan uses (a script leaves the others out)."""
+    if sharding == "mixed":
+        rng = random.Random(plan_seed * 1009 + world_size)
+        kinds = set()
+        for collection in dict.fromkeys(t.collection for t in tables):
+            kinds |= {rng.choice(SHARDING_TYPES) for t in tables if t.collection == collection}
+    else:
+        kinds = {sharding}
+    helpers: dict[str, tuple[Callable, ...]] = {
+        "planner": (_planner_plan,), "column_wise": (_column_shards,), "table_column_wise": (_column_shards, _table_column_wise),
+               "grid_shard": (_column_shards, _grid_shard)}
+    return tuple(dict.fromkeys(h for kind in sorted(kinds) for h in helpers.get(kind, ())))
+
+
+def sharding_plan(module: Any, sharder: Any, sharding: str, plan_seed: int, world_size: int, local_size: int,
+                  device: str, group: Any) -> Any:
+    """Every table of every collection sharded `sharding` ("mixed": a seeded random type per table), or the plan
+    TorchRec's planner chooses ("planner"). Built explicitly, because the CPU planner refuses the row-wise family."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    if sharding == "planner":
+        return _planner_plan(module, sharder, world_size, local_size, device, group)
+    rng = random.Random(plan_seed * 1009 + world_size)
+    per_collection: dict[str, Any] = {}
+    for path, collection in embedding_collections(module).items():
+        generators = {}
+        for position, table in enumerate(collection_tables(collection)):
+            kind = rng.choice(SHARDING_TYPES) if sharding == "mixed" else sharding
+            generators[table["name"]] = _generator(kind, position, table, world_size, local_size)
+        per_collection[path] = construct_module_sharding_plan(
+            collection, generators, sharder=sharder, local_size=local_size, world_size=world_size,
+            device_type=device.split(":")[0])
+    return ShardingPlan(per_collection)
 
 
 def embedding_collections(module: Any) -> dict[str, Any]:
@@ -166,16 +233,11 @@ def collection_tables(collection: Any) -> list[dict[str, Any]]:
             for c in collection.embedding_bag_configs()]
 
 
-def _construct(collection: Any, generators: dict, sharder: Any, local_size: int, world_size: int, device: str) -> Any:
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+def _planner_plan(module: Any, sharder: Any, world_size: int, local_size: int, device: str, group: Any) -> Any:
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
-    try:
-        return construct_module_sharding_plan(
-            collection, generators, sharder=sharder, local_size=local_size, world_size=world_size,
-            device_type=device.split(":")[0],
-        )
-    except (ValueError, AssertionError, NotImplementedError) as exc:
-        raise Unsupported(f"TorchRec cannot build this plan: {type(exc).__name__}: {exc}") from exc
+    topology = Topology(world_size=world_size, compute_device=device.split(":")[0], local_world_size=local_size)
+    return EmbeddingShardingPlanner(topology=topology).collective_plan(module, [sharder], group)
 
 
 def _column_shards(dim: int, world_size: int) -> int:
@@ -313,6 +375,85 @@ def _full_state(ctx: RunContext, dmp: Any) -> dict | None:
         else assemble(shape, [piece for rank_pieces in gathered for piece in rank_pieces[name]], name)
         for name, shape in shapes.items()
     }
+
+
+# --- what a standalone script runs (plain torch/torchrec: copied into the script as they are) ------------------------
+def standalone_tables(case: dict[str, Any]) -> Any:
+    """The model's embedding collections alone, each under the name the model gives it."""
+    import torch
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    class Tables(torch.nn.Module):
+        def forward(self, features: dict[str, Any]) -> dict[str, torch.Tensor]:
+            return {k: v for path, kjt in features.items() for k, v in self.get_submodule(path)(kjt).to_dict().items()}
+
+    module = Tables()
+    for path in dict.fromkeys(t["collection"] for t in case["tables"]):
+        mine = [t for t in case["tables"] if t["collection"] == path]
+        configs = [EmbeddingBagConfig(name=t["name"], num_embeddings=t["num_embeddings"], embedding_dim=t["embedding_dim"],
+                                      feature_names=list(t["features"]), pooling=PoolingType[t["pooling"]]) for t in mine]
+        module.add_module(path, EmbeddingBagCollection(tables=configs, is_weighted=mine[0]["weighted"],
+                                                       device=torch.device(case["device"])))
+    return module
+
+
+def standalone_features(data: dict[str, Any], case: dict[str, Any], start: int, stop: int, dtype: Any) -> dict:
+    """Samples start..stop of the evaluation batch: one KeyedJaggedTensor per collection, keyed in table order."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    features = {}
+    for path in dict.fromkeys(t["collection"] for t in case["tables"]):
+        keys, values, lengths, weights = [], [], [], []
+        for f in [f for t in case["tables"] if t["collection"] == path for f in t["features"]]:
+            bags = data[f"eval.{f}.lengths"]
+            lo, hi = np.concatenate([[0], np.cumsum(bags)])[[start, stop]]
+            keys.append(f)
+            lengths.append(bags[start:stop])
+            values.append(data[f"eval.{f}.values"][lo:hi])
+            if f"eval.{f}.weights" in data:
+                weights.append(data[f"eval.{f}.weights"][lo:hi])
+        features[path] = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.from_numpy(np.concatenate(lengths)),
+            weights=torch.from_numpy(np.concatenate(weights)).to(dtype) if weights else None)
+    return features
+
+
+def _pooled(pooled: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {name: pooled[f].detach().cpu().numpy() for t in case["tables"] for f, name in zip(t["features"], t["outputs"])}
+
+
+def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
+    """The reference: the unsharded collections on the whole batch, in `dtype`."""
+    import torch
+
+    tables = standalone_tables(case)
+    tables.load_state_dict({k[len("state."):]: torch.from_numpy(v) for k, v in data.items() if k.startswith("state.")})
+    with torch.no_grad():
+        return _pooled(tables.to(dtype)(standalone_features(data, case, 0, case["batch"], dtype)), case)
+
+
+def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The setting: DistributedModelParallel over the collections; each rank pools its share of the batch."""
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingEnv
+
+    module, sharder = standalone_tables(case), EmbeddingBagCollectionSharder()
+    plan = sharding_plan(module, sharder, case["sharding"], case["plan_seed"], world_size, case["local_world_size"],
+                         case["device"], dist.group.WORLD)
+    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                   sharders=[sharder], device=torch.device(case["device"]))
+    _load_full_state(dmp, {k[len("state."):]: v for k, v in data.items() if k.startswith("state.")})
+    share = case["batch"] // world_size
+    with torch.no_grad():
+        mine = _pooled(dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32)), case)
+    shares = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, shares, dst=0)
+    return {name: np.concatenate([s[name] for s in shares]) for name in mine} if shares else None
 
 
 register_settings(

@@ -1,0 +1,141 @@
+"""`findings/<id>/standalone.py`: a finding as a script a library maintainer runs without difftest.
+
+The script imports only the libraries the finding involves. Its code is copied from difftest's own modules with
+`inspect.getsource`, never written a second time: the setting's family supplies the library code it runs (its plan
+helpers, its model's construction, `single_process` and `on_rank`, through `Setting.standalone`), this module the
+runtime every script shares (`difftest.standalone_runtime`: spawn the ranks on loopback, judge, report, exit 1 while
+the bug is present). The case's tensors go beside it as `standalone.npz`, its parameters into the script as literals,
+and what difftest measured of its rounding noise (the calibrated envelope) as the tolerance the script judges by.
+
+This module is what a setting's emitter needs; `difftest.standalone_findings` writes and runs the scripts of a run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pprint
+import re
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from difftest import standalone_runtime
+from difftest.errors import Unsupported
+
+if TYPE_CHECKING:
+    from difftest.batch import Batch
+    from difftest.generator import Generator
+    from difftest.oracle import Tolerance
+    from difftest.spec import ModelSpec
+
+# in findings/<id>/: the script that reproduces the finding without difftest, and its first
+# line: what running it gave, or why the finding has none
+STANDALONE_FILE = "standalone.py"
+STANDALONE_VERDICT_FILE = "standalone.txt"
+DATA_FILE = "standalone.npz"
+MAX_LINES = 320  # a script a maintainer reads through (the library code is copied whole, never condensed)
+RUNTIME_IMPORTS = ("from __future__ import annotations", "", "import os", "import socket", "import sys",
+                   "import tempfile", "from importlib import metadata", "from pathlib import Path",
+                   "from typing import Any", "", "import numpy as np", "import torch")
+
+
+@dataclass(frozen=True)
+class StandaloneCase:
+    """What an emitter is given: a finding's (minimal) case and what difftest measured of it."""
+
+    finding_id: str
+    title: str
+    status: str  # the finding's verdict
+    spec: ModelSpec
+    generator: Generator
+    init_state: dict[str, np.ndarray]
+    inputs: dict[str, Batch]  # "train" and "eval"
+    first_divergence: str  # "<phase>/<tensor>", "" for a failure
+    # per "<phase>/<tensor>": the largest distance from the float64 result legitimate float32 runs of the root reached
+    spread: dict[str, float]
+    tolerance: Tolerance
+    local_world_size: int
+
+
+@dataclass(frozen=True)
+class Script:
+    """The setting's part of a standalone script."""
+
+    summary: str  # what the script runs, a sentence for its docstring
+    libraries: tuple[str, ...]  # the distributions whose releases it prints (pip names)
+    preamble: tuple[str, ...]  # lines after the runtime's imports: the setting's own imports and module constants
+    case: dict[str, Any]  # the parameters, a literal `CASE` the functions read
+    functions: tuple[Callable[..., Any], ...]  # copied in this order; the last two are single_process and on_rank
+    tensors: dict[str, str]  # the name each compared tensor has in the script → its "<phase>/<tensor>" in the run
+    data: dict[str, np.ndarray] = field(default_factory=dict)
+    world_size: int = 2
+
+
+_TYPE_IGNORE = re.compile(r"  # type: ignore\[[^]]*\]$", re.MULTILINE)
+
+
+def _source(function: Callable[..., Any]) -> str:
+    """The function as its module has it, less mypy's comments (the script is not type-checked)."""
+    return _TYPE_IGNORE.sub("", textwrap.dedent(inspect.getsource(function))).rstrip() + "\n"
+
+
+def _literal(value: Any) -> str:
+    """A Python literal of `value`, one line per element of a top-level list inside it (a table per line)."""
+    if isinstance(value, dict):
+        scalars = ", ".join(f"{k!r}: {v!r}" for k, v in value.items() if not isinstance(v, list))
+        lists = [f"{k!r}: {_literal(v)}" for k, v in value.items() if isinstance(v, list)]
+        return "{" + ",\n ".join(([scalars] if scalars else []) + lists) + "}"
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return "[\n    " + ",\n    ".join(repr(v) for v in value) + "]"
+    return repr(value)
+
+
+def render_script(case: StandaloneCase, script: Script) -> str:
+    """The whole script: docstring, imports, constants, the setting's functions, the runtime."""
+    tol = case.tolerance
+    spread = {name: case.spread[tensor] for name, tensor in script.tensors.items() if tensor in case.spread}
+    doc = [f'"""{case.title}', "", *textwrap.wrap(script.summary, 116), "",
+           f"Needs only {', '.join(script.libraries)}: `python {STANDALONE_FILE}` from any folder (its data is "
+           f"{DATA_FILE} beside it).", "Exit status 1 while the bug is present, 0 once it is gone.",
+           f"Generated by difftest from finding {case.finding_id}; the library code below is what difftest runs.",
+           '"""']
+    constants = [
+        f"LIBRARIES = {tuple(script.libraries)!r}",
+        f"WORLD_SIZE = {script.world_size}",
+        f"TENSORS = {tuple(script.tensors)!r}",
+        "# the largest distance from the float64 result that legitimate float32 runs of the single-process program",
+        "# reached (difftest's calibration: other sample orders, thread counts); an element may be K times it away",
+        f"SPREAD = {pprint.pformat(spread, width=116, compact=True)}",
+        f"K = {_oracle_k()}",
+        f"ATOL, RTOL = {tol.atol!r}, {tol.rtol!r}  # judges a tensor difftest did not calibrate",
+        f"CASE = {_literal(script.case)}",
+    ]
+    runtime = [getattr(standalone_runtime, name) for name in standalone_runtime.RUNTIME_FUNCTIONS]
+    parts = ["\n".join(doc), "\n".join(RUNTIME_IMPORTS + script.preamble), "\n".join(constants)]
+    parts += [_source(f) for f in (*script.functions, *runtime)]
+    parts.append('if __name__ == "__main__":\n    sys.exit(main())\n')
+    # one blank line between definitions: the script is read top to bottom, and its length is a promise
+    return "\n\n".join(part.rstrip("\n") for part in parts) + "\n"
+
+
+def _oracle_k() -> float:
+    from difftest.envelope import K
+
+    return K
+
+
+def write_script(folder: Path, case: StandaloneCase, script: Script) -> Path:
+    """`standalone.py` and `standalone.npz` in `folder`; refuses a script longer than a maintainer reads."""
+    text = render_script(case, script)
+    lines = text.count("\n")
+    if lines > MAX_LINES:
+        raise Unsupported(f"the emitted script has {lines} lines, more than {MAX_LINES}")
+    compile(text, STANDALONE_FILE, "exec")  # an emitter's mistake is ours: it fails here, never in a maintainer's hands
+    np.savez(folder / DATA_FILE, **script.data)  # type: ignore[arg-type]
+    path = folder / STANDALONE_FILE
+    path.write_text(text)
+    return path

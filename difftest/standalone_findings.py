@@ -1,0 +1,144 @@
+"""The pipeline step after minimisation: each finding's `standalone.py` (`difftest.standalone`), written for its
+minimal case and run once where difftest does not import, or why it has none; `findings.md` says which and why.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from difftest.errors import Unsupported
+from difftest.standalone import DATA_FILE, STANDALONE_FILE, STANDALONE_VERDICT_FILE, StandaloneCase, write_script
+
+if TYPE_CHECKING:
+    from difftest.minimize import Minimisation
+    from difftest.oracle import Tolerance
+    from difftest.triage import Finding
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What running an emitted script printed."""
+
+    exit_code: int
+    seconds: float
+    output: str
+
+    @property
+    def reproduces(self) -> bool:
+        return self.exit_code == 1
+
+
+
+def check_script(path: Path, timeout_s: float = 120.0, python: str = sys.executable,
+                 env: dict[str, str] | None = None) -> Checked:
+    """Run a script the way a maintainer would (its own folder is not the current one) and keep what it said."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([python, str(path)], cwd=path.parent.parent, capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
+        code, output = done.returncode, (done.stdout + done.stderr).strip()
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        code, output = 124, f"timed out after {timeout_s:.0f} s: {partial}"
+    return Checked(code, time.perf_counter() - started, output)
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """One finding's standalone script, or why it has none."""
+
+    finding_id: str
+    family: str
+    path: Path | None
+    why_not: str = ""
+    checked: Checked | None = None
+
+    def describe(self) -> str:
+        if self.path is None:
+            return f"no standalone script: {self.why_not}"
+        if self.checked is None:
+            return f"{STANDALONE_FILE} written, not run"
+        verdict = {0: "does not reproduce (exit 0)", 1: "reproduces (exit 1)"}.get(
+            self.checked.exit_code, f"could not run (exit {self.checked.exit_code})")
+        return f"{STANDALONE_FILE} {verdict} in {self.checked.seconds:.1f} s"
+
+
+def sealed_environment(folder: Path) -> dict[str, str]:
+    """The environment of a process (and of the ranks it spawns) in which difftest's own packages do not import:
+    a `sitecustomize` on PYTHONPATH refuses them, so a script that needed them fails as it would elsewhere."""
+    import os
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(textwrap.dedent('''\
+        import importlib.abc, sys
+
+        class _Refuse(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("difftest", "generators", "settings"):
+                    raise ModuleNotFoundError(f"No module named {name!r} (a standalone script must not need it)")
+                return None
+
+        sys.meta_path.insert(0, _Refuse())
+        '''))
+    return {**os.environ, "PYTHONPATH": str(folder)}
+
+
+def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Path, setting_name: str,
+         first_divergence: str, spread: dict[str, float], tolerance: Tolerance, check_timeout_s: float = 0.0) -> Emitted:
+    """Write `findings/<finding_id>/standalone.py` for the case (`model_dir` × `setting_name`) and, with a timeout,
+    run it once in a sealed environment; or say why there is none."""
+    from difftest.artifacts import load_model
+    from difftest.registry import get_setting
+    from difftest.runner.pool import simulated_local_size
+
+    folder = run_dir / "findings" / finding_id
+    for stale in (STANDALONE_FILE, DATA_FILE, STANDALONE_VERDICT_FILE):
+        (folder / stale).unlink(missing_ok=True)
+    setting = get_setting(setting_name)
+    model, inputs = load_model(model_dir)
+    case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
+                          {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
+                          simulated_local_size(setting.world_size))
+    try:
+        script = setting.standalone(case)
+        if script is None:
+            raise Unsupported(f"the `{setting.family}` family has no emitter")
+        path = write_script(folder, case, script)
+    except Unsupported as exc:
+        emitted = Emitted(finding_id, setting.family, None, str(exc))
+    else:
+        checked = None
+        if check_timeout_s > 0:
+            checked = check_script(path, check_timeout_s, env=sealed_environment(folder / ".sealed"))
+        emitted = Emitted(finding_id, setting.family, path, checked=checked)
+    text = emitted.describe() + ("\n\n" + emitted.checked.output if emitted.checked else "") + "\n"
+    (folder / STANDALONE_VERDICT_FILE).write_text(text)
+    return emitted
+
+
+def write_standalones(run_dir: Path, findings: list[Finding], minimised: list[Minimisation], tolerance: Tolerance,
+                      check_timeout_s: float = 0.0) -> list[Emitted]:
+    """Each finding's standalone script, for its minimal case where it has one (judged by the envelope the minimiser
+    measured on it), else for its example (judged by the run's envelope); run once each when `check_timeout_s`."""
+    from difftest.analysis import envelope_spread
+
+    by_id = {m.finding_id: m for m in minimised}
+    emitted = []
+    for f in findings:
+        m = by_id.get(f.id)
+        title = f.known.title if f.known else f.title
+        if m is not None and m.best is not m.original:
+            model_dir = run_dir / "findings" / f.id / "run" / "models" / m.best.model_id
+            setting, spread = m.best.setting, m.spread
+        else:
+            model, setting = str(f.example["model"]), str(f.example["setting"])
+            model_dir, spread = run_dir / "models" / model, envelope_spread(run_dir, model, setting, tolerance)
+        emitted.append(emit(run_dir, f.id, title, f.status, model_dir, setting, f.first_divergence, spread, tolerance,
+                            check_timeout_s))
+    return emitted

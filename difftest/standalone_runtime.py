@@ -1,0 +1,117 @@
+"""The part of every `findings/<id>/standalone.py` that no family changes: spawn the ranks, judge, report, exit.
+
+Its functions are copied verbatim into each script (`difftest.standalone`), so this module imports only the standard
+library, numpy and torch: a script must run where difftest is not installed. A script defines beside them
+`single_process(data, case, dtype)` (the reference: the program in one process, in `dtype`) and
+`on_rank(rank, world_size, data, case)` (the setting: every rank runs it, rank 0 returns the full tensors), and the
+constants `CASE`, `WORLD_SIZE`, `TENSORS`, `SPREAD`, `K`, `ATOL`, `RTOL` and `LIBRARIES`.
+"""
+
+# ruff: noqa: F821 -- pyflakes does not count a bare annotation as a definition; the script gives each a value
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# what each script defines before these functions (declared here so that this module checks on its own)
+WORLD_SIZE: int
+TENSORS: tuple[str, ...]
+SPREAD: dict[str, float]
+K: float
+ATOL: float
+RTOL: float
+LIBRARIES: tuple[str, ...]
+CASE: dict[str, Any]
+single_process: Callable[[dict[str, np.ndarray], dict[str, Any], Any], dict[str, np.ndarray]]
+on_rank: Callable[[int, int, dict[str, np.ndarray], dict[str, Any]], dict[str, np.ndarray] | None]
+
+RUNTIME_FUNCTIONS = ("versions", "free_port", "rank_main", "run_distributed", "judge", "main")
+
+
+def versions() -> str:
+    """The installed release of every library the script involves."""
+    found = [f"python {sys.version.split()[0]}"]
+    for name in LIBRARIES:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_main(rank: int, world_size: int, port: int, data: dict[str, np.ndarray], result: str) -> None:
+    """One rank: a gloo process group on the loopback interface, the setting, rank 0's tensors to `result`."""
+    import torch.distributed as dist
+
+    local = CASE.get("local_world_size", world_size)  # ranks per (simulated) host, as torchrun would say
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(local),
+                      LOCAL_RANK=str(rank % local))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        if (outputs := on_rank(rank, world_size, data, CASE)) is not None:
+            np.savez(result, **outputs)  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The setting on WORLD_SIZE spawned processes; torch.multiprocessing ends them all when one fails."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = str(Path(folder) / "rank0.npz")
+        mp.spawn(rank_main, args=(WORLD_SIZE, free_port(), data, result), nprocs=WORLD_SIZE)  # type: ignore[attr-defined,no-untyped-call]
+        return dict(np.load(result))
+
+
+def judge(name: str, x: np.ndarray, s: np.ndarray, c: np.ndarray) -> tuple[bool, str]:
+    """Whether the setting's `x` is further from the float64 result `c` than float32 rounding explains: SPREAD[name]
+    is the furthest legitimate float32 runs of the single-process program landed from `c` (difftest's calibration:
+    other sample orders, thread counts), and an element may be K times that plus its own rounding away. A tensor
+    difftest did not calibrate is judged by allclose with the single-process float32 result `s`."""
+    x, s, c = x.astype(np.float64), s.astype(np.float64), c.astype(np.float64)
+    if name in SPREAD:
+        d, allowed = np.abs(x - c), K * (SPREAD[name] + 2.0**-24 * np.abs(c))
+        bad = ~(d <= allowed)
+        rule = f"{np.divide(d, allowed, out=np.zeros_like(d), where=d > 0).max(initial=0.0):.3g}x what rounding explains"
+    else:
+        bad = ~np.isclose(x, s, atol=ATOL, rtol=RTOL, equal_nan=True)
+        rule = f"beyond allclose(atol={ATOL}, rtol={RTOL})"
+    worst = np.unravel_index(int(np.argmax(np.nan_to_num(np.abs(x - s), nan=np.inf))), x.shape) if x.size else ()
+    return bool(bad.any()), (f"{name}: {int(bad.sum())} of {x.size} elements off, {rule}; at {tuple(map(int, worst))}"
+                             f" single process {float(s[worst])!r}, setting {float(x[worst])!r}, float64 {float(c[worst])!r}")
+
+
+def main() -> int:
+    print(versions())
+    data = dict(np.load(Path(__file__).resolve().with_suffix(".npz")))
+    import torch
+
+    exact, single = single_process(data, CASE, torch.float64), single_process(data, CASE, torch.float32)
+    actual, present = run_distributed(data), False
+    for name in TENSORS:
+        if actual.get(name, np.zeros(0)).shape != single[name].shape:
+            print(f"{name}: the setting gives shape {actual.get(name, np.zeros(0)).shape}, not {single[name].shape}")
+            present = True
+            continue
+        wrong, line = judge(name, actual[name], single[name], exact[name])
+        present |= wrong
+        print(line)
+    print("BUG PRESENT: the setting disagrees with the single-process program" if present else
+          "ok: the setting agrees with the single-process program (the bug is gone)")
+    return 1 if present else 0

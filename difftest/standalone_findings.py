@@ -98,6 +98,7 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
     from difftest.runner.pool import simulated_local_size
 
     folder = run_dir / "findings" / finding_id
+    folder.mkdir(parents=True, exist_ok=True)
     for stale in (STANDALONE_FILE, DATA_FILE, STANDALONE_VERDICT_FILE):
         (folder / stale).unlink(missing_ok=True)
     setting = get_setting(setting_name)

@@ -1,0 +1,56 @@
+"""Standalone scripts: a finding as a script that needs only the libraries under test, and reaches the setting's
+verdict on the same case (`difftest.standalone`, `difftest.standalone_findings`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from difftest.analysis import analyze, envelope_spread
+from difftest.oracle import Tolerance
+from difftest.registry import all_settings
+from difftest.runner.sweep import SweepOptions, run_sweep
+from difftest.standalone import MAX_LINES, STANDALONE_FILE
+from difftest.standalone_findings import emit, sealed_environment
+
+MODEL = "dlrm-s0-i0"
+# two TorchRec bugs on this model (grid_shard + MEAN, the row-wise 1 - 2^-20 scaling only the calibrated oracle
+# sees) and one sharding type that computes what the single process does
+TORCHREC = ("torchrec/ebc/grid_shard/ws2", "torchrec/ebc/row_wise/ws2", "torchrec/ebc/table_wise/ws2")
+
+
+def test_a_standalone_script_reaches_its_settings_verdict_where_difftest_does_not_import(
+        fresh_run: Path, tmp_path: Path) -> None:
+    run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in TORCHREC), timeout_s=120))
+    cases = analyze(fresh_run).cases.set_index(["model", "setting"])
+    verdicts = {s: cases.loc[(MODEL, s), "verdict"] for s in TORCHREC}
+    # the case must hold both outcomes, or agreement below proves nothing
+    assert verdicts == {TORCHREC[0]: "inconsistent", TORCHREC[1]: "inconsistent", TORCHREC[2]: "ok"}, verdicts
+    sealed = sealed_environment(tmp_path / "sealed")
+    refused = subprocess.run([sys.executable, "-c", "import difftest"], env=sealed, capture_output=True, text=True)
+    assert refused.returncode != 0 and "must not need it" in refused.stderr
+    for number, setting in enumerate(TORCHREC):
+        emitted = emit(fresh_run, f"T{number}", "a TorchRec finding", verdicts[setting], fresh_run / "models" / MODEL,
+                       setting, "eval_before/pooled", envelope_spread(fresh_run, MODEL, setting), Tolerance(),
+                       check_timeout_s=120)
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        text = emitted.path.read_text()
+        assert "import difftest" not in text and "from settings" not in text and "from generators" not in text
+        assert text.count("\n") <= MAX_LINES
+        assert emitted.checked.exit_code == (0 if verdicts[setting] == "ok" else 1), emitted.checked.output[-3000:]
+        assert "BUG PRESENT" in emitted.checked.output or verdicts[setting] == "ok"
+
+
+def test_a_finding_whose_family_has_no_emitter_gets_no_script_and_a_reason(fresh_run: Path) -> None:
+    ddp = next(s for s in all_settings() if s.family == "ddp" and s.world_size == 2)
+    emitted = emit(fresh_run, "T9", "a DDP finding", "inconsistent", fresh_run / "models" / MODEL, ddp.name,
+                   "eval_before/prediction", {}, Tolerance())
+    folder = fresh_run / "findings" / "T9"
+    assert emitted.path is None and not (folder / STANDALONE_FILE).exists()
+    assert emitted.describe() == "no standalone script: the `ddp` family has no emitter"
+    assert (folder / "standalone.txt").read_text().startswith(emitted.describe())
+    # a TorchRec case whose first divergence is past the embedding lookup is not one the script can show
+    emitted = emit(fresh_run, "T9", "a TorchRec finding", "inconsistent", fresh_run / "models" / MODEL,
+                   TORCHREC[0], "param_after_step1/over.0.weight", {}, Tolerance())
+    assert emitted.path is None and "not at a pooled embedding" in emitted.why_not

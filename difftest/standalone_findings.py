@@ -34,7 +34,6 @@ class Checked:
         return self.exit_code == 1
 
 
-
 def check_script(path: Path, timeout_s: float = 120.0, python: str = sys.executable,
                  env: dict[str, str] | None = None) -> Checked:
     """Run a script the way a maintainer would (its own folder is not the current one) and keep what it said."""

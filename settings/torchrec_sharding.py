@@ -174,7 +174,7 @@ class TorchRecSharding(Setting):
                   "tables": [{"collection": t.collection, "name": t.name, "num_embeddings": t.num_embeddings,
                               "embedding_dim": t.embedding_dim, "pooling": t.pooling, "features": list(t.features),
                               "weighted": t.weighted, "outputs": list(t.outputs)} for t in tables]},
-            functions=(embedding_collections, collection_tables, sharding_plan, _generator,
+            functions=(embedding_collections, collection_tables, table_kinds, sharding_plan, _generator,
                        *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size),
                        _local_pieces, _load_full_state, standalone_tables, standalone_features, _pooled,
                        single_process, on_rank),
@@ -184,17 +184,17 @@ class TorchRecSharding(Setting):
 
 def _plan_helpers(sharding: str, tables: list[Any], plan_seed: int, world_size: int) -> tuple[Callable, ...]:
     """The helpers `_generator` calls for the sharding types this plan uses (a script leaves the others out)."""
-    if sharding == "mixed":
-        rng = random.Random(plan_seed * 1009 + world_size)
-        kinds = set()
-        for collection in dict.fromkeys(t.collection for t in tables):
-            kinds |= {rng.choice(SHARDING_TYPES) for t in tables if t.collection == collection}
-    else:
-        kinds = {sharding}
     helpers: dict[str, tuple[Callable, ...]] = {
-        "planner": (_planner_plan,), "column_wise": (_column_shards,), "table_column_wise": (_column_shards, _table_column_wise),
-               "grid_shard": (_column_shards, _grid_shard)}
-    return tuple(dict.fromkeys(h for kind in sorted(kinds) for h in helpers.get(kind, ())))
+        "planner": (_planner_plan,), "column_wise": (_column_shards,),
+        "table_column_wise": (_column_shards, _table_column_wise), "grid_shard": (_column_shards, _grid_shard)}
+    kinds = sorted(set(table_kinds(sharding, plan_seed, world_size, len(tables))))
+    return tuple(dict.fromkeys(h for kind in kinds for h in helpers.get(kind, ())))
+
+
+def table_kinds(sharding: str, plan_seed: int, world_size: int, count: int) -> list[str]:
+    """The sharding type of each of `count` tables, in plan order: `sharding`, or for "mixed" a seeded random one."""
+    rng = random.Random(plan_seed * 1009 + world_size)
+    return [rng.choice(SHARDING_TYPES) if sharding == "mixed" else sharding for _ in range(count)]
 
 
 def sharding_plan(module: Any, sharder: Any, sharding: str, plan_seed: int, world_size: int, local_size: int,
@@ -206,13 +206,14 @@ def sharding_plan(module: Any, sharder: Any, sharding: str, plan_seed: int, worl
 
     if sharding == "planner":
         return _planner_plan(module, sharder, world_size, local_size, device, group)
-    rng = random.Random(plan_seed * 1009 + world_size)
+    collections = embedding_collections(module)
+    count = sum(len(collection_tables(c)) for c in collections.values())
+    kinds = iter(table_kinds(sharding, plan_seed, world_size, count))
     per_collection: dict[str, Any] = {}
-    for path, collection in embedding_collections(module).items():
+    for path, collection in collections.items():
         generators = {}
         for position, table in enumerate(collection_tables(collection)):
-            kind = rng.choice(SHARDING_TYPES) if sharding == "mixed" else sharding
-            generators[table["name"]] = _generator(kind, position, table, world_size, local_size)
+            generators[table["name"]] = _generator(next(kinds), position, table, world_size, local_size)
         per_collection[path] = construct_module_sharding_plan(
             collection, generators, sharder=sharder, local_size=local_size, world_size=world_size,
             device_type=device.split(":")[0])

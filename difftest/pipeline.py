@@ -100,7 +100,8 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options
 
 
 def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents | None = None) -> PipelineResult:
-    """judge → triage → minimise → report, on a swept (or still sweeping) run folder."""
+    """judge → triage → minimise → standalone scripts → report, on a swept (or still sweeping) run folder; a run
+    still being swept gets no scripts (its findings are not final)."""
     from difftest.issue_report import write_issues
     from difftest.report import write_report
     from difftest.standalone_findings import write_standalones

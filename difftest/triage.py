@@ -279,11 +279,13 @@ def standalone_verdicts(run_dir: Path, findings: list[Finding]) -> dict[str, str
 def write_findings(run_dir: Path, findings: list[Finding]) -> None:
     """findings.csv and findings.md (again after the standalone scripts are written: it names them)."""
     from difftest.render import render
+    from difftest.standalone import STANDALONE_FILE
 
     pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
                                                                                       index=False)
     (run_dir / "findings.md").write_text(render(
         "findings.md.j2", run_dir=run_dir, stack=stack.describe(stack.recorded(run_dir)), findings=findings,
         reproducers={f.id: _reproducer(run_dir, f) for f in findings}, cases=sum(len(f.rows) for f in findings),
-        upstream=upstream_counts(findings), standalone=standalone_verdicts(run_dir, findings)))
+        upstream=upstream_counts(findings), standalone=standalone_verdicts(run_dir, findings),
+        with_script={f.id for f in findings if (run_dir / "findings" / f.id / STANDALONE_FILE).is_file()}))
 

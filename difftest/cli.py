@@ -501,6 +501,59 @@ def repro(
         raise typer.Exit(1)
 
 
+@app.command()
+def bisect(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder with findings (`difftest run` or `difftest analyze`).")],
+    finding: Annotated[str, typer.Argument(help="A finding's id, as findings.csv lists it (e.g. Fbe4d0053).")],
+    torch: Annotated[str, typer.Option("--torch", help="Releases to try, oldest first: a range 2.6.0..2.14.1 (every supported release between), a list 2.8,2.10, or paths to a python with its own torch (a local build, a nightly).")],
+    cache: Annotated[Path | None, typer.Option("--cache", help="Where each release's environment is made once and kept (default: $DIFFTEST_STACKS, else ~/.cache/difftest/stacks).")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds the finding's reproducer may take on one release.")] = 600.0,
+) -> None:
+    """Re-run a finding's minimal case on each torch release (with the fbgemm-gpu and torchrec made for it): which
+    reproduce it, which are ok, and the first release where it appears and where it is gone."""
+    from difftest.bisect import Step, verdict
+    from difftest.bisect import bisect as run_bisect
+
+    table = Table("torch", "stack there", "outcome", "detail", "s", title=f"{finding} across torch releases")
+
+    def show(step: Step) -> None:
+        console.print(f"  {step.target}: {step.outcome} ({step.seconds:.0f}s) {escape(step.detail)}", highlight=False)
+        table.add_row(step.target, escape(step.stack), str(step.outcome), escape(step.detail), f"{step.seconds:.0f}")
+
+    steps = run_bisect(run_dir, finding, torch, cache, timeout, log=lambda line: console.print(escape(line)),
+                       on_step=show)
+    out_console.print(table)
+    out_console.print(verdict(steps), highlight=False)
+
+
+@app.command("diff")
+def diff_command(
+    run_a: Annotated[Path, typer.Argument(help="A run folder (say, on the older stack).")],
+    run_b: Annotated[Path, typer.Argument(help="A run of the same models on another stack.")],
+) -> None:
+    """Two runs of the same models on different stacks: the libraries that changed, findings present in one run
+    and not the other, and every case whose verdict changed."""
+    from difftest import stack
+    from difftest.run_diff import diff_runs
+
+    result = diff_runs(run_a, run_b)
+    for label, recorded in zip("AB", result.stacks, strict=True):
+        out_console.print(f"{label}: {escape(stack.describe(recorded))}", highlight=False)
+    out_console.print("libraries changed: " + (", ".join(result.library_changes()) or "none"), highlight=False)
+    for label, rows in (("only in A", result.only_a), ("only in B", result.only_b)):
+        out_console.print(f"\n{len(rows)} finding(s) {label}:", highlight=False)
+        for _, row in rows.iterrows():
+            out_console.print(f"  {row['id']} {escape(row['title'])} ({row['cases']} cases)", highlight=False)
+    out_console.print(f"\n{len(result.both)} finding(s) in both", highlight=False)
+    out_console.print(f"{len(result.changed)} of {result.compared_cases} cases changed verdict:", highlight=False)
+    for change in result.changed:
+        out_console.print(f"  {change.model} × {change.setting}: {change.before} -> {change.after}"
+                          f"{'  ' + escape(change.message[:160]) if change.message else ''}", highlight=False)
+    if result.models_differ:
+        out_console.print(f"left out: {len(result.models_differ)} model(s) whose weights or inputs differ between the "
+                          f"runs ({', '.join(result.models_differ)})", highlight=False)
+
+
 @settings_app.command("list")
 def settings_list(
     tier: Annotated[str | None, typer.Option("--tier", help="Only the settings of this tier (default or full); the table always says which tier each is in.")] = None,

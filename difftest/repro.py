@@ -128,7 +128,7 @@ REPRO_SCRIPT = '''"""Finding {finding_id}: {title}
 Runs `{setting}` on model `{model}` (its spec, initial weights and inputs are in ./run) alone, against what it is
 judged against, through difftest's public API; prints both sides, the verdict and the case's signature. Exits 1
 while the finding is present (the case fails with the finding's signature), 0 once the case is ok, 3 if it fails in
-another way.
+another way, 4 if the setting cannot run here (unsupported: the reason is printed).
 
     python {script}
 """
@@ -150,7 +150,7 @@ if __name__ == "__main__":  # the ranks are spawned processes that import this f
     if result.reproduces:
         print(f"fails, but not as the finding did: its signature was\\n  {{SIGNATURE}}")
         sys.exit(3)
-    sys.exit(0)
+    sys.exit(4 if result.verdict == "unsupported" else 0)
 '''
 
 

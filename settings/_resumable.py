@@ -143,11 +143,11 @@ class Trainer:
 
             module = DistributedDataParallel(module, process_group=ctx.group)
         elif placement.strategy == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
+            from settings._compat import fully_shard_for
             from settings._training import device_mesh
             from settings.fsdp import fsdp2_units, make_contiguous
 
+            fully_shard = fully_shard_for(ctx.device)
             make_contiguous(module)
             mesh = device_mesh(ctx)
             for _, unit in reversed(fsdp2_units(model, module)):  # as settings/fsdp.py shards per layer

@@ -66,8 +66,9 @@ class FullyShard(Setting):
         return across(self.world_size, SHARDED)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        from torch.distributed.fsdp import fully_shard
+        from settings._compat import fully_shard_for
 
+        fully_shard = fully_shard_for(ctx.device)
         module = build_for_training(model, ctx.device)
         make_contiguous(module)
         blocks = model.blocks(module) if self.wrap == "per-layer" else None

@@ -45,8 +45,9 @@ class FsdpTensorParallel(Setting):
         return across(self.world_size, SHARDED | {"all_reduce"})
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        from torch.distributed.fsdp import fully_shard
+        from settings._compat import fully_shard_for
 
+        fully_shard = fully_shard_for(ctx.device)
         mesh = _mesh(ctx, self.data_parallel, self.tensor_parallel)
         tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
         module = build_for_training(model, ctx.device)

@@ -22,6 +22,7 @@ from difftest.errors import ConversionFailed, Unsupported
 from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from generators.inputs import Batch
+from settings._compat import PipelineSchedule
 from settings._training import (
     build_for_training,
     canonical_parameters,
@@ -192,7 +193,7 @@ class Pipeline(Setting):
 
         schedule_class = getattr(pipelining.schedules, class_name)
         stage_arg = pipeline_stages if per_rank > 1 else pipeline_stages[0]
-        schedule = schedule_class(stage_arg, self.microbatches, loss_fn=loss_fn, scale_grads=self.scale_grads)
+        schedule = PipelineSchedule(schedule_class, stage_arg, self.microbatches, loss_fn, self.scale_grads)
         holds_last = stages - 1 in mine
         trainable = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(trainable, lr=ctx.lr) if trainable else None
@@ -267,12 +268,11 @@ def _wrap(module: Any, inner: str, groups: dict[str, Any], ctx: RunContext) -> A
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(module, process_group=groups["dp"].get_group())
-    from torch.distributed.fsdp import fully_shard
-
+    from settings._compat import fully_shard_for
     from settings.fsdp import make_contiguous
 
     make_contiguous(module)
-    return fully_shard(module, mesh=groups["dp"])
+    return fully_shard_for(ctx.device)(module, mesh=groups["dp"])
 
 
 def _stage_examples(chain: Any, batch: Batch, microbatches: int, bounds: list[int]) -> dict[int, tuple]:

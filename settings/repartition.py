@@ -24,6 +24,7 @@ from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from generators.inputs import Batch
+from settings._compat import PipelineSchedule
 from settings._training import gather_to_rank0, record_training, to_numpy
 from settings.pipeline import SCHEDULES, Accumulation, _stage_examples, balanced_split
 
@@ -65,7 +66,8 @@ class _Stages:
         def loss_fn(output: Any, target: Any) -> Any:
             return model.loss(output, Batch(labels=target.detach().cpu().numpy()))
 
-        self.schedule = getattr(pipelining.schedules, SCHEDULES[schedule][0])(stage, microbatches, loss_fn=loss_fn)
+        self.schedule = PipelineSchedule(getattr(pipelining.schedules, SCHEDULES[schedule][0]), stage, microbatches,
+                                         loss_fn)
         self.parameters = {f"{u}.{n}": p for u in self.units for n, p in chain.units[u].named_parameters()
                            if p.requires_grad}
         self.optimizer = torch.optim.SGD(list(self.parameters.values()), lr=ctx.lr, momentum=MOMENTUM) \

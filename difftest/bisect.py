@@ -112,9 +112,10 @@ def probe(python: Path, script: Path, timeout_s: float) -> tuple[str, Outcome, s
     printed = [line.strip() for line in done.stdout.splitlines() if line.strip()]
     if outcome is Outcome.COULD_NOT_RUN:
         return stack, outcome, f"exit {done.returncode}: {_last_line(done.stderr) or _last_line(done.stdout)}"
-    # describe()'s lines: the verdict, the worst tensor, the message (an unsupported case's reason)
-    useful = [line for line in printed[1:] if not line.startswith(("signature:", "the finding reproduces"))]
-    return stack, outcome, (useful[0] if useful else printed[0] if printed else "")[:300]
+    # describe()'s lines: the verdict, the worst tensor and what the calibrated oracle made of it, or the message (an
+    # unsupported case's reason)
+    useful = [line for line in printed[1:] if not line.startswith(("signature:", "the finding reproduces", "at its"))]
+    return stack, outcome, (" · ".join(useful[:2]) if useful else printed[0] if printed else "")[:400]
 
 
 def bisect(run_dir: Path, finding: str, spec: str, cache: Path | None = None, timeout_s: float = 600.0,

@@ -1,0 +1,49 @@
+"""The oldest supported torch release (difftest/releases.toml), in its own environment: difftest's own calls into an
+API that release lacks must come out as a fallback that runs or as `unsupported` with the release that has the API,
+never as an `error` a user would take for a library bug. The environment is made once (`difftest.releases`, with uv)
+and kept in the cache ($DIFFTEST_STACKS, else ~/.cache/difftest/stacks); making it downloads torch's wheels once.
+
+The settings are those whose calls differ by release (pipeline schedules without `scale_grads` before torch 2.7 and
+without `eval` before 2.9; FSDP2 on the CPU before 2.7) and DDP and the reference beside them. 1F1B training itself
+hangs on torch 2.6 over gloo (a minimal script without difftest hangs the same; 2.8 runs it), which is that release's
+bug, so the schedules here are GPipe's."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from difftest.releases import environment, supported
+
+pytestmark = pytest.mark.oldest
+
+SETTINGS = "reference,ddp/default/ws2,pipeline/gpipe/ws2/stages2/mb2/*,repartition/gpipe/ws2/mb2/*,fsdp2/*/ws2"
+
+
+def _difftest(python: Path, *args: str) -> None:
+    done = subprocess.run([str(python), "-m", "difftest.cli", *args], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_oldest_release_runs_or_says_which_release_it_needs(tmp_path: Path) -> None:
+    oldest = supported()[0]
+    python = environment(oldest)
+    run = tmp_path / "run"
+    _difftest(python, "generate", "--out", str(run), "--kind", "transformer", "--models", "1")
+    _difftest(python, "sweep", str(run), "--settings", SETTINGS, "--tier", "full")
+    _difftest(python, "analyze", str(run), "--minimize-budget", "0")
+    recorded = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                              text=True).stdout
+    assert recorded.startswith(oldest.torch)
+    rows = pd.read_csv(run / "comparisons.csv", keep_default_na=False)  # a row per tensor compared, or per case
+    by_status = rows.groupby("status")["setting"].apply(lambda s: sorted(set(s))).to_dict()
+    assert set(by_status) <= {"ok", "unsupported"}, by_status  # no error, and the fallbacks' numbers agree
+    ran = set(by_status.get("ok", [])) - set(by_status.get("unsupported", []))
+    # the schedule fallbacks ran: gradients divided by the micro-batch count, evaluation through a forward-only GPipe
+    assert {"pipeline/gpipe/ws2/stages2/mb2/balanced", "repartition/gpipe/ws2/mb2/moved"} <= ran, by_status
+    for _, row in rows[rows.status == "unsupported"].iterrows():
+        if row.setting.startswith("fsdp2/"):
+            assert "needs torch >= 2.7" in row.message, row.message

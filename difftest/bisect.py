@@ -112,6 +112,8 @@ def probe(python: Path, script: Path, timeout_s: float) -> tuple[str, Outcome, s
     printed = [line.strip() for line in done.stdout.splitlines() if line.strip()]
     if outcome is Outcome.COULD_NOT_RUN:
         return stack, outcome, f"exit {done.returncode}: {_last_line(done.stderr) or _last_line(done.stdout)}"
+    if outcome is Outcome.OK and printed and printed[0].endswith(": unsupported"):
+        outcome = Outcome.UNSUPPORTED  # a script written before exit code 4 existed says so only in its first line
     # describe()'s lines: the verdict, the worst tensor and what the calibrated oracle made of it, or the message (an
     # unsupported case's reason)
     useful = [line for line in printed[1:] if not line.startswith(("signature:", "the finding reproduces", "at its"))]

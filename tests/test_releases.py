@@ -115,3 +115,18 @@ def test_diff_leaves_out_a_model_that_is_not_the_same_in_both_runs(tmp_path: Pat
     assert result.models_differ == ["m0"] and result.compared_cases == 0 and not result.changed
     with pytest.raises(UserError, match="no run.json"):
         diff_runs(a, tmp_path / "nothing")
+
+
+@pytest.mark.parametrize(("code", "first", "expected"), [
+    (1, "m × s: inconsistent", Outcome.REPRODUCES), (0, "m × s: ok", Outcome.OK),
+    (3, "m × s: error", Outcome.DIFFERENT), (4, "m × s: unsupported", Outcome.UNSUPPORTED),
+    # a reproducer written before exit code 4 said unsupported only in its first line
+    (0, "m × s: unsupported", Outcome.UNSUPPORTED), (7, "Traceback", Outcome.COULD_NOT_RUN)])
+def test_bisect_reads_what_a_reproducer_says(tmp_path: Path, code: int, first: str, expected: Outcome) -> None:
+    from difftest.bisect import probe
+
+    script = tmp_path / "repro.py"
+    script.write_text(f"import sys\nprint({first!r})\nprint('  needs torch >= 2.9')\nsys.exit({code})\n")
+    stack, outcome, detail = probe(Path(sys.executable), script, timeout_s=60)
+    assert outcome is expected and stack.startswith("torch ")
+    assert "needs torch >= 2.9" in detail and detail.startswith("exit 7") == (code == 7)

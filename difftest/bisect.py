@@ -15,11 +15,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from difftest.errors import UserError
-from difftest.releases import EnvironmentUnavailable, Release, environment, release_range
+from difftest.releases import EnvironmentUnavailable, Release, environment, installed, release_range
 
 
 class Outcome(enum.StrEnum):
@@ -68,14 +67,6 @@ def targets(spec: str) -> list[Target]:
     if not found:
         raise UserError("--torch names no release; e.g. --torch 2.6.0..2.14.1")
     return found
-
-
-def _installed(release: Release) -> bool:
-    try:
-        return metadata.version("torch").split("+")[0] == release.torch and \
-            metadata.version("torchrec") == release.torchrec
-    except metadata.PackageNotFoundError:
-        return False
 
 
 _STACK_PROBE = """
@@ -132,7 +123,7 @@ def bisect(run_dir: Path, finding: str, spec: str, cache: Path | None = None, ti
         python = target.python
         if python is None and target.release is not None:
             try:
-                python = Path(sys.executable) if _installed(target.release) else \
+                python = Path(sys.executable) if installed(target.release) else \
                     environment(target.release, cache, log=log)
             except EnvironmentUnavailable as exc:
                 step = Step(target.label, "", Outcome.NOT_INSTALLABLE, str(exc), time.perf_counter() - started)

@@ -85,6 +85,16 @@ def release_range(text: str) -> list[Release]:
     return [release(part) for part in text.split(",") if part.strip()]
 
 
+def installed(rel: Release) -> bool:
+    """Whether this python already has `rel`'s torch and torchrec (then it needs no environment of its own)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch").split("+")[0] == rel.torch and metadata.version("torchrec") == rel.torchrec
+    except metadata.PackageNotFoundError:
+        return False
+
+
 def default_cache() -> Path:
     return Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "difftest" / "stacks")
 

@@ -130,3 +130,28 @@ def test_bisect_reads_what_a_reproducer_says(tmp_path: Path, code: int, first: s
     stack, outcome, detail = probe(Path(sys.executable), script, timeout_s=60)
     assert outcome is expected and stack.startswith("torch ")
     assert "needs torch >= 2.9" in detail and detail.startswith("exit 7") == (code == 7)
+
+
+@pytest.mark.slow
+def test_bisect_runs_a_torchrec_finding_on_three_releases(tmp_path: Path) -> None:
+    """A real finding (grid_shard with MEAN pooling), minimised here, re-run on three releases' environments (made
+    once with uv and cached): each must run it to an answer, and the newest, where it was found, must reproduce it."""
+    run = tmp_path / "run"
+    cli = [sys.executable, "-m", "difftest.cli"]
+    for args in (["generate", "--out", str(run), "--kind", "dlrm", "--models", "1"],
+                 ["sweep", str(run), "--settings", "torchrec/ebc/grid_shard/ws2"],
+                 ["analyze", str(run), "--minimize-budget", "30"]):
+        done = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-2000:]
+    findings = pd.read_csv(run / "findings.csv", dtype=str, keep_default_na=False)
+    grid = findings[findings["example_setting"].str.contains("grid_shard")]
+    assert len(grid) == 1, findings[["id", "title", "example_setting"]]
+    done = subprocess.run([*cli, "bisect", str(run), grid["id"].iloc[0], "--torch", "2.12..2.14.1"],
+                          capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcomes = {line.split(":")[0].strip(): line.split(":")[1].split("(")[0].strip()
+                for line in (done.stderr + done.stdout).splitlines() if line.startswith("  2.")}
+    assert set(outcomes) == {"2.12.1", "2.13.0", "2.14.1"}, done.stdout
+    assert set(outcomes.values()) <= {"reproduces", "ok"}, done.stdout
+    assert outcomes["2.14.1"] == "reproduces", done.stdout
+    assert "reproduces on" in done.stdout.splitlines()[-1], done.stdout

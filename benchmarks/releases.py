@@ -58,11 +58,11 @@ def _unsupported_reasons(run: Path, newest: Path | None) -> dict[str, str]:
     return {name: reason for name, reason in sorted(here.items()) if name not in there}
 
 
-def measure(python: Path, source: Path, run: Path) -> dict[str, Any]:
+def measure(python: Path, source: Path, run: Path, timeout_s: float) -> dict[str, Any]:
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(source, run)
     started = time.perf_counter()
-    swept = _cli(python, "sweep", str(run))
+    swept = _cli(python, "sweep", str(run), "--timeout", f"{timeout_s:g}")
     sweep_s = time.perf_counter() - started
     analysed = _cli(python, "analyze", str(run), "--minimize-budget", "0")
     result: dict[str, Any] = {"sweep_s": round(sweep_s, 1), "sweep_rc": swept.returncode,
@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=None, help="environments (default: $DIFFTEST_STACKS or "
                         f"{default_cache()})")
     parser.add_argument("--models-of", default=TORCH_NATIVE)
+    # a case's limit: the slowest clean case of these models takes ~20 s here, and a release's hang costs this much
+    parser.add_argument("--timeout", type=float, default=45.0)
     args = parser.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +107,7 @@ def main() -> None:
             continue
         install_s = time.perf_counter() - started
         print(f"torch {rel.torch}: environment {'cached' if cached else f'made in {install_s:.0f} s'}", flush=True)
-        row = measure(python, source, out / f"torch-{rel.torch}")
+        row = measure(python, source, out / f"torch-{rel.torch}", args.timeout)
         row["install"] = "cached" if cached else f"{install_s:.0f} s"
         results[rel.torch] = row
         print(f"torch {rel.torch}: {json.dumps(row)}", flush=True)

@@ -165,6 +165,13 @@ class Setting(abc.ABC):
         sweep's device makes the setting `unsupported` (`difftest.devices.collective_refusal`)."""
         return None
 
+    def attribute(self, first_divergence: str, notes: str) -> str | None:
+        """Where one case runs several mechanisms at once (a mixed sharding plan): the name of the registered setting
+        that runs only the mechanism its first divergence (`phase/tensor`) lies in, read from what the case recorded
+        (`notes`). Triage signs the case as that setting's where that setting disagrees on the same model too, so one
+        bug is one finding however it was reached. None: the case stands for itself."""
+        return None
+
     def standalone(self, case: StandaloneCase) -> Script | None:
         """This setting's part of a script that reproduces a finding without difftest (`difftest.standalone`): the
         library code it runs, copied from its own module. None: its family has no emitter; raises `Unsupported`

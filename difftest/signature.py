@@ -145,10 +145,25 @@ def separating_values(cases: pd.DataFrame) -> dict[str, set[tuple[str, str]]]:
     return separating
 
 
+def attributed_setting(model: str, setting: str, message: str, first_divergence: str,
+                       disagreeing: set[tuple[str, str]]) -> str:
+    """The setting a disagreeing case is signed as: itself, or the narrower setting its own `Setting.attribute` names
+    for the mechanism its first divergence lies in (one table's sharding type in a mixed plan), where that narrower
+    setting disagrees on the same model too (`disagreeing`: (model, setting) pairs). A bug that needs the mix (one table corrupting another
+    that alone is fine) stays the mix's."""
+    try:
+        narrower = get_setting(setting).attribute(first_divergence, message)
+    except UserError:
+        return setting
+    return narrower if narrower and narrower != setting and (model, narrower) in disagreeing else setting
+
+
 def case_signature(verdict: str, kind: str, setting: str, message: str, first_divergence: str,
-                   separating: dict[str, set[tuple[str, str]]]) -> tuple[str, str]:
+                   separating: dict[str, set[tuple[str, str]]], signed_as: str | None = None) -> tuple[str, str]:
     """(signature, title) of one case that is not ok; `separating` is what `separating_values` learned over its run
-    (a case rerun alone, as the minimiser does, is signed with its run's contrast)."""
+    (a case rerun alone, as the minimiser does, is signed with its run's contrast). A disagreement is signed as the
+    setting `signed_as` names (`attributed_setting`), by default its own."""
+    setting = signed_as or setting
     if verdict in FAILURES:
         frame = innermost_library_frame(message)
         text = normalise_message(message)
@@ -173,13 +188,21 @@ def signatures(analysis: Analysis, separating: dict[str, set[tuple[str, str]]]) 
     """(model, setting) → signature of each case of `analysis` that is not ok, signed with `separating`."""
     messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
     earliest = {(r.model, r.setting): f"{r.phase}/{r.tensor}" for r in first_divergences(analysis).itertuples()}
+    disagreeing = disagreeing_cases(analysis.cases)
     signed = {}
     for case in analysis.cases[analysis.cases["verdict"].isin(FAILURES + DISAGREEMENTS)].itertuples():
         key = (case.model, case.setting)
         message = str(messages.get(key, "") or "")
+        as_setting = attributed_setting(case.model, case.setting, message, earliest.get(key, ""), disagreeing)
         signed[key] = case_signature(case.verdict, case.kind, case.setting, message, earliest.get(key, ""),
-                                     separating)[0]
+                                     separating, as_setting)[0]
     return signed
+
+
+def disagreeing_cases(cases: pd.DataFrame) -> set[tuple[str, str]]:
+    """(model, setting) of every case whose verdict is a disagreement."""
+    bad = cases[cases["verdict"].isin(DISAGREEMENTS)]
+    return set(zip(bad["model"], bad["setting"], strict=True))
 
 
 def contrast_of(setting: str, separating: dict[str, set[tuple[str, str]]]) -> dict[str, set[tuple[str, str]]]:

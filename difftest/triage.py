@@ -33,8 +33,10 @@ from difftest.registry import capabilities_of, get_setting
 from difftest.run_folder import list_models
 from difftest.setting import Setting
 from difftest.signature import (
+    attributed_setting,
     case_signature,
     contrast_of,
+    disagreeing_cases,
     first_divergences,
     separating_values,
     setting_family,
@@ -91,6 +93,15 @@ class Finding:
     def example(self) -> pd.Series:
         return self.rows.iloc[0]
 
+    @property
+    def attributed(self) -> list[tuple[str, str, str, str]]:
+        """(model, setting, signed as, first divergence) of its cases signed as a narrower setting
+        (`Setting.attribute`: a mixed plan's case diverging in one sharding type that fails alone too)."""
+        if "signed_as" not in self.rows:
+            return []
+        moved = self.rows[self.rows["signed_as"] != self.rows["setting"]]
+        return list(zip(moved["model"], moved["setting"], moved["signed_as"], moved["first_divergence"], strict=True))
+
 
 def _features(run_dir: Path) -> dict[str, set[str]]:
     features: dict[str, set[str]] = {}
@@ -125,6 +136,7 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     divergence = earliest.set_index(["model", "setting"])
     features = _features(run_dir)
     separating = separating_values(cases)
+    disagreeing = disagreeing_cases(cases)
     keyed: dict[str, list[dict[str, Any]]] = {}
     titles: dict[str, str] = {}
     for case in failed.itertuples():
@@ -135,8 +147,10 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         where = divergence.loc[(case.model, case.setting)] if (case.model, case.setting) in divergence.index else None
         if where is not None:
             row["first_divergence"] = f"{where['phase']}/{where['tensor']}"
+        # a mixed case whose divergence lies in one mechanism that disagrees alone too is that mechanism's case
+        row["signed_as"] = attributed_setting(case.model, case.setting, message, row["first_divergence"], disagreeing)
         signature, title = case_signature(case.verdict, case.kind, case.setting, message, row["first_divergence"],
-                                          separating)
+                                          separating, row["signed_as"])
         keyed.setdefault(signature, []).append(row)
         titles[signature] = title
     bounds = _worst_bound_ratios(analysis)
@@ -188,7 +202,7 @@ def upstream_counts(findings: list[Finding]) -> str:
 def known_issue_of(rows: pd.DataFrame) -> KnownIssue | None:
     """The known library bug that explains most of a finding's cases (all of them, in a finding of one cause)."""
     explained = Counter(issue for r in rows.itertuples()
-                        if (issue := match(r.setting, r.status, r.message, capabilities_of(r.kind).traits, r.d3_verdict)) is not None)
+                        if (issue := match(getattr(r, "signed_as", r.setting), r.status, r.message, capabilities_of(r.kind).traits, r.d3_verdict)) is not None)
     return explained.most_common(1)[0][0] if explained else None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -97,12 +98,14 @@ class TorchRecSharding(Setting):
         env = ShardingEnv.from_process_group(ctx.group)
         device = torch.device(ctx.device)
         plan = self._plan(ctx, module, sharder)
+        features = {config.name: list(config.feature_names) for collection in embedding_collections(module).values()
+                    for config in collection.embedding_bag_configs()}
         try:
             dmp = DistributedModelParallel(module, env=env, plan=plan, sharders=[sharder], device=device)
         except (ValueError, NotImplementedError, AssertionError) as exc:
             raise Unsupported(f"TorchRec refused the plan: {type(exc).__name__}: {exc}") from exc
         self.load_initial_state(ctx, dmp, model.init_state)
-        ctx.notes["plan"] = _plan_summary(dmp.plan)
+        ctx.notes["plan"] = _plan_summary(dmp.plan, features)
 
         # DMP hands data-parallel tables back as new parameters that require grad, with no optimizer of their own:
         # the dense optimizer trains them, so a frozen one is kept out of it by name
@@ -139,6 +142,17 @@ class TorchRecSharding(Setting):
             if self.sharding == "planner":
                 raise
             raise Unsupported(f"TorchRec cannot build this plan: {type(exc).__name__}: {exc}") from exc
+
+    def attribute(self, first_divergence: str, notes: str) -> str | None:
+        """A mixed plan's case is the case of the sharding type of the table its first divergence lies in: a pooled
+        embedding names its feature (`pooled.tf0`), a table's weight names its table (`…embedding_bags.t0.weight`)."""
+        if self.sharding != "mixed" or not first_divergence:
+            return None
+        parts = set(re.split(r"[./]", first_divergence.partition("/")[2]))
+        for table, (sharding, features) in plan_tables(notes).items():
+            if sharding in SHARDING_TYPES and (table in parts or parts & set(features)):
+                return TorchRecSharding(sharding=sharding, world_size=self.world_size).name
+        return None
 
     # --- a standalone script (difftest.standalone) ------------------------------------------------
     def standalone(self, case: StandaloneCase) -> Script:
@@ -313,14 +327,24 @@ def _grid_shard(table: dict, world_size: int, local_size: int) -> Callable:
     return generator
 
 
-def _plan_summary(plan: Any) -> str:
-    """Which sharding type and ranks each table got, e.g. 't0=grid_shard@[0,1] w0=table_wise@[1]'."""
+def _plan_summary(plan: Any, features: dict[str, list[str]]) -> str:
+    """Which sharding type and ranks each table (with its features) got, e.g. 't0(tf0)=grid_shard@[0,1]
+    w0(wf0)=table_wise@[1]': what `TorchRecSharding.attribute` reads back."""
     parts = []
     for module_plan in plan.plan.values():
         for table, sharding in module_plan.items():
-            ranks = sharding.ranks or []
-            parts.append(f"{table}={sharding.sharding_type}@{ranks}")
+            ranks = ",".join(str(r) for r in sharding.ranks or [])
+            parts.append(f"{table}({','.join(features.get(table, []))})={sharding.sharding_type}@[{ranks}]")
     return " ".join(sorted(parts))
+
+
+_PLAN_ENTRY = re.compile(r"(?P<table>[^\s(=]+)\((?P<features>[^)]*)\)=(?P<sharding>\w+)@")
+
+
+def plan_tables(notes: str) -> dict[str, tuple[str, list[str]]]:
+    """Table → (sharding type, features) from a case's recorded plan (`_plan_summary`); {} where none is recorded."""
+    return {m["table"]: (m["sharding"], [f for f in m["features"].split(",") if f])
+            for m in _PLAN_ENTRY.finditer(notes)}
 
 
 # --- state in and out of a sharded model ------------------------------------------------------------

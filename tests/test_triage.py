@@ -208,3 +208,22 @@ def test_a_running_sweep_is_triaged_as_a_snapshot(fresh_run: Path) -> None:
     final = analyze(fresh_run, plugins=(PLANTED,))
     assert not final.sweep_running and len(final.cases) == 8 + 2 * REFERENCE_CALIBRATIONS
     assert all(len(a.cases) <= len(final.cases) for a in snapshots)
+
+
+def test_a_mixed_plan_is_signed_as_the_sharding_type_its_divergence_lies_in_where_that_type_fails_alone() -> None:
+    """One bug, one finding: a mixed plan first diverging in a grid_shard table is the grid_shard finding when
+    grid_shard alone disagrees on that model; where the type alone is fine (a table corrupted by its neighbour) the
+    case stays the mixed plan's."""
+    from difftest.signature import attributed_setting, case_signature
+
+    mixed, grid = "torchrec/ebc/mixed-s0/ws2", "torchrec/ebc/grid_shard/ws2"
+    plan = "plan: t0(tf0)=grid_shard@[0,1] t1(tf1,tf4)=table_wise@[0] w0(wf0)=row_wise@[0,1]"
+    assert attributed_setting("m", mixed, plan, "eval_before/pooled.tf0", {("m", grid)}) == grid
+    assert attributed_setting("m", mixed, plan, "eval_before/pooled.tf0", {("other", grid)}) == mixed
+    assert attributed_setting("m", mixed, plan, "eval_before/pooled.tf4", {("m", grid)}) == mixed  # table_wise ok
+    assert attributed_setting("m", mixed, plan, "eval_before/prediction", {("m", grid)}) == mixed
+    assert attributed_setting("m", grid, plan, "eval_before/pooled.tf0", {("m", grid)}) == grid  # not a mix
+    separating = {"TorchRecSharding": {("sharding", "'grid_shard'")}}
+    as_grid = case_signature("inconsistent", "dlrm", mixed, plan, "eval_before/pooled.tf0", separating, grid)
+    assert as_grid == case_signature("inconsistent", "dlrm", grid, plan, "eval_before/pooled.tf0", separating)
+    assert as_grid != case_signature("inconsistent", "dlrm", mixed, plan, "eval_before/pooled.tf0", separating)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -24,7 +25,15 @@ from typing import Any
 
 import pandas as pd
 
-from difftest.releases import EnvironmentUnavailable, default_cache, environment, installed, release_range, supported
+from difftest.releases import (
+    EnvironmentUnavailable,
+    Release,
+    default_cache,
+    environment,
+    installed,
+    release_range,
+    supported,
+)
 from difftest.run_diff import diff_runs
 
 # the default job's torch-native kinds (the Keras kinds need TensorFlow and the converters: the [tf] extra)
@@ -58,9 +67,12 @@ def _unsupported_reasons(run: Path, newest: Path | None) -> dict[str, str]:
     return {name: reason for name, reason in sorted(here.items()) if name not in there}
 
 
-def measure(python: Path, source: Path, run: Path, timeout_s: float) -> dict[str, Any]:
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.copytree(source, run)
+def measure(python: Path, source: Path, run: Path, timeout_s: float, resume: bool = False) -> dict[str, Any]:
+    """Sweep and analyse the models on one release; `resume`: keep what the run folder has (the sweep runs only the
+    cases it lacks: after `--resweep` removed some, or a run that was cut off)."""
+    if not (resume and (run / "run.json").is_file()):
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.copytree(source, run)
     started = time.perf_counter()
     swept = _cli(python, "sweep", str(run), "--timeout", f"{timeout_s:g}")
     sweep_s = time.perf_counter() - started
@@ -70,10 +82,14 @@ def measure(python: Path, source: Path, run: Path, timeout_s: float) -> dict[str
     if swept.returncode or analysed.returncode:
         result["error"] = (swept.stderr or analysed.stderr).strip().splitlines()[-1:]
         return result
-    result["cases"] = _case_counts(run)
+    return {**result, **summarise(run)}
+
+
+def summarise(run: Path) -> dict[str, Any]:
+    """Case counts, the number of findings, and each finding by the known issue that explains it (else its title)."""
     findings = pd.read_csv(run / "findings.csv", dtype=str, keep_default_na=False)
-    result["findings"] = len(findings)
-    return result
+    return {"cases": _case_counts(run), "findings": len(findings),
+            "by_cause": sorted(f"{r['known_issue'] or 'new: ' + r['title']}" for _, r in findings.iterrows())}
 
 
 def main() -> None:
@@ -86,6 +102,8 @@ def main() -> None:
     parser.add_argument("--models-of", default=TORCH_NATIVE)
     # a case's limit: the slowest clean case of these models takes ~20 s here, and a release's hang costs this much
     parser.add_argument("--timeout", type=float, default=45.0)
+    parser.add_argument("--resweep", default="", help="keep each release's run folder and sweep again only the "
+                        "cases of settings matching this SQL LIKE pattern (e.g. 'torchrec/ebc/mixed%%'), then analyse")
     args = parser.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +113,8 @@ def main() -> None:
         if made.returncode:
             sys.exit(f"benchmarks.releases: generating the models failed: {made.stderr.strip()[-500:]}")
     wanted = release_range(args.torch)
-    results: dict[str, dict[str, Any]] = {}
+    previous = out / "releases.json"
+    results: dict[str, dict[str, Any]] = json.loads(previous.read_text()) if previous.is_file() else {}
     # the newest first: every other release is compared with it
     for rel in sorted(wanted, key=lambda r: r.minor, reverse=True):
         started = time.perf_counter()
@@ -107,8 +126,15 @@ def main() -> None:
             continue
         install_s = time.perf_counter() - started
         print(f"torch {rel.torch}: environment {'cached' if cached else f'made in {install_s:.0f} s'}", flush=True)
-        row = measure(python, source, out / f"torch-{rel.torch}", args.timeout)
-        row["install"] = "cached" if cached else f"{install_s:.0f} s"
+        run = out / f"torch-{rel.torch}"
+        if args.resweep and (run / "store.sqlite").is_file():
+            with sqlite3.connect(run / "store.sqlite") as store:
+                store.execute("DELETE FROM cases WHERE setting LIKE ?", (args.resweep,))
+        row = measure(python, source, run, args.timeout, resume=bool(args.resweep))
+        if args.resweep and rel.torch in results:  # the first sweep's time and install stand
+            row.update({k: results[rel.torch][k] for k in ("sweep_s", "install") if k in results[rel.torch]})
+        else:
+            row["install"] = "cached" if cached else f"{install_s:.0f} s"
         results[rel.torch] = row
         print(f"torch {rel.torch}: {json.dumps(row)}", flush=True)
     newest = max(wanted, key=lambda r: r.minor)
@@ -125,6 +151,11 @@ def main() -> None:
             row["findings_only_on_newest"] = [f"{r['id']} {r['title']}" for _, r in diff.only_b.iterrows()]
             row["verdicts_changed"] = [f"{c.model} × {c.setting}: {c.before} -> {c.after}" for c in diff.changed]
     (out / "releases.json").write_text(json.dumps(results, indent=1))
+    write_table(out, wanted, results)
+
+
+def write_table(out: Path, wanted: list[Release], results: dict[str, dict[str, Any]]) -> None:
+    newest = max(wanted, key=lambda r: r.minor)
     lines = ["| torch | install | sweep s | ok | inconsistent | error | crash | timeout | unsupported | findings |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for rel in wanted:
@@ -143,6 +174,13 @@ def main() -> None:
         extra += [f"- verdict changed towards {newest.torch}: {text}" for text in row.get("verdicts_changed", [])]
         if extra:
             lines += ["", f"torch {rel.torch}:", *extra]
+    causes = sorted({c for row in results.values() for c in row.get("by_cause", [])})
+    if causes:  # since which release: each cause × release
+        lines += ["", "| cause | " + " | ".join(r.torch for r in wanted) + " |",
+                  "|---|" + "---|" * len(wanted)]
+        lines += [f"| {cause[:110]} | " + " | ".join(
+            ("x" if cause in results[r.torch].get("by_cause", []) else "·") if "cases" in results[r.torch] else "-"
+            for r in wanted) + " |" for cause in causes]
     (out / "releases.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

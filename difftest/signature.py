@@ -24,6 +24,8 @@ def normalise_message(message: str) -> str:
     """The part of a failure message that stays the same across models, ranks, shapes and runs."""
     text = str(message).split(" || ")[0].split("; log:")[0]
     text = re.sub(r"0x[0-9a-fA-F]+", "ADDR", text)
+    # a peer's socket address, or "[none]" where gloo has not connected it yet: which one is a value of the run
+    text = re.sub(r"\[(?:none|\d+(?:\.\d+){3}|[\da-fA-F]*:[\da-fA-F:]*)\](?::\d+)?(?:\$\d+)?", "PEER", text)
     text = _PATH.sub(_readable_path, text)
     text = re.sub(r"torch\.Size\(\[[^\]]*\]\)|\[[\d,\s]+\]|\(\d+(, \d+)+\)", "SHAPE", text)
     text = re.sub(r"\b\d+(\.\d+)?(e[-+]?\d+)?\b", "N", text)

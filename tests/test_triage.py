@@ -37,6 +37,11 @@ def test_signature_parts_drop_what_varies_between_cases() -> None:
     assert a == b == "RuntimeError: size of tensor a (N) must match b (N) at ADDR in y.py"
     assert normalise_message("rank 1 killed by SIGFPE (exit -8); log: [rank 1] starting, pid 4") == \
         "rank N killed by SIGFPE (exit -N)"
+    # gloo names the peer by its socket address, or "[none]" before it connected: one failure either way
+    unconnected = "Pair is not connected ([127.0.0.1]:56242$1 <--> [none])"
+    assert normalise_message(unconnected) == normalise_message(
+        "Pair is not connected ([127.0.0.1]:59267$1 <--> [127.0.0.1]:26034)") == "Pair is not connected (PEER <--> PEER)"
+    assert normalise_message("expected x[3] at [::1]:29500") == "expected xSHAPE at PEER"
     assert setting_family("pipeline/gpipe/ws2/stages2/mb4/balanced") == "pipeline/gpipe/balanced"
     assert setting_family("quant/torchrec/int8/out-fp16/row_wise/sim-ws3") == "quant/torchrec/int8/out-fp16/row_wise"
     # the kind of tensor, as the model kind's generator declares it

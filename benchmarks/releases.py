@@ -68,7 +68,7 @@ def _unsupported_reasons(run: Path, newest: Path | None) -> dict[str, str]:
 
 
 def measure(python: Path, source: Path, run: Path, timeout_s: float, resume: bool = False,
-            models_filter: str = "") -> dict[str, Any]:
+            models_filter: str = "", sweep: bool = True) -> dict[str, Any]:
     """Sweep and analyse the models on one release; `resume`: keep what the run folder has (the sweep runs only the
     cases it lacks: after `--resweep` removed some, or a run that was cut off)."""
     if not (resume and (run / "run.json").is_file()):
@@ -76,7 +76,8 @@ def measure(python: Path, source: Path, run: Path, timeout_s: float, resume: boo
         shutil.copytree(source, run)
     started = time.perf_counter()
     swept = _cli(python, "sweep", str(run), "--timeout", f"{timeout_s:g}",
-                 *(("--models-filter", models_filter) if models_filter else ()))
+                 *(("--models-filter", models_filter) if models_filter else ())) if sweep else \
+        subprocess.CompletedProcess([], 0, "", "")
     sweep_s = time.perf_counter() - started
     analysed = _cli(python, "analyze", str(run), "--minimize-budget", "0")
     result: dict[str, Any] = {"sweep_s": round(sweep_s, 1), "sweep_rc": swept.returncode,
@@ -106,6 +107,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=45.0)
     parser.add_argument("--models-filter", default="", help="sweep only these models (comma-separated globs): a "
                         "release whose hangs cost a timeout each, on fewer models")
+    parser.add_argument("--analyse-only", action="store_true", help="sweep nothing: judge and triage each "
+                        "release's run folder again (a newer manifest, a newer triage) and write the table")
     parser.add_argument("--resweep", default="", help="keep each release's run folder and sweep again only the "
                         "cases of settings matching this SQL LIKE pattern (e.g. 'torchrec/ebc/mixed%%'), then analyse")
     args = parser.parse_args()
@@ -134,8 +137,9 @@ def main() -> None:
         if args.resweep and (run / "store.sqlite").is_file():
             with sqlite3.connect(run / "store.sqlite") as store:
                 store.execute("DELETE FROM cases WHERE setting LIKE ?", (args.resweep,))
-        row = measure(python, source, run, args.timeout, resume=bool(args.resweep), models_filter=args.models_filter)
-        if args.resweep and rel.torch in results:  # the first sweep's time and install stand
+        row = measure(python, source, run, args.timeout, resume=bool(args.resweep) or args.analyse_only,
+                      models_filter=args.models_filter, sweep=not args.analyse_only)
+        if (args.resweep or args.analyse_only) and rel.torch in results:  # the first sweep's time and install stand
             row.update({k: results[rel.torch][k] for k in ("sweep_s", "install") if k in results[rel.torch]})
         else:
             row["install"] = "cached" if cached else f"{install_s:.0f} s"

@@ -145,11 +145,33 @@ def reproduces_here(issue_id: str) -> bool:
 
 
 def match(setting: str, status: str, message: str, traits: Iterable[str], d3_status: str = "",
-          issues: Iterable[KnownIssue] | None = None) -> KnownIssue | None:
-    """The first entry that explains one case that is not ok, or None (a new finding)."""
+          issues: Iterable[KnownIssue] | None = None,
+          versions: Mapping[str, str | None] | None = None) -> KnownIssue | None:
+    """The first entry that explains one case that is not ok, or None (a new finding). With `versions` (the run's
+    libraries, `stack_versions`), an entry whose `affects` excludes its library's release there explains nothing: the
+    same symptom on a release the bug is not known on is a regression or another bug, and stays visible as new."""
     traits = tuple(traits)
     return next((i for i in (manifest() if issues is None else issues)
-                 if i.matches(setting, status, message, traits, d3_status)), None)
+                 if i.matches(setting, status, message, traits, d3_status)
+                 and (versions is None or i.reproduces_on(versions) is not False)), None)
+
+
+def stack_versions(libraries: Mapping[str, str]) -> dict[str, str | None]:
+    """A recorded stack's `libraries` (distribution -> version, as run.json holds them) keyed by the manifest's
+    library names (`fbgemm-gpu` for either fbgemm build); a version that is no release (a local build) is left out."""
+    versions: dict[str, str | None] = {}
+    for library in {i.library for i in manifest()}:
+        for distribution in _DISTRIBUTIONS.get(library, (library,)):
+            found = libraries.get(distribution)
+            try:
+                if found is not None:
+                    Version(found)
+            except InvalidVersion:
+                continue
+            if found is not None:
+                versions[library] = found
+                break
+    return versions
 
 
 def installed_version(library: str) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import pandas as pd
 from difftest import stack
 from difftest.analysis import Analysis
 from difftest.errors import UserError
-from difftest.known import KnownIssue, Upstream, match
+from difftest.known import KnownIssue, Upstream, match, stack_versions
 from difftest.oracle import Tolerance
 from difftest.registry import capabilities_of, get_setting
 from difftest.run_folder import list_models
@@ -135,6 +136,7 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     earliest.to_csv(run_dir / "first_divergence.csv", index=False)  # per disagreeing case
     divergence = earliest.set_index(["model", "setting"])
     features = _features(run_dir)
+    versions = stack_versions(stack.recorded(run_dir).get("libraries", {}))
     separating = separating_values(cases)
     disagreeing = disagreeing_cases(cases)
     keyed: dict[str, list[dict[str, Any]]] = {}
@@ -163,7 +165,7 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         finding.first_divergence = next((d for d in frame["first_divergence"] if d), "")
         finding.distinguishing = _distinguishing(frame, cases, features)
         finding.contrast = contrast_of(finding.example["setting"], separating)
-        finding.known = known_issue_of(frame)
+        finding.known = known_issue_of(frame, versions)
         findings.append(finding)
     findings.sort(key=lambda f: (SEVERITY.index(f.status), -len(f.rows), f.id))
     findings = merge_known(findings)
@@ -199,10 +201,12 @@ def upstream_counts(findings: list[Finding]) -> str:
     return ", ".join(f"{counted.get(u, 0)} {u}" for u in Upstream)
 
 
-def known_issue_of(rows: pd.DataFrame) -> KnownIssue | None:
-    """The known library bug that explains most of a finding's cases (all of them, in a finding of one cause)."""
+def known_issue_of(rows: pd.DataFrame, versions: Mapping[str, str | None] | None = None) -> KnownIssue | None:
+    """The known library bug that explains most of a finding's cases (all of them, in a finding of one cause), among
+    those known on the run's releases (`versions`)."""
     explained = Counter(issue for r in rows.itertuples()
-                        if (issue := match(getattr(r, "signed_as", r.setting), r.status, r.message, capabilities_of(r.kind).traits, r.d3_verdict)) is not None)
+                        if (issue := match(getattr(r, "signed_as", r.setting), r.status, r.message,
+                                           capabilities_of(r.kind).traits, r.d3_verdict, versions=versions)) is not None)
     return explained.most_common(1)[0][0] if explained else None
 
 

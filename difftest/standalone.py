@@ -35,11 +35,12 @@ if TYPE_CHECKING:
 # in findings/<id>/: the script that reproduces the finding without difftest, and its first
 # line: what running it gave, or why the finding has none
 STANDALONE_FILE = "standalone.py"
+BUG_PRESENT = "BUG PRESENT"  # what a script prints, beside exit 1, while the bug is present
 STANDALONE_VERDICT_FILE = "standalone.txt"
 DATA_FILE = "standalone.npz"
 MAX_LINES = 340  # a script a maintainer reads through (the library code is copied whole, never condensed)
-RUNTIME_IMPORTS = ("from __future__ import annotations", "", "import os", "import socket", "import sys",
-                   "import tempfile", "from importlib import metadata", "from pathlib import Path",
+RUNTIME_IMPORTS = ("from __future__ import annotations", "", "import os", "import re", "import socket", "import sys",
+                   "import tempfile", "import traceback", "from importlib import metadata", "from pathlib import Path",
                    "from typing import Any", "", "import numpy as np", "import torch")
 
 
@@ -59,6 +60,13 @@ class StandaloneCase:
     spread: dict[str, float]
     tolerance: Tolerance
     local_world_size: int
+    # a failure finding's case: the message it was recorded with (an exception's text, "rank 0 killed by SIGFPE ...")
+    message: str = ""
+
+    @property
+    def failure(self) -> str:
+        """How the setting fails, as a regex over what torch.multiprocessing raises; "" for a disagreement."""
+        return failure_pattern(self.status, self.message)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,25 @@ class Script:
     tensors: dict[str, str]  # the name each compared tensor has in the script → its "<phase>/<tensor>" in the run
     data: dict[str, np.ndarray] = field(default_factory=dict)
     world_size: int = 2
+
+
+_SIGNAL = re.compile(r"killed by (SIG[A-Z]+)")
+_EXCEPTION = re.compile(r"^(?:[\w.]*\.)?(\w+(?:Error|Exception|Failed|Violated|Exit)\w*): ([^\d(\[{'\"|<]*)")
+
+
+def failure_pattern(status: str, message: str) -> str:
+    """A regex that what `torch.multiprocessing.spawn` raises matches while the setting fails as recorded: the signal
+    that killed a rank (`process 0 terminated with signal SIGFPE`), or the exception's type and its words before the
+    first value (a minimised case fails with other sizes); "" for a disagreement. A failure it cannot tell (a
+    timeout, a message without an exception type) is no script's."""
+    if status not in ("error", "crash", "timeout"):  # a disagreement (or an ok case: the script shows it agree)
+        return ""
+    if status == "crash" and (signal := _SIGNAL.search(message)):
+        return rf"signal {signal[1]}\b"
+    if status == "error" and (raised := _EXCEPTION.match(message.strip())):
+        return re.escape(f"{raised[1]}: {raised[2].strip()}")
+    raise Unsupported(f"its failure ({status}: {message[:80]!r}) is not one a script can recognise "
+                      "(a timeout, or no exception type or signal in its message)")
 
 
 _TYPE_IGNORE = re.compile(r"  # type: ignore\[[^]]*\]$", re.MULTILINE)
@@ -113,11 +140,14 @@ def render_script(case: StandaloneCase, script: Script) -> str:
         f"K = {_oracle_k()}",
         f"ATOL, RTOL = {tol.atol!r}, {tol.rtol!r}  # judges a tensor difftest did not calibrate",
         f"CASE = {_literal(script.case)}",
+        f"FAILURE = {case.failure!r}  # a failure finding: how the setting fails (its ranks' error or signal)",
     ]
     runtime = [getattr(standalone_runtime, name) for name in standalone_runtime.RUNTIME_FUNCTIONS]
     parts = ["\n".join(doc), "\n".join(RUNTIME_IMPORTS + script.preamble), "\n".join(constants)]
     parts += [_source(f) for f in (*script.functions, *runtime)]
-    parts.append('if __name__ == "__main__":\n    sys.exit(main())\n')
+    # exit 1 means the bug and nothing else: the script failing on its own (a mistake of ours, a missing library) is 2
+    parts.append('if __name__ == "__main__":\n    try:\n        sys.exit(main())\n    except Exception:  # the script '
+                 'failing on its own, not the bug\n        sys.exit(traceback.print_exc() or 2)\n')
     # one blank line between definitions: the script is read top to bottom, and its length is a promise
     return "\n\n".join(part.rstrip("\n") for part in parts) + "\n"
 

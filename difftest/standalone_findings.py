@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftest.errors import Unsupported
-from difftest.standalone import DATA_FILE, STANDALONE_FILE, STANDALONE_VERDICT_FILE, StandaloneCase, write_script
+from difftest.standalone import (
+    BUG_PRESENT,
+    DATA_FILE,
+    STANDALONE_FILE,
+    STANDALONE_VERDICT_FILE,
+    StandaloneCase,
+    write_script,
+)
 
 if TYPE_CHECKING:
     from difftest.minimize import Minimisation
@@ -31,7 +38,7 @@ class Checked:
 
     @property
     def reproduces(self) -> bool:
-        return self.exit_code == 1
+        return self.exit_code == 1 and BUG_PRESENT in self.output
 
 
 def check_script(path: Path, timeout_s: float = 120.0, python: str = sys.executable,
@@ -63,7 +70,7 @@ class Emitted:
             return f"no standalone script: {self.why_not}"
         if self.checked is None:
             return f"{STANDALONE_FILE} written, not run"
-        verdict = {0: "does not reproduce (exit 0)", 1: "reproduces (exit 1)"}.get(
+        verdict = "reproduces (exit 1)" if self.checked.reproduces else {0: "does not reproduce (exit 0)"}.get(
             self.checked.exit_code, f"could not run (exit {self.checked.exit_code})")
         return f"{STANDALONE_FILE} {verdict} in {self.checked.seconds:.1f} s"
 
@@ -89,7 +96,8 @@ def sealed_environment(folder: Path) -> dict[str, str]:
 
 
 def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Path, setting_name: str,
-         first_divergence: str, spread: dict[str, float], tolerance: Tolerance, check_timeout_s: float = 0.0) -> Emitted:
+         first_divergence: str, spread: dict[str, float], tolerance: Tolerance, check_timeout_s: float = 0.0,
+         message: str = "") -> Emitted:
     """Write `findings/<finding_id>/standalone.py` for the case (`model_dir` × `setting_name`) and, with a timeout,
     run it once in a sealed environment; or say why there is none."""
     from difftest.artifacts import load_model
@@ -104,7 +112,7 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
     model, inputs = load_model(model_dir)
     case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
                           {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
-                          simulated_local_size(setting.world_size))
+                          simulated_local_size(setting.world_size), message)
     try:
         script = setting.standalone(case)
         if script is None:
@@ -133,6 +141,7 @@ def write_standalones(run_dir: Path, findings: list[Finding], minimised: list[Mi
     for f in findings:
         m = by_id.get(f.id)
         title = f.known.title if f.known else f.title
+        message = str(f.example.get("message", ""))
         if m is not None and m.best is not m.original:
             model_dir = run_dir / "findings" / f.id / "run" / "models" / m.best.model_id
             setting, spread = m.best.setting, m.spread
@@ -140,5 +149,5 @@ def write_standalones(run_dir: Path, findings: list[Finding], minimised: list[Mi
             model, setting = str(f.example["model"]), str(f.example["setting"])
             model_dir, spread = run_dir / "models" / model, envelope_spread(run_dir, model, setting, tolerance)
         emitted.append(emit(run_dir, f.id, title, f.status, model_dir, setting, f.first_divergence, spread, tolerance,
-                            check_timeout_s))
+                            check_timeout_s, message))
     return emitted

@@ -4,7 +4,9 @@ Its functions are copied verbatim into each script (`difftest.standalone`), so t
 library, numpy and torch: a script must run where difftest is not installed. A script defines beside them
 `single_process(data, case, dtype)` (the reference: the program in one process, in `dtype`) and
 `on_rank(rank, world_size, data, case)` (the setting: every rank runs it, rank 0 returns the full tensors), and the
-constants `CASE`, `WORLD_SIZE`, `TENSORS`, `SPREAD`, `K`, `ATOL`, `RTOL` and `LIBRARIES`.
+constants `CASE`, `WORLD_SIZE`, `TENSORS`, `SPREAD`, `K`, `ATOL`, `RTOL`, `LIBRARIES` and `FAILURE`: for a finding
+that is a failure (an exception, a rank killed by a signal), a regex of how the setting fails, and the script shows
+the bug by the setting failing that way rather than by its tensors.
 """
 
 # ruff: noqa: F821 -- pyflakes does not count a bare annotation as a definition; the script gives each a value
@@ -12,6 +14,7 @@ constants `CASE`, `WORLD_SIZE`, `TENSORS`, `SPREAD`, `K`, `ATOL`, `RTOL` and `LI
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -31,6 +34,7 @@ ATOL: float
 RTOL: float
 LIBRARIES: tuple[str, ...]
 CASE: dict[str, Any]
+FAILURE: str
 single_process: Callable[[dict[str, np.ndarray], dict[str, Any], Any], dict[str, np.ndarray]]
 on_rank: Callable[[int, int, dict[str, np.ndarray], dict[str, Any]], dict[str, np.ndarray] | None]
 
@@ -103,6 +107,16 @@ def main() -> int:
     data = dict(np.load(Path(__file__).resolve().with_suffix(".npz")))
     import torch
 
+    if FAILURE:  # the bug is the setting failing: how its ranks raise (their traceback) or the signal that ends one
+        try:
+            run_distributed(data)
+        except Exception as exc:
+            present = re.search(FAILURE, failure := f"{type(exc).__name__}: {exc}") is not None
+            print(f"{failure.strip().splitlines()[-1]}\nBUG PRESENT: the setting fails as it did when difftest found it"
+                  if present else f"COULD NOT RUN the setting, not as this script shows: {failure}")
+            return 1 if present else 2
+        print("ok: the setting runs through (the failure is gone)")
+        return 0
     exact, single = single_process(data, CASE, torch.float64), single_process(data, CASE, torch.float32)
     try:
         actual, present = run_distributed(data), False

@@ -25,9 +25,17 @@ import numpy as np
 from difftest.errors import Unsupported
 from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import Script, StandaloneCase
 from settings import _error_bounds as bounds
 from settings._training import to_numpy
-from settings.torchrec_sharding import _column_shards, _table_column_wise, collection_tables, embedding_collections
+from settings.torchrec_sharding import (
+    _column_shards,
+    _pooled,
+    collection_tables,
+    embedding_collections,
+    standalone_features,
+    standalone_tables,
+)
 
 # name -> (torch dtype attribute, bits of a row-wise integer scheme or 0 for a float type)
 WEIGHT_TYPES = {"int8": ("qint8", 8), "int4": ("quint4x2", 4), "int2": ("quint2x4", 2), "fp16": ("float16", 0), "bf16": ("bfloat16", 0)}
@@ -119,33 +127,15 @@ class QuantizedEmbeddings(Setting):
 
     # --- oracle 1: the sharded copy of the same quantized model --------------------------------------------
     def shard(self, ctx: RunContext, quantized: Any, layout: dict[str, list[dict]]) -> Any:
-        import torch
-        from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
-        from torchrec.distributed.shard import _shard_modules
-        from torchrec.distributed.sharding_plan import construct_module_sharding_plan
-        from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-        sharder = QuantEmbeddingBagCollectionSharder()
-        world = self.simulated_world
-        per_collection = {}
-        for path, chosen in layout.items():
-            generators = {t["name"]: self._placement(position, t, world) for position, t in enumerate(chosen)}
-            try:
-                per_collection[path] = construct_module_sharding_plan(
-                    quantized.get_submodule(path), generators, sharder=sharder, local_size=world, world_size=world,
-                    device_type=ctx.device.split(":")[0],
-                )
-            except (ValueError, AssertionError, NotImplementedError) as exc:
-                raise Unsupported(f"TorchRec cannot build this plan: {type(exc).__name__}: {exc}") from exc
-        plan = ShardingPlan(per_collection)
+        try:
+            plan = quantized_plan(quantized, layout, self.sharding, self.simulated_world, ctx.device.split(":")[0])
+        except (ValueError, AssertionError, NotImplementedError) as exc:
+            raise Unsupported(f"TorchRec cannot build this plan: {type(exc).__name__}: {exc}") from exc
         ctx.notes["plan"] = " ".join(
             sorted(f"{t}={p.sharding_type}@{p.ranks}" for m in plan.plan.values() for t, p in m.items())
         )
         state = quantized.state_dict()
-        sharded = _shard_modules(
-            module=quantized, env=ShardingEnv.from_local(world, 0), plan=plan, sharders=[sharder],
-            device=torch.device(ctx.device),
-        )
+        sharded = shard_quantized(quantized, plan, self.simulated_world, ctx.device)
         self.load_quantized_state(sharded, state)
         return sharded
 
@@ -153,17 +143,49 @@ class QuantizedEmbeddings(Setting):
         """TorchRec's own way of giving a sharded inference model its weights (a hook for planted faults)."""
         sharded.load_state_dict(state)
 
-    def _placement(self, position: int, table: dict, world: int) -> Any:
-        from torchrec.distributed import sharding_plan as sp
-
-        if self.sharding == "table_wise":
-            return sp.table_wise(rank=position % world)
-        if self.sharding == "row_wise":
-            return sp.row_wise()
-        if self.sharding == "column_wise":
-            count = _column_shards(table["embedding_dim"], world)
-            return sp.column_wise(ranks=[(position + j) % world for j in range(count)])
-        return _table_column_wise(position, table, world, world)
+    # --- a standalone script (difftest.standalone) ------------------------------------------------
+    def standalone(self, case: StandaloneCase) -> Script:
+        tables = case.generator.embedding_tables(case.spec)
+        if tables is None:
+            raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")
+        if any("." in t.collection for t in tables):
+            raise Unsupported("its embedding collections are nested inside the model; the script holds them at its top")
+        pooled = {f"eval_before/{name}": name for t in tables for name in t.outputs}
+        phase, _, tensor = case.first_divergence.partition("/")
+        if not case.failure:
+            if self.sharding == "unsharded":
+                raise Unsupported("an unsharded quantized model is judged by the bound its rounding implies, which "
+                                  "the script does not compute")
+            if phase != "eval_before" or not tensor.startswith("pooled"):
+                raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not at a pooled "
+                                  "embedding, which is what the script compares")
+        batch = case.inputs["eval"]
+        data = {f"state.{t.state_key}": case.init_state[t.state_key] for t in tables}
+        for feature, bags in batch.sparse.items():
+            data |= {f"eval.{feature}.lengths": bags.lengths, f"eval.{feature}.values": bags.values}
+            if bags.weights is not None:
+                data[f"eval.{feature}.weights"] = bags.weights
+        table_list = [{"collection": t.collection, "name": t.name, "num_embeddings": t.num_embeddings,
+                       "embedding_dim": t.embedding_dim, "pooling": t.pooling, "features": list(t.features),
+                       "weighted": t.weighted, "outputs": list(t.outputs)} for t in tables]
+        how = "unsharded" if self.sharding == "unsharded" else (
+            f"sharded {self.sharding} over {self.simulated_world} ranks simulated in one process "
+            "(ShardingEnv.from_local, as TorchRec's inference tests do)")
+        return Script(
+            summary=f"TorchRec EmbeddingBagCollections quantized for inference ({self.weights} weights, {self.output} "
+                    f"pooled output: QuantEmbeddingBagCollection), {how}, against the same quantized collections "
+                    "unsharded: the same quantized bytes, so only the order of additions may differ.",
+            libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
+            preamble=("import contextlib", "import copy", "", f"WEIGHT_TYPES = {WEIGHT_TYPES!r}",
+                      f"OUTPUT_TYPES = {OUTPUT_TYPES!r}"),
+            case={"sharding": self.sharding, "world": self.simulated_world, "output": self.output, "device": "cpu",
+                  "batch": batch.size, "per_table": self.table_weights(case.spec.params["tables"]),
+                  "tables": table_list},
+            functions=(standalone_tables, standalone_features, _pooled, quantize, _cpu_inference_sharding,
+                       _column_shards, quantized_placement, quantized_plan, shard_quantized, standalone_quantized,
+                       single_process, on_rank),
+            tensors={name: recorded for recorded, name in pooled.items()},
+            data=data, world_size=1)
 
     # --- the bounds ---------------------------------------------------------------------------------------
     def allowed_error(self, ctx: RunContext, model: Any, float_module: Any, batch: Any, per_table: dict,
@@ -225,6 +247,76 @@ def quantize(float_module: Any, per_table: dict[str, str], output: str) -> Any:
         per_table_weight_dtype=dtypes,
     )
     return module
+
+
+def quantized_placement(sharding: str, position: int, table: dict, world: int) -> Any:
+    from torchrec.distributed import sharding_plan as sp
+
+    if sharding == "table_wise":
+        return sp.table_wise(rank=position % world)
+    if sharding == "row_wise":
+        return sp.row_wise()
+    count = _column_shards(table["embedding_dim"], world)
+    return sp.column_wise(ranks=[(position + j) % world for j in range(count)])
+
+
+def quantized_plan(quantized: Any, layout: dict[str, list[dict]], sharding: str, world: int, device_type: str) -> Any:
+    """TorchRec's plan for the quantized collections (`layout`: each collection's path and its tables, in order)."""
+    from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    return ShardingPlan({path: construct_module_sharding_plan(
+        quantized.get_submodule(path), {t["name"]: quantized_placement(sharding, i, t, world) for i, t in enumerate(tables)},
+        sharder=QuantEmbeddingBagCollectionSharder(), local_size=world, world_size=world, device_type=device_type,
+    ) for path, tables in layout.items()})
+
+
+def shard_quantized(quantized: Any, plan: Any, world: int, device: str) -> Any:
+    """The quantized model sharded over `world` ranks simulated in this process (its state not loaded yet)."""
+    import torch
+    from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+    from torchrec.distributed.shard import _shard_modules
+    from torchrec.distributed.types import ShardingEnv
+
+    return _shard_modules(module=quantized, env=ShardingEnv.from_local(world, 0), plan=plan,
+                          sharders=[QuantEmbeddingBagCollectionSharder()], device=torch.device(device))
+
+
+# --- what a standalone script runs (plain torch/torchrec: copied into the script as they are) ------------------------
+def standalone_quantized(data: dict[str, Any], case: dict[str, Any]) -> Any:
+    """The script's collections with the initial weights, quantized as the case says."""
+    import torch
+
+    tables = standalone_tables(case)
+    tables.load_state_dict({k[len("state."):]: torch.from_numpy(v) for k, v in data.items() if k.startswith("state.")})
+    return quantize(tables, case["per_table"], case["output"])
+
+
+def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
+    """The reference: the quantized collections unsharded, on the whole batch (quantized bytes: `dtype` is moot)."""
+    import torch
+
+    with _cpu_inference_sharding(case["device"]), torch.no_grad():
+        pooled = standalone_quantized(data, case)(standalone_features(data, case, 0, case["batch"], torch.float32))
+    return {k: v.astype(np.float32) for k, v in _pooled(pooled, case).items()}
+
+
+def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The setting: the quantized collections, sharded over the simulated ranks unless unsharded, on the whole batch."""
+    import torch
+
+    quantized = standalone_quantized(data, case)
+    with _cpu_inference_sharding(case["device"]), torch.no_grad():
+        if case["sharding"] != "unsharded":
+            layout = {path: [t for t in case["tables"] if t["collection"] == path]
+                      for path in dict.fromkeys(t["collection"] for t in case["tables"])}
+            plan = quantized_plan(quantized, layout, case["sharding"], case["world"], case["device"])
+            state = quantized.state_dict()
+            quantized = shard_quantized(quantized, plan, case["world"], case["device"])
+            quantized.load_state_dict(state)
+        pooled = quantized(standalone_features(data, case, 0, case["batch"], torch.float32))
+    return {k: v.astype(np.float32) for k, v in _pooled(pooled, case).items()}
 
 
 @contextlib.contextmanager

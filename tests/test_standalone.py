@@ -54,3 +54,34 @@ def test_a_finding_whose_family_has_no_emitter_gets_no_script_and_a_reason(fresh
     emitted = emit(fresh_run, "T9", "a TorchRec finding", "inconsistent", fresh_run / "models" / MODEL,
                    TORCHREC[0], "param_after_step1/over.0.weight", {}, Tolerance())
     assert emitted.path is None and "not at a pooled embedding" in emitted.why_not
+
+
+# the quantized family on the same model: TorchRec's quantized row-wise MEAN pooling (a disagreement), table-wise
+# (agrees), fp16 column-wise sharding and bf16 quantization (failures: an exception, a rank killed by SIGFPE)
+QUANT = ("quant/torchrec/int8/out-fp32/row_wise/sim-ws2", "quant/torchrec/int8/out-fp32/table_wise/sim-ws2",
+         "quant/torchrec/fp16/out-fp16/column_wise/sim-ws2", "quant/torchrec/bf16/out-fp32/unsharded")
+
+
+def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_difftest(
+        fresh_run: Path, tmp_path: Path) -> None:
+    run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in QUANT), timeout_s=120))
+    analysis = analyze(fresh_run)
+    cases = analysis.cases.set_index(["model", "setting"])
+    verdicts = {s: str(cases.loc[(MODEL, s), "verdict"]) for s in QUANT}
+    recorded = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
+    messages = {s: str(recorded.get((MODEL, s), "")) for s in QUANT}
+    assert "ok" in verdicts.values() and {"inconsistent", "error", "crash"} & set(verdicts.values()), verdicts
+    for number, setting in enumerate(QUANT):
+        emitted = emit(fresh_run, f"Q{number}", "a quantized TorchRec finding", verdicts[setting],
+                       fresh_run / "models" / MODEL, setting, "eval_before/pooled.tf0", {}, Tolerance(),
+                       check_timeout_s=120, message=messages[setting])
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        text = emitted.path.read_text()
+        assert "import difftest" not in text and "from settings" not in text and text.count("\n") <= MAX_LINES
+        assert emitted.checked.reproduces == (verdicts[setting] != "ok"), (setting, emitted.checked.output[-3000:])
+        assert emitted.checked.exit_code == (0 if verdicts[setting] == "ok" else 1), emitted.checked.output[-3000:]
+    # a failure script recognises its failure, and nothing else, by the exception or the signal
+    from difftest.standalone import failure_pattern
+    assert failure_pattern("crash", "rank 0 killed by SIGFPE (exit -8); log: ...") == r"signal SIGFPE\b"
+    assert failure_pattern("error", "RuntimeError: The size of tensor a (80) must match") == r"RuntimeError:\ The\ size\ of\ tensor\ a"
+    assert failure_pattern("inconsistent", "plan: ...") == ""

@@ -62,6 +62,7 @@ class StandaloneCase:
     local_world_size: int
     # a failure finding's case: the message it was recorded with (an exception's text, "rank 0 killed by SIGFPE ...")
     message: str = ""
+    model_dir: Path | None = None  # the case's model folder (files a generator wrote beside the weights)
 
     @property
     def failure(self) -> str:
@@ -81,10 +82,13 @@ class Script:
     tensors: dict[str, str]  # the name each compared tensor has in the script → its "<phase>/<tensor>" in the run
     data: dict[str, np.ndarray] = field(default_factory=dict)
     world_size: int = 2
+    # how the script's setting fails, where it raises the library's exception unwrapped (difftest's run recorded it
+    # inside a wrapper of its own): None, the case's `failure`
+    failure: str | None = None
 
 
 _SIGNAL = re.compile(r"killed by (SIG[A-Z]+)")
-_EXCEPTION = re.compile(r"^(?:[\w.]*\.)?(\w+(?:Error|Exception|Failed|Violated|Exit)\w*): ([^\d(\[{'\"|<]*)")
+_EXCEPTION = re.compile(r"^(?:[\w.]*\.)?([A-Z]\w*): ([^\d(\[{'\"|<]*)")  # `InvalidGraph: [ONNXRuntimeError] …` too
 
 
 def failure_pattern(status: str, message: str) -> str:
@@ -140,7 +144,8 @@ def render_script(case: StandaloneCase, script: Script) -> str:
         f"K = {_oracle_k()}",
         f"ATOL, RTOL = {tol.atol!r}, {tol.rtol!r}  # judges a tensor difftest did not calibrate",
         f"CASE = {_literal(script.case)}",
-        f"FAILURE = {case.failure!r}  # a failure finding: how the setting fails (its ranks' error or signal)",
+        f"FAILURE = {case.failure if script.failure is None else script.failure!r}  # a failure finding: how the "
+        "setting fails",
     ]
     runtime = [getattr(standalone_runtime, name) for name in standalone_runtime.RUNTIME_FUNCTIONS]
     parts = ["\n".join(doc), "\n".join(RUNTIME_IMPORTS + script.preamble), "\n".join(constants)]

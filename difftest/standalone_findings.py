@@ -112,7 +112,7 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
     model, inputs = load_model(model_dir)
     case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
                           {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
-                          simulated_local_size(setting.world_size), message)
+                          simulated_local_size(setting.world_size), message, model_dir)
     try:
         script = setting.standalone(case)
         if script is None:

@@ -9,13 +9,16 @@ Keras weights the converted graph cannot hold as separate trainable tensors (fol
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.errors import Unsupported
+from difftest.errors import ConversionFailed, Unsupported
 from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import Script, StandaloneCase, failure_pattern
 from generators import _tf
+from generators.conversion import _onnx2pytorch, _onnx2torch
 from settings._training import to_numpy, train_single_process
 from settings.tensorflow import TF_REFERENCE
 
@@ -71,6 +74,34 @@ class Conversion(Setting):
         """The converted module as this setting runs it (a hook for planted faults)."""
         return module
 
+    # --- a standalone script (difftest.standalone) ------------------------------------------------
+    def standalone(self, case: StandaloneCase) -> Script:
+        """A converter's or ONNX Runtime's failure on the exported graph: the ONNX file is the script's data, so
+        it needs onnx and the backend, not TensorFlow (a disagreement is judged against TensorFlow: no script)."""
+        import numpy as np
+
+        from generators.onnx_files import onnx_export
+
+        if not case.failure:
+            raise Unsupported("a conversion that disagrees is judged against TensorFlow's run, which the script "
+                              "does not hold")
+        try:
+            graph = onnx_export(case.model_dir).read_bytes()
+        except (ConversionFailed, OSError) as exc:
+            raise Unsupported(f"no ONNX export to ship with the script ({exc})") from None
+        # difftest records a converter's exception inside its ConversionFailed; the script raises it unwrapped
+        message = re.sub(rf"^(?:[\w.]*\.)?ConversionFailed: {self.backend}(?: module fails to run:)? ", "", case.message)
+        return Script(
+            summary=f"The ONNX graph tf2onnx (opset 18) exported from a Keras model, {standalone_backend_use(self.backend)}"
+                    " on a probe batch: it fails where the same model runs in TensorFlow.",
+            libraries=("onnx", self.backend, "tf2onnx", "tensorflow", "tensorflow-cpu", "numpy"),
+            preamble=(),
+            case={"backend": self.backend},
+            functions=(_onnx2pytorch, _onnx2torch, single_process, on_rank),
+            tensors={}, world_size=1, failure=failure_pattern(case.status, message),
+            data={"onnx": np.frombuffer(graph, dtype=np.uint8),
+                  "probe": case.generator.inputs(case.spec, 12)["eval"].dense})
+
 
 def _onnxruntime_predict(model: Any, x: Any) -> Any:
     import onnxruntime
@@ -82,6 +113,35 @@ def _onnxruntime_predict(model: Any, x: Any) -> Any:
     options.intra_op_num_threads = 1
     session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+def standalone_backend_use(backend: str) -> str:
+    return "loaded by ONNX Runtime and run" if backend == "onnxruntime" else f"converted to PyTorch by {backend} and run"
+
+
+# --- what a standalone script runs (plain onnx / converters: copied into the script as they are) ---------------------
+def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    """A conversion script shows a failure: there is nothing to compare."""
+    return {}
+
+
+def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, Any] | None:
+    """The setting: the exported graph in the backend, run on the probe batch."""
+    import torch
+
+    if case["backend"] == "onnxruntime":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(data["onnx"].tobytes(), providers=["CPUExecutionProvider"])
+        session.run(None, {session.get_inputs()[0].name: data["probe"]})
+        return {}
+    import onnx
+
+    proto = onnx.load_model_from_string(data["onnx"].tobytes())
+    graph = {"onnx2pytorch": _onnx2pytorch, "onnx2torch": _onnx2torch}[case["backend"]](proto)
+    with torch.no_grad():
+        graph.float()(torch.from_numpy(data["probe"]))
+    return {}
 
 
 register_settings(Conversion(backend, "eval") for backend in BACKENDS)

@@ -93,3 +93,31 @@ def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_
         where = earliest.loc[model]
         expected = f"{layer}/act" if layer in module.layers else "logits"
         assert (where["phase"], where["tensor"]) == ("eval_before", expected), (model, layer, module.layers)
+
+
+def test_a_conversion_failure_reproduces_from_the_onnx_file_alone(fresh_sequential_run: Path) -> None:
+    """onnx2torch 1.5.15 has no ReduceMean-18 converter (`onnx2torch-no-reducemean-18`), which this model's training
+    graph needs; onnx2pytorch converts the same graph. The script of each reaches the setting's verdict, with the
+    ONNX file as its data and neither TensorFlow nor difftest importable."""
+    from difftest import known
+    from difftest.oracle import Tolerance
+    from difftest.standalone_findings import emit
+
+    model, failing, converting = "sequential-s0-i0", "convert/onnx2torch/train", "convert/onnx2pytorch/eval"
+    run_sweep(fresh_sequential_run, SweepOptions(settings=f"{failing},{converting}", models=model, timeout_s=180))
+    analysis = analyze(fresh_sequential_run)
+    verdicts = analysis.cases.set_index(["model", "setting"])["verdict"]
+    assert verdicts[(model, converting)] == "ok"
+    expected = "error" if known.reproduces_here("onnx2torch-no-reducemean-18") else "ok"
+    assert verdicts[(model, failing)] == expected, "onnx2torch's ReduceMean-18: the manifest says which releases lack it"
+    recorded = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
+    message = str(recorded.get((model, failing), ""))
+    for number, (setting, status) in enumerate(((failing, "error"), (converting, "error"))):
+        emitted = emit(fresh_sequential_run, f"C{number}", "a conversion failure", status,
+                       fresh_sequential_run / "models" / model, setting, "", {}, Tolerance(), check_timeout_s=120,
+                       message=message if setting == failing else "NotImplementedError: Converter is not implemented")
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        text = emitted.path.read_text()
+        assert "import difftest" not in text and "import tensorflow" not in text
+        assert emitted.checked.reproduces == (verdicts[(model, setting)] != "ok"), emitted.checked.output[-2000:]
+        assert emitted.checked.exit_code == (1 if verdicts[(model, setting)] != "ok" else 0), emitted.checked.output[-2000:]

@@ -125,9 +125,32 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
         if check_timeout_s > 0:
             checked = check_script(path, check_timeout_s, env=sealed_environment(folder / ".sealed"))
         emitted = Emitted(finding_id, setting.family, path, checked=checked)
+    _record(folder, emitted)
+    return emitted
+
+
+def _record(folder: Path, emitted: Emitted) -> None:
     text = emitted.describe() + ("\n\n" + emitted.checked.output if emitted.checked else "") + "\n"
     (folder / STANDALONE_VERDICT_FILE).write_text(text)
-    return emitted
+
+
+def _check_all(emitted: list[Emitted], timeout_s: float) -> list[Emitted]:
+    """Run every written script once, sealed, as many at a time as the machine has cores (a script is mostly its
+    libraries' import and a rank or two: it waits more than it computes)."""
+    import dataclasses
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    def check(e: Emitted) -> Emitted:
+        if e.path is None:
+            return e
+        checked = dataclasses.replace(e, checked=check_script(
+            e.path, timeout_s, env=sealed_environment(e.path.parent / ".sealed")))
+        _record(e.path.parent, checked)
+        return checked
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return list(pool.map(check, emitted))
 
 
 def write_standalones(run_dir: Path, findings: list[Finding], minimised: list[Minimisation], tolerance: Tolerance,
@@ -149,5 +172,5 @@ def write_standalones(run_dir: Path, findings: list[Finding], minimised: list[Mi
             model, setting = str(f.example["model"]), str(f.example["setting"])
             model_dir, spread = run_dir / "models" / model, envelope_spread(run_dir, model, setting, tolerance)
         emitted.append(emit(run_dir, f.id, title, f.status, model_dir, setting, f.first_divergence, spread, tolerance,
-                            check_timeout_s, message))
-    return emitted
+                            message=message))
+    return _check_all(emitted, check_timeout_s) if check_timeout_s > 0 else emitted

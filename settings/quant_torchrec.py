@@ -33,6 +33,7 @@ from settings.torchrec_sharding import (
     _pooled,
     collection_tables,
     embedding_collections,
+    embedding_script_data,
     standalone_features,
     standalone_tables,
 )
@@ -160,14 +161,7 @@ class QuantizedEmbeddings(Setting):
                 raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not at a pooled "
                                   "embedding, which is what the script compares")
         batch = case.inputs["eval"]
-        data = {f"state.{t.state_key}": case.init_state[t.state_key] for t in tables}
-        for feature, bags in batch.sparse.items():
-            data |= {f"eval.{feature}.lengths": bags.lengths, f"eval.{feature}.values": bags.values}
-            if bags.weights is not None:
-                data[f"eval.{feature}.weights"] = bags.weights
-        table_list = [{"collection": t.collection, "name": t.name, "num_embeddings": t.num_embeddings,
-                       "embedding_dim": t.embedding_dim, "pooling": t.pooling, "features": list(t.features),
-                       "weighted": t.weighted, "outputs": list(t.outputs)} for t in tables]
+        data, table_list = embedding_script_data(case, tables)
         how = "unsharded" if self.sharding == "unsharded" else (
             f"sharded {self.sharding} over {self.simulated_world} ranks simulated in one process "
             "(ShardingEnv.from_local, as TorchRec's inference tests do)")

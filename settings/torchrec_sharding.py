@@ -169,11 +169,7 @@ class TorchRecSharding(Setting):
         if any("." in t.collection for t in tables):
             raise Unsupported("its embedding collections are nested inside the model; the script holds them at its top")
         batch = case.inputs["eval"]
-        data = {f"state.{t.state_key}": case.init_state[t.state_key] for t in tables}
-        for feature, bags in batch.sparse.items():
-            data |= {f"eval.{feature}.lengths": bags.lengths, f"eval.{feature}.values": bags.values}
-            if bags.weights is not None:
-                data[f"eval.{feature}.weights"] = bags.weights
+        data, table_list = embedding_script_data(case, tables)
         plan = {"planner": "the plan TorchRec's EmbeddingShardingPlanner chooses",
                 "mixed": f"a seeded random sharding type per table (seed {self.plan_seed})"}.get(
                     self.sharding, f"every table {self.sharding}")
@@ -184,16 +180,26 @@ class TorchRecSharding(Setting):
             libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
-                  "device": "cpu", "batch": batch.size,
-                  "tables": [{"collection": t.collection, "name": t.name, "num_embeddings": t.num_embeddings,
-                              "embedding_dim": t.embedding_dim, "pooling": t.pooling, "features": list(t.features),
-                              "weighted": t.weighted, "outputs": list(t.outputs)} for t in tables]},
+                  "device": "cpu", "batch": batch.size, "tables": table_list},
             functions=(embedding_collections, collection_tables, table_kinds, sharding_plan, _generator,
                        *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size),
                        _local_pieces, _load_full_state, standalone_tables, standalone_features, _pooled,
                        single_process, on_rank),
             tensors={name: recorded for recorded, name in pooled.items()},
             data=data, world_size=self.world_size)
+
+
+def embedding_script_data(case: StandaloneCase, tables: list[Any]) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """What a script of embedding collections ships: the tables' initial weights and the eval batch's bags (its data
+    file), and each table as a literal (its `CASE["tables"]`)."""
+    data = {f"state.{t.state_key}": case.init_state[t.state_key] for t in tables}
+    for feature, bags in case.inputs["eval"].sparse.items():
+        data |= {f"eval.{feature}.lengths": bags.lengths, f"eval.{feature}.values": bags.values}
+        if bags.weights is not None:
+            data[f"eval.{feature}.weights"] = bags.weights
+    return data, [{"collection": t.collection, "name": t.name, "num_embeddings": t.num_embeddings,
+                   "embedding_dim": t.embedding_dim, "pooling": t.pooling, "features": list(t.features),
+                   "weighted": t.weighted, "outputs": list(t.outputs)} for t in tables]
 
 
 def _plan_helpers(sharding: str, tables: list[Any], plan_seed: int, world_size: int) -> tuple[Callable, ...]:

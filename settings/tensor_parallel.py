@@ -195,13 +195,17 @@ def _feeding(model: Any, module: Any, inputs: Any, pairs: list[tuple[str, str]],
     finally:
         for handle in handles:
             handle.remove()
-    readers = _readers(output.grad_fn)
+    # the analysis keys autograd nodes by id(): every node's Python object is held until it is done, or a node whose
+    # object was freed comes back as a new object with another id (torch 2.6-2.8 do not keep them: no pair was found)
+    alive: list[Any] = []
+    readers = _readers(output.grad_fn, alive)
     return [(column, row) for column, row in pairs
             if column in markers and row in reads and _closed_path(reads[row], markers[column], readers)]
 
 
-def _readers(root: Any) -> dict[int, set[int]]:
-    """Autograd node → the nodes that read its output, over the graph that computed the model's output."""
+def _readers(root: Any, alive: list[Any]) -> dict[int, set[int]]:
+    """Autograd node → the nodes that read its output, over the graph that computed the model's output; every node
+    is appended to `alive`, which the caller holds while it uses the ids."""
     readers: dict[int, set[int]] = {}  # keyed by id of node (and of each leaf tensor)
     pending, seen = [root], set()
     while pending:
@@ -209,6 +213,7 @@ def _readers(root: Any) -> dict[int, set[int]]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        alive.append(node)
         for source, _ in node.next_functions:
             if source is not None:
                 readers.setdefault(id(source), set()).add(id(node))

@@ -91,10 +91,15 @@ class Conversion(Setting):
             raise Unsupported(f"no ONNX export to ship with the script ({exc})") from None
         # difftest records a converter's exception inside its ConversionFailed; the script raises it unwrapped
         message = re.sub(rf"^(?:[\w.]*\.)?ConversionFailed: {self.backend}(?: module fails to run:)? ", "", case.message)
+        from difftest.stack import current
+
+        made_by = ", ".join(f"{name} {version}" for name, version in current()["libraries"].items()
+                            if name in ("tf2onnx", "tensorflow", "tensorflow-cpu", "keras"))
         return Script(
-            summary=f"The ONNX graph tf2onnx (opset 18) exported from a Keras model, {standalone_backend_use(self.backend)}"
-                    " on a probe batch: it fails where the same model runs in TensorFlow.",
-            libraries=("onnx", self.backend, "tf2onnx", "tensorflow", "tensorflow-cpu", "numpy"),
+            summary=f"The ONNX graph tf2onnx (opset 18) exported from a Keras model ({made_by}), "
+                    f"{standalone_backend_use(self.backend)} on a probe batch: it fails where the same model runs in "
+                    "TensorFlow. The graph is the script's data: TensorFlow is not needed to run it.",
+            libraries=("torch", "onnx", self.backend, "numpy"),
             preamble=(),
             case={"backend": self.backend},
             functions=(_onnx2pytorch, _onnx2torch, single_process, on_rank),

@@ -159,18 +159,17 @@ def match(setting: str, status: str, message: str, traits: Iterable[str], d3_sta
 def stack_versions(libraries: Mapping[str, str]) -> dict[str, str | None]:
     """A recorded stack's `libraries` (distribution -> version, as run.json holds them) keyed by the manifest's
     library names (`fbgemm-gpu` for either fbgemm build); a version that is no release (a local build) is left out."""
+    def release(version: str | None) -> bool:
+        try:
+            return version is not None and bool(Version(version))
+        except InvalidVersion:
+            return False
+
     versions: dict[str, str | None] = {}
     for library in {i.library for i in manifest()}:
-        for distribution in _DISTRIBUTIONS.get(library, (library,)):
-            found = libraries.get(distribution)
-            try:
-                if found is not None:
-                    Version(found)
-            except InvalidVersion:
-                continue
-            if found is not None:
-                versions[library] = found
-                break
+        found = next((v for d in _DISTRIBUTIONS.get(library, (library,)) if release(v := libraries.get(d))), None)
+        if found is not None:
+            versions[library] = found
     return versions
 
 

@@ -128,6 +128,7 @@ def _literal(value: Any) -> str:
 def render_script(case: StandaloneCase, script: Script) -> str:
     """The whole script: docstring, imports, constants, the setting's functions, the runtime."""
     tol = case.tolerance
+    failure = case.failure if script.failure is None else script.failure
     spread = {name: case.spread[tensor] for name, tensor in script.tensors.items() if tensor in case.spread}
     doc = [f'"""{case.title}', "", *textwrap.wrap(script.summary, 116), "",
            f"Needs only {', '.join(script.libraries)}: `python {STANDALONE_FILE}` from any folder (its data is "
@@ -144,8 +145,7 @@ def render_script(case: StandaloneCase, script: Script) -> str:
         f"K = {_oracle_k()}",
         f"ATOL, RTOL = {tol.atol!r}, {tol.rtol!r}  # judges a tensor difftest did not calibrate",
         f"CASE = {_literal(script.case)}",
-        f"FAILURE = {case.failure if script.failure is None else script.failure!r}  # a failure finding: how the "
-        "setting fails",
+        f"FAILURE = {failure!r}  # a failure finding: how the setting fails",
     ]
     runtime = [getattr(standalone_runtime, name) for name in standalone_runtime.RUNTIME_FUNCTIONS]
     parts = ["\n".join(doc), "\n".join(RUNTIME_IMPORTS + script.preamble), "\n".join(constants)]

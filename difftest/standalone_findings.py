@@ -121,12 +121,9 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
     except Unsupported as exc:
         emitted = Emitted(finding_id, setting.family, None, str(exc))
     else:
-        checked = None
-        if check_timeout_s > 0:
-            checked = check_script(path, check_timeout_s, env=sealed_environment(folder / ".sealed"))
-        emitted = Emitted(finding_id, setting.family, path, checked=checked)
+        emitted = Emitted(finding_id, setting.family, path)
     _record(folder, emitted)
-    return emitted
+    return _check_all([emitted], check_timeout_s)[0] if check_timeout_s > 0 else emitted
 
 
 def _record(folder: Path, emitted: Emitted) -> None:

@@ -44,6 +44,22 @@ class EmbeddingTable:
         return f"{self.collection}.embedding_bags.{self.name}.weight"
 
 
+@dataclass(frozen=True)
+class ModelCode:
+    """A model as a script outside difftest builds and trains it (`difftest.standalone`): functions copied from the
+    kind's own modules, among them `build_model(data, case, dtype)` (the module, in `dtype`), `model_loss(module,
+    data, start, stop, dtype)` (the loss of training samples start..stop, as `forward` then `loss` compute it) and
+    `model_parameters(module)` (canonical name → tensor, as `parameters` reads them through any wrapper)."""
+
+    summary: str  # what the model is, for the script's docstring
+    libraries: tuple[str, ...]  # the distributions it needs beyond torch and numpy (pip names)
+    preamble: tuple[str, ...]  # module-level imports its functions use
+    functions: tuple[Any, ...]  # copied in this order
+    case: dict[str, Any]  # what the functions read from `CASE`
+    data: dict[str, Any]  # arrays they read from the script's data: the weights, the training batch
+    parameters: tuple[str, ...]  # the canonical names `model_parameters` returns
+
+
 class Generator(abc.ABC):
     """Base class of every model kind's generator."""
 
@@ -144,6 +160,12 @@ class Generator(abc.ABC):
     def embedding_tables(self, spec: ModelSpec) -> list[EmbeddingTable] | None:
         """The model's TorchRec embedding tables, in module order; None: not declared (a standalone script cannot
         rebuild them)."""
+        return None
+
+    def standalone_model(self, spec: ModelSpec, init_state: dict[str, np.ndarray], model_dir: Path | None,
+                         train: Batch) -> ModelCode | None:
+        """The model and its training batch `train` as a standalone script builds them; None: the kind has no
+        standalone form (raises `Unsupported` when this model has none)."""
         return None
 
 

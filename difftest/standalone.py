@@ -13,7 +13,6 @@ This module is what a setting's emitter needs; `difftest.standalone_findings` wr
 from __future__ import annotations
 
 import inspect
-import pprint
 import re
 import textwrap
 from collections.abc import Callable
@@ -60,6 +59,7 @@ class StandaloneCase:
     spread: dict[str, float]
     tolerance: Tolerance
     local_world_size: int
+    lr: float  # the run's learning rate (a training setting's script takes the same steps)
     # a failure finding's case: the message it was recorded with (an exception's text, "rank 0 killed by SIGFPE ...")
     message: str = ""
     model_dir: Path | None = None  # the case's model folder (files a generator wrote beside the weights)
@@ -129,7 +129,6 @@ def render_script(case: StandaloneCase, script: Script) -> str:
     """The whole script: docstring, imports, constants, the setting's functions, the runtime."""
     tol = case.tolerance
     failure = case.failure if script.failure is None else script.failure
-    spread = {name: case.spread[tensor] for name, tensor in script.tensors.items() if tensor in case.spread}
     doc = [f'"""{case.title}', "", *textwrap.wrap(script.summary, 116), "",
            f"Needs only {', '.join(script.libraries)}: `python {STANDALONE_FILE}` from any folder (its data is "
            f"{DATA_FILE} beside it).", "Exit status 1 while the bug is present, 0 once it is gone.",
@@ -139,9 +138,10 @@ def render_script(case: StandaloneCase, script: Script) -> str:
         f"LIBRARIES = {tuple(script.libraries)!r}",
         f"WORLD_SIZE = {script.world_size}",
         f"TENSORS = {tuple(script.tensors)!r}",
-        "# the largest distance from the float64 result that legitimate float32 runs of the single-process program",
-        "# reached (difftest's calibration: other sample orders, thread counts); an element may be K times it away",
-        f"SPREAD = {pprint.pformat(spread, width=116, compact=True)}",
+        "# per tensor, the largest distance from the float64 result that legitimate float32 runs of the single-process",
+        "# program reached (difftest's calibration: other sample orders, thread counts); an element may be K times it",
+        f"# away. Read from {DATA_FILE} (spread.<tensor>): the script's length does not grow with the model's",
+        "SPREAD: dict[str, float] = {}",
         f"K = {_oracle_k()}",
         f"ATOL, RTOL = {tol.atol!r}, {tol.rtol!r}  # judges a tensor difftest did not calibrate",
         f"CASE = {_literal(script.case)}",
@@ -170,7 +170,9 @@ def write_script(folder: Path, case: StandaloneCase, script: Script) -> Path:
     if lines > MAX_LINES:
         raise Unsupported(f"the emitted script has {lines} lines, more than {MAX_LINES}")
     compile(text, STANDALONE_FILE, "exec")  # an emitter's mistake is ours: it fails here, never in a maintainer's hands
-    np.savez(folder / DATA_FILE, **script.data)  # type: ignore[arg-type]
+    spread = {f"spread.{name}": np.float64(case.spread[tensor]) for name, tensor in script.tensors.items()
+              if tensor in case.spread}
+    np.savez(folder / DATA_FILE, **script.data, **spread)  # type: ignore[arg-type]
     path = folder / STANDALONE_FILE
     path.write_text(text)
     return path

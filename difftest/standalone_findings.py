@@ -103,6 +103,7 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
     from difftest.artifacts import load_model
     from difftest.registry import get_setting
     from difftest.runner.pool import simulated_local_size
+    from difftest.spec import RunConfig
 
     folder = run_dir / "findings" / finding_id
     folder.mkdir(parents=True, exist_ok=True)
@@ -112,7 +113,8 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
     model, inputs = load_model(model_dir)
     case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
                           {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
-                          simulated_local_size(setting.world_size), message, model_dir)
+                          simulated_local_size(setting.world_size), RunConfig.load(run_dir / "run.json").lr, message,
+                          model_dir)
     try:
         script = setting.standalone(case)
         if script is None:

@@ -105,6 +105,7 @@ def judge(name: str, x: np.ndarray, s: np.ndarray, c: np.ndarray) -> tuple[bool,
 def main() -> int:
     print(versions())
     data = dict(np.load(Path(__file__).resolve().with_suffix(".npz")))
+    SPREAD.update({name[len("spread."):]: float(v) for name, v in data.items() if name.startswith("spread.")})
     import torch
 
     if FAILURE:  # the bug is the setting failing: how its ranks raise (their traceback) or the signal that ends one

@@ -32,7 +32,7 @@ def convert_onnx(generator: Any, spec: Any, init_state: dict[str, np.ndarray], m
     proto = onnx.load_model(str(onnx_export(model_dir)))
     layers = _expose_layer_outputs(proto, [layer["name"] for layer in spec.params["layers"]])
     try:
-        graph = _CONVERT[converter](proto)
+        graph = convert_graph(proto, converter)
     except Exception as exc:
         raise ConversionFailed(f"{converter} {type(exc).__name__}: {str(exc)[:500]}") from None
     graph = graph.to(device).float()
@@ -70,19 +70,15 @@ def _expose_layer_outputs(proto: Any, layer_names: list[str]) -> list[str]:
     return exposed
 
 
-def _onnx2pytorch(proto: Any) -> Any:
-    from onnx2pytorch import ConvertModel
+def convert_graph(proto: Any, converter: str) -> Any:
+    """The ONNX model as a PyTorch module, by onnx2pytorch or onnx2torch."""
+    if converter == "onnx2pytorch":
+        from onnx2pytorch import ConvertModel
 
-    return ConvertModel(proto, experimental=True)
-
-
-def _onnx2torch(proto: Any) -> Any:
+        return ConvertModel(proto, experimental=True)
     from onnx2torch import convert
 
     return convert(proto)
-
-
-_CONVERT = {"onnx2pytorch": _onnx2pytorch, "onnx2torch": _onnx2torch}
 
 
 def _slots(root: Any) -> list[tuple[Any, str]]:
@@ -268,7 +264,7 @@ def convert_chain(generator: Any, spec: Any, init_state: dict[str, np.ndarray], 
     for start, stop in zip(ends, ends[1:]):
         part = extractor.extract_model([start], [stop])
         try:
-            graph = _CONVERT[converter](part).to(device).float()
+            graph = convert_graph(part, converter).to(device).float()
             segment = ConvertedModel(graph, wanted, frozen, probe)
         except Exception as exc:
             raise ConversionFailed(f"{converter} on the segment {start} -> {stop}: {type(exc).__name__}: "
@@ -301,3 +297,47 @@ class _InputSegment(torch.nn.Module):
 
     def forward(self, positions: Any) -> Any:
         return self.segment(torch.from_numpy(self.source.samples(positions).dense).to(self.device))
+
+
+# --- the converted model in a standalone script (difftest.standalone) ------------------------------------------------
+def build_model(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> Any:
+    """The converted model with one trainable parameter per Keras weight, from the script's data (the exported ONNX
+    graph, the Keras weights, the probe batch), as `convert_onnx` builds it; in `dtype`."""
+    import onnx
+
+    graph = convert_graph(onnx.load_model_from_string(data["onnx"].tobytes()), case["converter"]).float()
+    weights = {name[len("weight."):]: value for name, value in data.items() if name.startswith("weight.")}
+    model = ConvertedModel(graph, weights, tuple(case["frozen"]), torch.from_numpy(data["probe"]))
+    return model.to(dtype)
+
+
+def converted_model_code(spec: Any, init_state: dict[str, np.ndarray], model_dir: Path | None, probe: np.ndarray,
+                         kind_functions: tuple[Any, ...], data: dict[str, np.ndarray]) -> Any:
+    """A converted Keras model's `ModelCode`: the exported graph and the Keras weights as data, the converter and the
+    trainable mapping as `convert_onnx` runs them, and the kind's own loss and parameter reading (`kind_functions`)."""
+    import onnx
+
+    from difftest.errors import ConversionFailed, Unsupported
+    from difftest.generator import ModelCode
+    from difftest.stack import current
+    from generators.onnx_files import onnx_export
+
+    try:
+        graph = onnx_export(model_dir).read_bytes()
+    except (ConversionFailed, OSError) as exc:
+        raise Unsupported(f"no ONNX export to ship with the script ({exc})") from None
+    converter = spec.params["converter"]
+    weights = {n: v for n, v in init_state.items() if not n.endswith(("moving_mean", "moving_variance"))}
+    made_by = ", ".join(f"{name} {version}" for name, version in current()["libraries"].items()
+                        if name in ("tf2onnx", "tensorflow", "tensorflow-cpu", "keras"))
+    return ModelCode(
+        summary=f"The model is the ONNX graph tf2onnx (opset 18) exported from a Keras model ({made_by}), converted "
+                f"to PyTorch by {converter}, with one trainable parameter per Keras weight (ONNX {onnx.__version__}; "
+                "the graph is the script's data: TensorFlow is not needed).",
+        libraries=("onnx", converter), preamble=("import itertools",),
+        functions=(convert_graph, _slots, _layout, _Mapped, _make_parameter, ConvertedModel, build_model,
+                   *kind_functions),
+        case={"converter": converter, "frozen": [f"{layer}/" for layer in spec.frozen]},
+        data={"onnx": np.frombuffer(graph, dtype=np.uint8), "probe": probe, **data,
+              **{f"weight.{name}": value for name, value in weights.items()}},
+        parameters=tuple(weights))

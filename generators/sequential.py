@@ -367,8 +367,7 @@ class SequentialGenerator(Generator):
     def loss(self, prediction: Any, batch: Batch) -> Any:
         import torch
 
-        labels = torch.from_numpy(batch.labels).to(prediction.device)
-        return torch.nn.functional.cross_entropy(prediction, labels)
+        return logits_loss(prediction, torch.from_numpy(batch.labels).to(prediction.device))
 
     def features(self, spec: ModelSpec) -> list[str]:
         """What `analyze` tabulates findings by: the model's layer kinds and activations."""
@@ -387,8 +386,16 @@ class SequentialGenerator(Generator):
         return super().tensor_class(re.sub(r"^l\d+_", "", tensor))  # `l2_dense/kernel` → `dense/kernel`
 
     def parameters(self, module: Any) -> dict[str, Any]:
-        """Keras name → tensor in Keras layout (views of the trainable PyTorch parameters)."""
-        return _unwrap(module).keras_parameters()
+        return model_parameters(module)
+
+    def standalone_model(self, spec: ModelSpec, init_state: dict[str, np.ndarray], model_dir: Any,
+                         train: Batch) -> Any:
+        from generators.conversion import converted_model_code
+
+        probe = self.inputs(spec, 12)["eval"].dense
+        return converted_model_code(spec, init_state, model_dir, probe, (logits_loss, model_loss, _unwrap,
+                                                                         model_parameters),
+                                    {"train.dense": train.dense, "train.labels": train.labels})
 
 
 _WEIGHTLESS = {"Dropout", "Activation", "Flatten", "Reshape", "MaxPooling1D", "AveragePooling1D", "MaxPooling2D",
@@ -448,6 +455,25 @@ def _converted(module: Any) -> Any:
         if module is None:
             return None
     return module
+
+
+def logits_loss(prediction: Any, labels: Any) -> Any:
+    import torch
+
+    return torch.nn.functional.cross_entropy(prediction, labels)
+
+
+def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> Any:
+    """The loss on training samples start..stop of a standalone script's data, as `forward` and `loss` compute it."""
+    import torch
+
+    dense = torch.from_numpy(data["train.dense"][start:stop]).to(dtype)
+    return logits_loss(module(dense), torch.from_numpy(data["train.labels"][start:stop]))
+
+
+def model_parameters(module: Any) -> dict[str, Any]:
+    """Keras name → tensor in Keras layout (views of the trainable PyTorch parameters), through any wrapper."""
+    return _unwrap(module).keras_parameters()
 
 
 def _unwrap(module: Any) -> Any:

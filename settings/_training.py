@@ -202,3 +202,4 @@ def parameter_holders(module: Any) -> list[tuple[str, Any]]:
         if name and owned:
             holders.append((name, m))
     return holders
+

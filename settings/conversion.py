@@ -18,7 +18,7 @@ from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from difftest.standalone import Script, StandaloneCase, failure_pattern
 from generators import _tf
-from generators.conversion import _onnx2pytorch, _onnx2torch
+from generators.conversion import convert_graph
 from settings._training import to_numpy, train_single_process
 from settings.tensorflow import TF_REFERENCE
 
@@ -102,7 +102,7 @@ class Conversion(Setting):
             libraries=("torch", "onnx", self.backend, "numpy"),
             preamble=(),
             case={"backend": self.backend},
-            functions=(_onnx2pytorch, _onnx2torch, single_process, on_rank),
+            functions=(convert_graph, single_process, on_rank),
             tensors={}, world_size=1, failure=failure_pattern(case.status, message),
             data={"onnx": np.frombuffer(graph, dtype=np.uint8),
                   "probe": case.generator.inputs(case.spec, 12)["eval"].dense})
@@ -143,7 +143,7 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     import onnx
 
     proto = onnx.load_model_from_string(data["onnx"].tobytes())
-    graph = {"onnx2pytorch": _onnx2pytorch, "onnx2torch": _onnx2torch}[case["backend"]](proto)
+    graph = convert_graph(proto, case["backend"])
     with torch.no_grad():
         graph.float()(torch.from_numpy(data["probe"]))
     return {}

@@ -5,12 +5,15 @@ mix frozen and trainable parameters, as the frozen-parameter variants need."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest.devices import DATA_PARALLEL, SHARDED, across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import build_for_training, canonical_parameters, train_data_parallel
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 
@@ -36,25 +39,42 @@ class LegacyFsdp(Setting):
         return across(self.world_size, DATA_PARALLEL | (SHARDED if self.strategy != "no_shard" else frozenset()))
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        import torch
-        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-
         module = build_for_training(model, ctx.device)
-        wrapped = FullyShardedDataParallel(
-            module, process_group=ctx.group, device_id=torch.device(ctx.device),
-            sharding_strategy=ShardingStrategy[self.strategy.upper()], use_orig_params=True,
-        )
+        wrapped = distribute(module, ctx.group, ctx.device, {"strategy": self.strategy})
         self.wrapped(ctx, wrapped)
 
-        def full_parameters() -> dict | None:
-            with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
-                full = canonical_parameters(model, wrapped)
+        def read() -> dict | None:
+            full = full_parameters(wrapped, lambda m: canonical_parameters(model, m))
             return full if ctx.rank == 0 else None
 
-        return train_data_parallel(ctx, model, inputs, wrapped, full_parameters)
+        return train_data_parallel(ctx, model, inputs, wrapped, read)
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        from settings._training_script import training_script
+
+        return training_script(case, f"Legacy FullyShardedDataParallel (ShardingStrategy.{self.strategy.upper()}, "
+                               "use_orig_params=True) around the whole model", self.world_size,
+                               (distribute, full_parameters), {"strategy": self.strategy})
 
     def wrapped(self, ctx: RunContext, module: Any) -> None:
         """Called once the model is wrapped, before training (a hook for planted faults)."""
+
+
+def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
+    """The model in legacy FSDP, as the setting wraps it (a standalone script copies this)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    return FullyShardedDataParallel(module, process_group=group, device_id=torch.device(device),
+                                    sharding_strategy=ShardingStrategy[setting["strategy"].upper()], use_orig_params=True)
+
+
+def full_parameters(wrapped: Any, read: Any) -> Any:
+    """`read(wrapped)` while every parameter is whole (FSDP1 gathers its flat shards)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
+        return read(wrapped)
 
 
 register_settings(LegacyFsdp(ws, strategy) for strategy in STRATEGIES for ws in (2, 3, 4))

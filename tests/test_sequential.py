@@ -121,3 +121,31 @@ def test_a_conversion_failure_reproduces_from_the_onnx_file_alone(fresh_sequenti
         assert "import difftest" not in text and "import tensorflow" not in text
         assert emitted.checked.reproduces == (verdicts[(model, setting)] != "ok"), emitted.checked.output[-2000:]
         assert emitted.checked.exit_code == (1 if verdicts[(model, setting)] != "ok" else 0), emitted.checked.output[-2000:]
+
+
+def test_a_training_finding_reproduces_from_the_onnx_file_alone(fresh_sequential_run: Path) -> None:
+    """Legacy FSDP with NO_SHARD trains a converted model's transposed (non-contiguous) weight wrongly
+    (`fsdp1-no-shard-noncontiguous`); FULL_SHARD trains it as one process does. The script of each, with the ONNX
+    file, the Keras weights and the batch as its data, reaches the setting's verdict where difftest does not import."""
+    from difftest import known
+    from difftest.analysis import envelope_spread
+    from difftest.oracle import Tolerance
+    from difftest.standalone import MAX_LINES
+    from difftest.standalone_findings import emit
+
+    model, buggy, sound = "sequential-s0-i0", "fsdp1/no_shard/ws2", "fsdp1/full_shard/ws2"
+    run_sweep(fresh_sequential_run, SweepOptions(settings=f"{buggy},{sound}", models=model, timeout_s=180))
+    analysis = analyze(fresh_sequential_run)
+    verdicts = analysis.cases.set_index(["model", "setting"])["verdict"]
+    expected = "inconsistent" if known.reproduces_here("fsdp1-no-shard-noncontiguous") else "ok"
+    assert verdicts[(model, buggy)] == expected, "the manifest says which releases have the bug"
+    assert verdicts[(model, sound)] == "ok"
+    for number, setting in enumerate((buggy, sound)):
+        emitted = emit(fresh_sequential_run, f"P{number}", "a training finding", "inconsistent",
+                       fresh_sequential_run / "models" / model, setting, "param_after_step1/l0_dense/kernel",
+                       envelope_spread(fresh_sequential_run, model, setting), Tolerance(), check_timeout_s=120)
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        text = emitted.path.read_text()
+        assert "import difftest" not in text and "import tensorflow" not in text and text.count("\n") <= MAX_LINES
+        assert emitted.checked.exit_code == (0 if verdicts[(model, setting)] == "ok" else 1), \
+            emitted.checked.output[-3000:]

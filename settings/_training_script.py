@@ -1,0 +1,96 @@
+"""A data-parallel training setting's standalone script (`difftest.standalone`): what `training_script` assembles,
+and the functions copied into it beside the model's (`Generator.standalone_model`: `build_model`, `model_loss`,
+`model_parameters`) and the setting's (`distribute`, `full_parameters`), which the script defines before these.
+The steps are those `settings._training.record_training` takes: plain SGD, each rank on its contiguous share."""
+
+# ruff: noqa: F821 -- the model's and the setting's functions are defined in the script, before these
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from settings._training import to_numpy
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
+
+# what the script defines before these functions (declared here so that this module checks on its own)
+build_model: Callable[..., Any]
+model_loss: Callable[..., Any]
+model_parameters: Callable[..., dict[str, Any]]
+distribute: Callable[..., Any]
+full_parameters: Callable[..., Any]
+
+
+def training_script(case: StandaloneCase, summary: str, world_size: int, setting_functions: tuple[Any, ...],
+                    setting: dict[str, Any], libraries: tuple[str, ...] = ()) -> Script:
+    """The script of a data-parallel training setting's disagreement: the model as its kind builds it
+    (`Generator.standalone_model`), as many steps of plain SGD as it took to diverge, on the whole batch in one process against the same
+    steps through the setting's wrapper, each rank on its contiguous share; it compares the parameters after them.
+    `setting_functions` are the setting's own `distribute(module, group, device, setting)` and
+    `full_parameters(wrapped, read)`."""
+    import re
+
+    from difftest.errors import Unsupported
+    from difftest.standalone import Script
+
+    train = case.inputs["train"]
+    step = re.match(r"param_after_step(\d+)/(.+)", case.first_divergence)
+    if case.failure or step is None:
+        raise Unsupported(f"it first diverges at {case.first_divergence or 'a failure'}, not at a parameter after a "
+                          "training step, which is what a training script compares")
+    model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, train)
+    if model is None:
+        raise Unsupported(f"{case.spec.kind} models have no standalone form (Generator.standalone_model)")
+    phase = f"param_after_step{step[1]}"
+    # every parameter the envelope measured; without one (judged by allclose), every parameter: a minimal case's
+    # model may no longer hold the tensor the finding's example first diverged at
+    names = [n for n in model.parameters if f"{phase}/{n}" in case.spread] or list(model.parameters)
+    return Script(
+        summary=f"{summary}, {step[1]} step(s) of plain SGD (lr {case.lr:g}) over {world_size} CPU ranks "
+                "(gloo), each on its contiguous share of the batch, against the same steps on the whole batch in one "
+                f"process: the parameters after them. {model.summary}",
+        libraries=("torch", *model.libraries, *libraries, "numpy"),
+        preamble=model.preamble,
+        case={**model.case, "setting": setting, "device": "cpu", "lr": case.lr, "steps": int(step[1]),
+              "batch": train.size},
+        functions=(*model.functions, *setting_functions, to_numpy, sgd_on_share, parameters_after, single_process, on_rank),
+        tensors={f"{phase}/{n}": f"{phase}/{n}" for n in names}, data=model.data, world_size=world_size)
+
+
+def sgd_on_share(module: Any, data: dict[str, Any], case: dict[str, Any], rank: int, world_size: int,
+                 dtype: Any) -> None:
+    """`case["steps"]` steps of plain SGD on this rank's contiguous share of the training batch."""
+    import torch
+
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=case["lr"])
+    share = case["batch"] // world_size
+    for _ in range(case["steps"]):
+        optimizer.zero_grad()
+        model_loss(module, data, rank * share, (rank + 1) * share, dtype).backward()
+        optimizer.step()
+
+
+def parameters_after(module: Any, case: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {f"param_after_step{case['steps']}/{name}": to_numpy(value) for name, value in model_parameters(module).items()}
+
+
+def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
+    """The reference: the steps on the whole batch in one process, in `dtype`."""
+    module = build_model(data, case, dtype)
+    sgd_on_share(module, data, case, 0, 1, dtype)
+    return parameters_after(module, case)
+
+
+def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The setting: the model wrapped as the setting wraps it, each rank training on its share."""
+    import torch
+    import torch.distributed as dist
+
+    wrapped = distribute(build_model(data, case, torch.float32), dist.group.WORLD, case["device"], case["setting"])
+    sgd_on_share(wrapped, data, case, rank, world_size, torch.float32)
+    params = full_parameters(wrapped, lambda module: parameters_after(module, case))
+    return params if rank == 0 else None

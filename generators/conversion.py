@@ -317,19 +317,11 @@ def converted_model_code(spec: Any, init_state: dict[str, np.ndarray], model_dir
     trainable mapping as `convert_onnx` runs them, and the kind's own loss and parameter reading (`kind_functions`)."""
     import onnx
 
-    from difftest.errors import ConversionFailed, Unsupported
     from difftest.generator import ModelCode
-    from difftest.stack import current
-    from generators.onnx_files import onnx_export
 
-    try:
-        graph = onnx_export(model_dir).read_bytes()
-    except (ConversionFailed, OSError) as exc:
-        raise Unsupported(f"no ONNX export to ship with the script ({exc})") from None
+    graph, made_by = shipped_export(model_dir)
     converter = spec.params["converter"]
     weights = {n: v for n, v in init_state.items() if not n.endswith(("moving_mean", "moving_variance"))}
-    made_by = ", ".join(f"{name} {version}" for name, version in current()["libraries"].items()
-                        if name in ("tf2onnx", "tensorflow", "tensorflow-cpu", "keras"))
     return ModelCode(
         summary=f"The model is the ONNX graph tf2onnx (opset 18) exported from a Keras model ({made_by}), converted "
                 f"to PyTorch by {converter}, with one trainable parameter per Keras weight (ONNX {onnx.__version__}; "
@@ -338,6 +330,22 @@ def converted_model_code(spec: Any, init_state: dict[str, np.ndarray], model_dir
         functions=(convert_graph, _slots, _layout, _Mapped, _make_parameter, ConvertedModel, build_model,
                    *kind_functions),
         case={"converter": converter, "frozen": [f"{layer}/" for layer in spec.frozen]},
-        data={"onnx": np.frombuffer(graph, dtype=np.uint8), "probe": probe, **data,
+        data={"onnx": graph, "probe": probe, **data,
               **{f"weight.{name}": value for name, value in weights.items()}},
         parameters=tuple(weights))
+
+
+def shipped_export(model_dir: Path | None) -> tuple[np.ndarray, str]:
+    """The model's exported ONNX graph as a standalone script's data (its bytes), and the releases that made it;
+    `Unsupported` where the export failed."""
+    from difftest.errors import Unsupported
+    from difftest.stack import current
+    from generators.onnx_files import onnx_export
+
+    try:
+        graph = onnx_export(model_dir).read_bytes()
+    except (ConversionFailed, OSError) as exc:
+        raise Unsupported(f"no ONNX export to ship with the script ({exc})") from None
+    made_by = ", ".join(f"{name} {version}" for name, version in current()["libraries"].items()
+                        if name in ("tf2onnx", "tensorflow", "tensorflow-cpu", "keras"))
+    return np.frombuffer(graph, dtype=np.uint8), made_by

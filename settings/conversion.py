@@ -13,12 +13,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.errors import ConversionFailed, Unsupported
+from difftest.errors import Unsupported
 from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
 from difftest.standalone import Script, StandaloneCase, failure_pattern
 from generators import _tf
-from generators.conversion import convert_graph
+from generators.conversion import convert_graph, shipped_export
 from settings._training import to_numpy, train_single_process
 from settings.tensorflow import TF_REFERENCE
 
@@ -78,23 +78,14 @@ class Conversion(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         """A converter's or ONNX Runtime's failure on the exported graph: the ONNX file is the script's data, so
         it needs onnx and the backend, not TensorFlow (a disagreement is judged against TensorFlow: no script)."""
-        import numpy as np
 
-        from generators.onnx_files import onnx_export
 
         if not case.failure:
             raise Unsupported("a conversion that disagrees is judged against TensorFlow's run, which the script "
                               "does not hold")
-        try:
-            graph = onnx_export(case.model_dir).read_bytes()
-        except (ConversionFailed, OSError) as exc:
-            raise Unsupported(f"no ONNX export to ship with the script ({exc})") from None
+        graph, made_by = shipped_export(case.model_dir)
         # difftest records a converter's exception inside its ConversionFailed; the script raises it unwrapped
         message = re.sub(rf"^(?:[\w.]*\.)?ConversionFailed: {self.backend}(?: module fails to run:)? ", "", case.message)
-        from difftest.stack import current
-
-        made_by = ", ".join(f"{name} {version}" for name, version in current()["libraries"].items()
-                            if name in ("tf2onnx", "tensorflow", "tensorflow-cpu", "keras"))
         return Script(
             summary=f"The ONNX graph tf2onnx (opset 18) exported from a Keras model ({made_by}), "
                     f"{standalone_backend_use(self.backend)} on a probe batch: it fails where the same model runs in "
@@ -104,8 +95,7 @@ class Conversion(Setting):
             case={"backend": self.backend},
             functions=(convert_graph, single_process, on_rank),
             tensors={}, world_size=1, failure=failure_pattern(case.status, message),
-            data={"onnx": np.frombuffer(graph, dtype=np.uint8),
-                  "probe": case.generator.inputs(case.spec, 12)["eval"].dense})
+            data={"onnx": graph, "probe": case.generator.inputs(case.spec, 12)["eval"].dense})
 
 
 def _onnxruntime_predict(model: Any, x: Any) -> Any:

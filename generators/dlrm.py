@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from difftest.generator import EmbeddingTable, Generator, order_by_words
+from difftest.generator import EmbeddingTable, Generator, ModelCode, order_by_words
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators.inputs import Batch, jagged_feature
@@ -187,23 +187,26 @@ class DlrmGenerator(Generator):
         return _build_module(params, device)
 
     def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
-        import torch
-
-        module = self.module(spec.params, device)
-        module.load_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()}, strict=True)
-        for name, param in module.named_parameters():
-            if name in spec.frozen:
-                param.requires_grad_(False)
-        return module
+        return with_state(self.module(spec.params, device), init_state, spec.frozen)
 
     def loss(self, prediction: Any, batch: Batch) -> Any:
         import torch
 
-        labels = torch.from_numpy(batch.labels).to(prediction.device)
-        return torch.nn.functional.binary_cross_entropy(prediction, labels)
+        return torch.nn.functional.binary_cross_entropy(prediction, torch.from_numpy(batch.labels).to(prediction.device))
 
     def parameters(self, module: Any) -> dict[str, Any]:
-        return dict(_unwrap(module).named_parameters())
+        return model_parameters(module)
+
+    def standalone_model(self, spec: ModelSpec, init_state: dict[str, np.ndarray], model_dir: Any,
+                         train: Batch) -> ModelCode:
+        return ModelCode(
+            summary="The model is a DLRM-like recommendation model in plain PyTorch and TorchRec: unweighted and "
+                    "weighted EmbeddingBagCollections and a dense MLP feeding an over-arch MLP, binary cross-entropy.",
+            libraries=("torchrec", "fbgemm-gpu-cpu"), preamble=(),
+            functions=(_build_module, with_state, build_model, model_loss, _unwrap, model_parameters),
+            case={"model": spec.params, "frozen": list(spec.frozen)},
+            data={**{f"state.{k}": v for k, v in init_state.items()}, **train.to_arrays("train")},
+            parameters=tuple(init_state))
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         """Predictions plus each feature's pooled embedding, so a finding points at the layer it starts in."""
@@ -259,6 +262,50 @@ def feature_kjt(batch: Batch, names: list[str], weighted: bool, device: str) -> 
         lengths=torch.from_numpy(np.concatenate([f.lengths for f in feats])).to(device),
         weights=torch.from_numpy(np.concatenate([f.weights for f in feats])).to(device) if weighted else None,
     )
+
+
+def with_state(module: Any, state: dict[str, np.ndarray], frozen: Any) -> Any:
+    """`module` with the weights `state` (parameter name → array) and the parameters `frozen` frozen."""
+    import torch
+
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
+    for name, param in module.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return module
+
+
+# --- the model in a standalone script (difftest.standalone): its data holds the weights and the training batch -------
+def build_model(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> Any:
+    state = {name[len("state."):]: value for name, value in data.items() if name.startswith("state.")}
+    return with_state(_build_module(case["model"], "cpu"), state, case["frozen"]).to(dtype)
+
+
+def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> Any:
+    """The loss on training samples start..stop of the script's data, as `forward` and `loss` compute it."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    def kjt(weighted: bool) -> Any:
+        keys = [f for t in _unwrap(module).table_specs if t["weighted"] == weighted for f in t["features"]]
+        values, lengths, weights = [], [], []
+        for key in keys:
+            bags = data[f"train.sparse.{key}.lengths"]
+            lo, hi = bags[:start].sum(), bags[:stop].sum()
+            lengths.append(bags[start:stop])
+            values.append(data[f"train.sparse.{key}.values"][lo:hi])
+            weights.append(data[f"train.sparse.{key}.weights"][lo:hi] if weighted else None)
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.from_numpy(np.concatenate(lengths)),
+            weights=torch.from_numpy(np.concatenate(weights)).to(dtype) if weighted else None)
+
+    dense = torch.from_numpy(data["train.dense"][start:stop]).to(dtype)
+    prediction = module(dense, kjt(False), kjt(True))
+    return torch.nn.functional.binary_cross_entropy(prediction, torch.from_numpy(data["train.labels"][start:stop]).to(dtype))
+
+
+def model_parameters(module: Any) -> dict[str, Any]:
+    return dict(_unwrap(module).named_parameters())
 
 
 def _unwrap(module: Any) -> Any:

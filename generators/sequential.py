@@ -395,7 +395,7 @@ class SequentialGenerator(Generator):
         probe = self.inputs(spec, 12)["eval"].dense
         return converted_model_code(spec, init_state, model_dir, probe, (logits_loss, model_loss, _unwrap,
                                                                          model_parameters),
-                                    {"train.dense": train.dense, "train.labels": train.labels})
+                                    train.to_arrays("train"))
 
 
 _WEIGHTLESS = {"Dropout", "Activation", "Flatten", "Reshape", "MaxPooling1D", "AveragePooling1D", "MaxPooling2D",

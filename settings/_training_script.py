@@ -30,8 +30,8 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     """The script of a data-parallel training setting's disagreement: the model as its kind builds it
     (`Generator.standalone_model`), as many steps of plain SGD as it took to diverge, on the whole batch in one process against the same
     steps through the setting's wrapper, each rank on its contiguous share; it compares the parameters after them.
-    `setting_functions` are the setting's own `distribute(module, group, device, setting)` and
-    `full_parameters(wrapped, read)`."""
+    `setting_functions` are the setting's own, among them `distribute(module, group, device, setting)` (the
+    module wrapped) and `full_parameters(wrapped, read)` (every tensor `read(wrapped)` names, whole)."""
     import re
 
     from difftest.errors import Unsupported
@@ -74,15 +74,15 @@ def sgd_on_share(module: Any, data: dict[str, Any], case: dict[str, Any], rank: 
         optimizer.step()
 
 
-def parameters_after(module: Any, case: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {f"param_after_step{case['steps']}/{name}": to_numpy(value) for name, value in model_parameters(module).items()}
+def parameters_after(tensors: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {f"param_after_step{case['steps']}/{name}": to_numpy(value) for name, value in tensors.items()}
 
 
 def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
     """The reference: the steps on the whole batch in one process, in `dtype`."""
     module = build_model(data, case, dtype)
     sgd_on_share(module, data, case, 0, 1, dtype)
-    return parameters_after(module, case)
+    return parameters_after(model_parameters(module), case)
 
 
 def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
@@ -92,5 +92,5 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
 
     wrapped = distribute(build_model(data, case, torch.float32), dist.group.WORLD, case["device"], case["setting"])
     sgd_on_share(wrapped, data, case, rank, world_size, torch.float32)
-    params = full_parameters(wrapped, lambda module: parameters_after(module, case))
-    return params if rank == 0 else None
+    whole = full_parameters(wrapped, model_parameters)  # collective: every rank takes part
+    return parameters_after(whole, case) if rank == 0 else None

@@ -12,19 +12,16 @@ bf16 run (what sharding adds).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest.devices import SHARDED, across
 from difftest.oracle import Tolerance
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
-from settings._training import (
-    build_for_training,
-    device_mesh,
-    gathered_parameters,
-    parameter_holders,
-    train_data_parallel,
-)
+from settings._training import build_for_training, parameter_holders, to_numpy, train_data_parallel
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
 
 # bf16 keeps 8 significant bits: unit roundoff u = 2**-8. A layer rounds its input, its weights and its
 # output (3u); the generated models are at most ~6 layers deep, so outputs may be off by ~18u relative.
@@ -68,32 +65,73 @@ class FullyShard(Setting):
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         from settings._compat import fully_shard_for
 
-        fully_shard = fully_shard_for(ctx.device)
+        fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device
         module = build_for_training(model, ctx.device)
-        make_contiguous(module)
-        blocks = model.blocks(module) if self.wrap == "per-layer" else None
-        options = dict(mesh=device_mesh(ctx), reshard_after_forward=self.reshard_after_forward)
-        units = fsdp2_units(model, module) if self.wrap == "per-layer" else []
-        for _, unit in reversed(units):  # innermost first: a unit owns what its wrapped children do not
-            # a block hands bf16 activations to the next and to the root's own layers (torchtitan's policy); a unit
-            # per layer hands back fp32, so what runs between units (activations, pooling) stays fp32
-            fully_shard(unit, **options, mp_policy=self.policy(inner=blocks is not None))
-        fully_shard(module, **options, mp_policy=self.policy(inner=False))
-        ctx.notes["units"] = str(len(units) + 1)
+        layout = self.layout(model, module)
+        distribute(module, ctx.group, ctx.device, layout)
+        ctx.notes["units"] = str(len(layout["units"]) + 1)
         self.sharded(ctx, module)
-        return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module))
 
-    def policy(self, inner: bool) -> Any:
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        def read() -> dict | None:
+            full = {name: to_numpy(tensor) for name, tensor in full_parameters(module, model.parameters).items()}
+            return full if ctx.rank == 0 else None
 
-        if self.precision != "bf16":
-            return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                    output_dtype=None if inner else torch.float32)
+        return train_data_parallel(ctx, model, inputs, module, read)
+
+    def layout(self, model: Any, module: Any) -> dict[str, Any]:
+        """What `distribute` needs: the units (a transformer's blocks, else every layer holding a parameter; none for
+        one whole-model unit), whether they are blocks, and the options."""
+        units = [name for name, _ in fsdp2_units(model, module)] if self.wrap == "per-layer" else []
+        return {"units": units, "blocks": self.wrap == "per-layer" and model.blocks(module) is not None,
+                "reshard_after_forward": self.reshard_after_forward, "precision": self.precision}
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        from difftest.artifacts import LoadedModel
+        from settings._training_script import training_script
+
+        model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
+        return training_script(case, f"FSDP2 fully_shard ({self.wrap} units, reshard_after_forward="
+                               f"{self.reshard_after_forward}, {self.precision} compute)", self.world_size,
+                               (make_contiguous, mixed_precision, distribute, full_parameters),
+                               self.layout(model, model.build("cpu")))
 
     def sharded(self, ctx: RunContext, module: Any) -> None:
         """Called once the model is sharded, before training (a hook for planted faults)."""
+
+
+def mixed_precision(precision: str, inner: bool) -> Any:
+    """FSDP2's policy for `precision`: for bf16 a block hands bf16 activations to the next and to the root's own
+    layers (torchtitan's policy); a unit per layer (`inner` False) hands back fp32, so what runs between units
+    (activations, pooling) stays fp32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision != "bf16":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                output_dtype=None if inner else torch.float32)
+
+
+def distribute(module: Any, group: Any, device: str, layout: dict[str, Any]) -> Any:
+    """FSDP2 over `group`, as `FullyShard.run` shards: each unit named in `layout`, innermost first (a unit owns what
+    its wrapped children do not), then the root, on a 1-D mesh of the group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    make_contiguous(module)
+    mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
+    options = dict(mesh=mesh, reshard_after_forward=layout["reshard_after_forward"])
+    for name in reversed(layout["units"]):
+        fully_shard(module.get_submodule(name), **options, mp_policy=mixed_precision(layout["precision"],
+                                                                                      inner=layout["blocks"]))
+    return fully_shard(module, **options, mp_policy=mixed_precision(layout["precision"], inner=False))
+
+
+def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
+    """Every tensor `read(wrapped)` names, whole (FSDP2 holds DTensor shards: all-gathered, collectively)."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for name, t in read(wrapped).items()}
 
 
 def fsdp2_units(model: Any, module: Any) -> list[tuple[str, Any]]:

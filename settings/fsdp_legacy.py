@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from difftest.devices import DATA_PARALLEL, SHARDED, across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
-from settings._training import build_for_training, canonical_parameters, train_data_parallel
+from settings._training import build_for_training, to_numpy, train_data_parallel
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
@@ -44,7 +44,7 @@ class LegacyFsdp(Setting):
         self.wrapped(ctx, wrapped)
 
         def read() -> dict | None:
-            full = full_parameters(wrapped, lambda m: canonical_parameters(model, m))
+            full = {name: to_numpy(tensor) for name, tensor in full_parameters(wrapped, model.parameters).items()}
             return full if ctx.rank == 0 else None
 
         return train_data_parallel(ctx, model, inputs, wrapped, read)
@@ -69,12 +69,12 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
                                     sharding_strategy=ShardingStrategy[setting["strategy"].upper()], use_orig_params=True)
 
 
-def full_parameters(wrapped: Any, read: Any) -> Any:
-    """`read(wrapped)` while every parameter is whole (FSDP1 gathers its flat shards)."""
+def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
+    """Every tensor `read(wrapped)` names, whole: copied while FSDP1 has gathered its flat shards."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
-        return read(wrapped)
+        return {name: tensor.detach().clone() for name, tensor in read(wrapped).items()}
 
 
 register_settings(LegacyFsdp(ws, strategy) for strategy in STRATEGIES for ws in (2, 3, 4))

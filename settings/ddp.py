@@ -8,13 +8,16 @@ locally (`no_sync()` on the first) before the synchronising backward, each loss 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest.devices import DATA_PARALLEL, across
 from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
-from settings._training import build_for_training, canonical_parameters, record_training
+from settings._training import build_for_training, record_training, to_numpy
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -52,14 +55,12 @@ class DataParallel(Setting):
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch
-        from torch.nn.parallel import DistributedDataParallel
 
         module = build_for_training(model, ctx.device)
         trainable = [p for p in module.parameters() if p.requires_grad]
         if not trainable:
             raise Unsupported("every parameter is frozen; DDP refuses a module with nothing to train")
-        device_ids = [torch.device(ctx.device)] if ctx.device.startswith("cuda") else None
-        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=ctx.group, **VARIANTS[self.variant])
+        ddp = distribute(module, ctx.group, ctx.device, {"options": VARIANTS[self.variant]})
         optimizer = torch.optim.SGD(trainable, lr=ctx.lr)
 
         def train_step(batch: Any) -> float:
@@ -79,10 +80,35 @@ class DataParallel(Setting):
             optimizer.step()
             return loss_a.item() + loss_b.item()
 
-        def full_parameters() -> dict | None:
-            return canonical_parameters(model, ddp) if ctx.rank == 0 else None
+        def read() -> dict | None:
+            return {name: to_numpy(t) for name, t in full_parameters(ddp, model.parameters).items()} if ctx.rank == 0 \
+                else None
 
-        return record_training(ctx, inputs, lambda b: model.evaluate(ddp, b, ctx.device), train_step, full_parameters)
+        return record_training(ctx, inputs, lambda b: model.evaluate(ddp, b, ctx.device), train_step, read)
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        from settings._training_script import training_script
+
+        if self.variant == "no-sync":
+            raise Unsupported("the no-sync variant's step (two micro-batches, no_sync() on the first) is not the "
+                              "plain step a training script takes")
+        options = ", ".join(f"{k}={v}" for k, v in VARIANTS[self.variant].items())
+        return training_script(case, f"DistributedDataParallel ({options or 'default options'})", self.world_size,
+                               (distribute, full_parameters), {"options": VARIANTS[self.variant]})
+
+
+def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
+    """The model in DistributedDataParallel with the variant's options, as the setting wraps it."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [torch.device(device)] if device.startswith("cuda") else None
+    return DistributedDataParallel(module, device_ids=device_ids, process_group=group, **setting["options"])
+
+
+def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
+    """Every tensor `read(wrapped)` names (every rank holds them whole)."""
+    return {name: tensor.detach().clone() for name, tensor in read(wrapped).items()}
 
 
 register_settings(DataParallel(ws, variant) for variant in VARIANTS for ws in (2, 3, 4))

@@ -43,12 +43,12 @@ def test_a_standalone_script_reaches_its_settings_verdict_where_difftest_does_no
 
 
 def test_a_finding_whose_family_has_no_emitter_gets_no_script_and_a_reason(fresh_run: Path) -> None:
-    ddp = next(s for s in all_settings() if s.family == "ddp" and s.world_size == 2)
-    emitted = emit(fresh_run, "T9", "a DDP finding", "inconsistent", fresh_run / "models" / MODEL, ddp.name,
+    pipeline = next(s for s in all_settings() if s.family == "pipeline" and s.world_size == 2)
+    emitted = emit(fresh_run, "T9", "a pipeline finding", "inconsistent", fresh_run / "models" / MODEL, pipeline.name,
                    "eval_before/prediction", {}, Tolerance())
     folder = fresh_run / "findings" / "T9"
     assert emitted.path is None and not (folder / STANDALONE_FILE).exists()
-    assert emitted.describe() == "no standalone script: the `ddp` family has no emitter"
+    assert emitted.describe() == "no standalone script: the `pipeline` family has no emitter"
     assert (folder / "standalone.txt").read_text().startswith(emitted.describe())
     # a TorchRec case whose first divergence is past the embedding lookup is not one the script can show
     emitted = emit(fresh_run, "T9", "a TorchRec finding", "inconsistent", fresh_run / "models" / MODEL,
@@ -88,11 +88,11 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
 
 
 # the training settings' scripts: the model's own code (`Generator.standalone_model`) and the setting's wrapper
-TRAINING = ("fsdp2/per-layer/no-reshard/fp32/ws2", "fsdp1/full_shard/ws2")
+TRAINING = ("fsdp2/per-layer/no-reshard/fp32/ws2", "fsdp1/full_shard/ws2", "ddp/bucket-tiny/ws2")
 
 
 def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) -> None:
-    """FSDP2 and legacy FSDP train this DLRM-like model as one process does on this stack (on torch 2.7 and 2.8 FSDP2
+    """FSDP2, legacy FSDP and DDP train this DLRM-like model as one process does on this stack (on torch 2.7 and 2.8 FSDP2
     did not: gloo's AVG reduce-scatter summed, `gloo-reduce-scatter-avg-sums`); each script, judged by the envelope,
     says so too. The Keras test in test_sequential.py holds the other verdict (legacy FSDP's NO_SHARD bug)."""
     run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in TRAINING), timeout_s=120))

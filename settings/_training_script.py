@@ -31,7 +31,9 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     (`Generator.standalone_model`), as many steps of plain SGD as it took to diverge, on the whole batch in one process against the same
     steps through the setting's wrapper, each rank on its contiguous share; it compares the parameters after them.
     `setting_functions` are the setting's own, among them `distribute(module, group, device, setting)` (the
-    module wrapped) and `full_parameters(wrapped, read)` (every tensor `read(wrapped)` names, whole)."""
+    module wrapped), `full_parameters(wrapped, read)` (every tensor `read(wrapped)` names, whole) and, where the steps
+    run inside a context, `stepping(module)`. `setting["data_parallel"]`: how many shares the batch is cut into
+    (default: one per rank)."""
     import re
 
     from difftest.errors import Unsupported
@@ -49,15 +51,20 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     # every parameter the envelope measured; without one (judged by allclose), every parameter: a minimal case's
     # model may no longer hold the tensor the finding's example first diverged at
     names = [n for n in model.parameters if f"{phase}/{n}" in case.spread] or list(model.parameters)
+    shares = setting.get("data_parallel", world_size)
+    fed = ("each on its contiguous share of the batch" if shares == world_size else "every rank on the whole batch"
+           if shares == 1 else f"each of {shares} groups of ranks on its contiguous share of the batch")
     return Script(
-        summary=f"{summary}, {step[1]} step(s) of plain SGD (lr {case.lr:g}) over {world_size} CPU ranks "
-                "(gloo), each on its contiguous share of the batch, against the same steps on the whole batch in one "
-                f"process: the parameters after them. {model.summary}",
+        summary=f"{summary}, {step[1]} step(s) of plain SGD (lr {case.lr:g}) over {world_size} CPU ranks (gloo), "
+                f"{fed}, against the same steps on the whole batch in one process: the parameters after them. "
+                f"{model.summary}",
         libraries=("torch", *model.libraries, *libraries, "numpy"),
         preamble=model.preamble,
         case={**model.case, "setting": setting, "device": "cpu", "lr": case.lr, "steps": int(step[1]),
               "batch": train.size},
-        functions=(*model.functions, *setting_functions, to_numpy, sgd_on_share, parameters_after, single_process, on_rank),
+        functions=(*model.functions, *setting_functions, to_numpy, sgd_on_share,
+                   *(() if any(f.__name__ == "stepping" for f in setting_functions) else (stepping,)),
+                   parameters_after, single_process, on_rank),
         tensors={f"{phase}/{n}": f"{phase}/{n}" for n in names}, data=model.data, world_size=world_size)
 
 
@@ -67,11 +74,20 @@ def sgd_on_share(module: Any, data: dict[str, Any], case: dict[str, Any], rank: 
     import torch
 
     optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=case["lr"])
-    share = case["batch"] // world_size
+    shares = case["setting"].get("data_parallel", world_size)  # the ranks of a tensor-parallel group share one
+    share, index = case["batch"] // shares, rank // (world_size // shares)
     for _ in range(case["steps"]):
         optimizer.zero_grad()
-        model_loss(module, data, rank * share, (rank + 1) * share, dtype).backward()
+        with stepping(module):
+            model_loss(module, data, index * share, (index + 1) * share, dtype).backward()
         optimizer.step()
+
+
+def stepping(module: Any) -> Any:
+    """What the steps run inside: nothing, unless the setting says otherwise (its own `stepping`)."""
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def parameters_after(tensors: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray]:

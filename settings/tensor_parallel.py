@@ -17,13 +17,16 @@ computed under `loss_parallel()`; it applies to those plans only (a derived plan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest.devices import SHARDED, across
 from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings._training import build_for_training, device_mesh, gathered_parameters, record_training
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
 
 
 def linear_pairs(module: Any) -> list[tuple[str, str]]:
@@ -74,11 +77,14 @@ class TensorParallel(Setting):
 
     def plan(self, model: Any, module: Any, inputs: Any, device: str) -> dict[str, Any]:
         """Module name → ParallelStyle over this setting's `world_size` tensor-parallel ranks."""
-        from torch.distributed.tensor.parallel import ColwiseParallel
-
         own = model.tp_plan(module, self.world_size, self.sequence_parallel, self.loss_parallel)
         if own is not None:
             return own
+        return {name: parallel_style(spec) for name, spec in self.derived_plan(model, module, inputs, device).items()}
+
+    def derived_plan(self, model: Any, module: Any, inputs: Any, device: str) -> dict[str, dict[str, Any]]:
+        """The plan of a kind without its own, as data (module name → `parallel_style`'s spec): column-wise then
+        row-wise on every pair of Linear layers one feeds the other alone."""
         if self.loss_parallel:
             raise Unsupported(f"loss parallel needs a plan that shards the output projection over the vocabulary; "
                               f"{model.spec.kind} models have no such plan")
@@ -89,19 +95,12 @@ class TensorParallel(Setting):
         if self.sequence_parallel and not position_dims:
             raise Unsupported("no row-wise Linear outputs a (batch, seq, feature) or (batch·seq, feature) tensor "
                               "to shard on positions")
-        plan: dict[str, Any] = {}
+        plan: dict[str, dict[str, Any]] = {}
         for column, row in pairs:
-            plan[column] = ColwiseParallel(use_local_output=False)
-            plan[row] = self.row_style(position_dims.get(row))
+            plan[column] = {"style": "colwise"}
+            plan[row] = {"style": "rowwise",
+                         "shard_dim": position_dims.get(row) if self.sequence_parallel else None}
         return plan
-
-    def row_style(self, position_dim: int | None) -> Any:
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import RowwiseParallel
-
-        if self.sequence_parallel and position_dim is not None:
-            return RowwiseParallel(output_layouts=Shard(position_dim), use_local_output=False)
-        return RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
 
     @property
     def collectives(self) -> frozenset[str]:
@@ -127,13 +126,11 @@ class TensorParallel(Setting):
 
         import torch
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor.experimental import implicit_replication
         from torch.distributed.tensor.parallel import loss_parallel
 
         # a sharded tensor may reach the model's output: hand back the whole tensor, except to a loss-parallel loss
         training = [False]
-        module.register_forward_hook(lambda _m, _a, out: out.full_tensor()
-                                     if isinstance(out, DTensor) and not (training[0] and self.loss_parallel) else out)
+        whole_outputs_and_gradients(module, keep_sharded=lambda: training[0] and self.loss_parallel)
         optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
 
         def train_step(batch: Any) -> float:
@@ -147,16 +144,75 @@ class TensorParallel(Setting):
                 training[0] = False
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
-            for parameter in module.parameters():
-                # a parameter outside the plan that met a DTensor activation gets a replicated DTensor grad
-                if not isinstance(parameter, DTensor) and isinstance(parameter.grad, DTensor):
-                    parameter.grad = parameter.grad.full_tensor()
             optimizer.step()
             return loss.item()
 
-        with implicit_replication():  # plain constants in the graph meet DTensor activations
+        with stepping(module):
             return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step,
                                    lambda: gathered_parameters(ctx, model, module), data_shard=data_shard)
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        from difftest.artifacts import Inputs, LoadedModel
+        from settings._training_script import training_script
+        from settings.fsdp import full_parameters
+
+        model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
+        module = model.build("cpu")
+        if model.tp_plan(module, self.world_size, self.sequence_parallel, self.loss_parallel) is not None:
+            raise Unsupported(f"{case.spec.kind} models run their own tensor-parallel plan, which is code, not data")
+        plan = self.derived_plan(model, module, Inputs(case.inputs["train"], case.inputs["eval"]), "cpu")
+        described = ", ".join(f"{name}: {_describe(parallel_style(spec))}" for name, spec in plan.items())
+        return training_script(case, f"Tensor parallel (parallelize_module; {described})", self.world_size,
+                               (parallel_style, whole_outputs_and_gradients, stepping, distribute, full_parameters),
+                               {"plan": plan, "data_parallel": 1})
+
+
+def parallel_style(spec: dict[str, Any]) -> Any:
+    """ColwiseParallel keeping its output a DTensor, or RowwiseParallel: all-reduced to a replicated plain tensor, or
+    with `shard_dim` (sequence parallel) reduce-scattered onto the positions, kept a DTensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if spec["style"] == "colwise":
+        return ColwiseParallel(use_local_output=False)
+    if spec["shard_dim"] is not None:
+        return RowwiseParallel(output_layouts=Shard(spec["shard_dim"]), use_local_output=False)
+    return RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
+
+
+def whole_outputs_and_gradients(module: Any, keep_sharded: Any = lambda: False) -> None:
+    """A sharded tensor reaching the model's output is handed back whole (unless `keep_sharded()`: to a loss-parallel
+    loss), and a parameter outside the plan that met a DTensor activation gets its gradient whole, not a replicated
+    DTensor an optimizer cannot add to it."""
+    from torch.distributed.tensor import DTensor
+
+    def whole_gradient(parameter: Any) -> None:
+        if isinstance(parameter.grad, DTensor):
+            parameter.grad = parameter.grad.full_tensor()
+
+    module.register_forward_hook(lambda _m, _a, out: out.full_tensor()
+                                 if isinstance(out, DTensor) and not keep_sharded() else out)
+    for parameter in module.parameters():
+        if parameter.requires_grad and not isinstance(parameter, DTensor):
+            parameter.register_post_accumulate_grad_hook(whole_gradient)
+
+
+def stepping(module: Any) -> Any:
+    """Plain constants in a converted graph meet DTensor activations: replicated implicitly while the model steps."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
+
+
+def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
+    """Tensor parallel over `group` with the plan (module name → `parallel_style`'s spec), as the setting applies it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("tp",))
+    parallelize_module(module, mesh, {name: parallel_style(spec) for name, spec in setting["plan"].items()})
+    whole_outputs_and_gradients(module)
+    return module
 
 
 def _describe(style: Any) -> str:

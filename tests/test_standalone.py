@@ -88,13 +88,15 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
 
 
 # the training settings' scripts: the model's own code (`Generator.standalone_model`) and the setting's wrapper
-TRAINING = ("fsdp2/per-layer/no-reshard/fp32/ws2", "fsdp1/full_shard/ws2", "ddp/bucket-tiny/ws2")
+TRAINING = ("fsdp2/per-layer/no-reshard/fp32/ws2", "fsdp1/full_shard/ws2", "ddp/bucket-tiny/ws2",
+            "tp/colwise-rowwise/ws2")
 
 
 def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) -> None:
-    """FSDP2, legacy FSDP and DDP train this DLRM-like model as one process does on this stack (on torch 2.7 and 2.8 FSDP2
-    did not: gloo's AVG reduce-scatter summed, `gloo-reduce-scatter-avg-sums`); each script, judged by the envelope,
-    says so too. The Keras test in test_sequential.py holds the other verdict (legacy FSDP's NO_SHARD bug)."""
+    """FSDP2, legacy FSDP, DDP and tensor parallel train this DLRM-like model as one process does on this stack (on
+    torch 2.7 and 2.8 FSDP2 did not: gloo's AVG reduce-scatter summed, `gloo-reduce-scatter-avg-sums`); each script,
+    judged by the envelope, says so too. The other verdict: the Keras test in test_sequential.py (legacy FSDP's
+    NO_SHARD bug) and the oldest release's (tensor parallel training a frozen parameter)."""
     run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in TRAINING), timeout_s=120))
     verdicts = analyze(fresh_run).cases.set_index(["model", "setting"])["verdict"]
     for number, setting in enumerate(TRAINING):

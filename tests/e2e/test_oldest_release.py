@@ -50,8 +50,16 @@ def test_the_oldest_release_runs_or_says_which_release_it_needs(tmp_path: Path) 
     # tensor parallelism derives its Linear pairs from a probe of the data flow, which keys autograd nodes by id():
     # on the older releases that found no pair until the probe held the nodes (TP was unsupported on every DLRM)
     dlrm = tmp_path / "dlrm"
-    _difftest(python, "generate", "--out", str(dlrm), "--kind", "dlrm", "--models", "1")
+    _difftest(python, "generate", "--out", str(dlrm), "--kind", "dlrm", "--models", "2")  # the second is frozen
     _difftest(python, "sweep", str(dlrm), "--settings", "tp/colwise-rowwise/ws2")
     cases = pd.read_csv(dlrm / "comparisons.csv", keep_default_na=False)
-    tp = cases[cases.setting == "tp/colwise-rowwise/ws2"]
+    tp = cases[(cases.setting == "tp/colwise-rowwise/ws2") & (cases.model == "dlrm-s0-i0")]
     assert len(tp) and set(tp.status) == {"ok"}, tp[["status", "message"]].drop_duplicates().to_dict("records")
+    # and there it trains the frozen model's frozen parameter (fixed in torch 2.11): the finding's standalone script,
+    # written on this release, shows it with torch alone
+    _difftest(python, "analyze", str(dlrm), "--minimize-budget", "0")
+    findings = pd.read_csv(dlrm / "findings.csv", keep_default_na=False)
+    frozen = findings[findings.known_issue == "tp-colwise-rowwise-unfreezes-frozen-parameters"]
+    assert len(frozen) == 1, findings[["id", "known_issue", "title"]].to_dict("records")
+    verdict = (dlrm / "findings" / frozen.iloc[0]["id"] / "standalone.txt").read_text()
+    assert verdict.startswith("standalone.py reproduces (exit 1)") and "BUG PRESENT" in verdict, verdict[-3000:]

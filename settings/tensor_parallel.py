@@ -80,7 +80,11 @@ class TensorParallel(Setting):
         own = model.tp_plan(module, self.world_size, self.sequence_parallel, self.loss_parallel)
         if own is not None:
             return own
-        return {name: parallel_style(spec) for name, spec in self.derived_plan(model, module, inputs, device).items()}
+        return {name: self.style(spec) for name, spec in self.derived_plan(model, module, inputs, device).items()}
+
+    def style(self, spec: dict[str, Any]) -> Any:
+        """The ParallelStyle of a derived plan's spec (a hook for planted faults)."""
+        return parallel_style(spec)
 
     def derived_plan(self, model: Any, module: Any, inputs: Any, device: str) -> dict[str, dict[str, Any]]:
         """The plan of a kind without its own, as data (module name → `parallel_style`'s spec): column-wise then

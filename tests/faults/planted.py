@@ -252,10 +252,12 @@ class TensorParallelWrongDim(TensorParallel):
     def name(self) -> str:
         return f"faults/tp_wrong_dim/ws{self.world_size}"
 
-    def row_style(self, sequence_output: bool) -> Any:
+    def style(self, spec: dict[str, Any]) -> Any:
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel
 
+        if spec["style"] != "rowwise":
+            return super().style(spec)
         return ColwiseParallel(input_layouts=Shard(-1), use_local_output=True)
 
 

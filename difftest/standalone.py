@@ -87,6 +87,15 @@ class Script:
     failure: str | None = None
 
 
+def refuse_changed_hooks(setting: Any, family: type, *hooks: str) -> None:
+    """An emitter copies its family's module, not a subclass's code: a setting that overrides one of the family's
+    hooks (a planted fault, a plugin's variant) runs what the script would not, and gets no script."""
+    changed = [hook for hook in ("run", *hooks) if getattr(type(setting), hook) is not getattr(family, hook)]
+    if changed:
+        raise Unsupported(f"{type(setting).__name__} overrides {', '.join(changed)} of {family.__name__}, which the "
+                          f"script, copied from {family.__name__}'s module, would not run")
+
+
 _SIGNAL = re.compile(r"killed by (SIG[A-Z]+)")
 _EXCEPTION = re.compile(r"^(?:[\w.]*\.)?([A-Z]\w*): ([^\d(\[{'\"|<]*)")  # `InvalidGraph: [ONNXRuntimeError] …` too
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from difftest.errors import Unsupported
 from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import Script, StandaloneCase, failure_pattern
+from difftest.standalone import Script, StandaloneCase, failure_pattern, refuse_changed_hooks
 from generators import _tf
 from generators.conversion import convert_graph, shipped_export
 from settings._training import to_numpy, train_single_process
@@ -78,8 +78,7 @@ class Conversion(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         """A converter's or ONNX Runtime's failure on the exported graph: the ONNX file is the script's data, so
         it needs onnx and the backend, not TensorFlow (a disagreement is judged against TensorFlow: no script)."""
-
-
+        refuse_changed_hooks(self, Conversion, "converted")
         if not case.failure:
             raise Unsupported("a conversion that disagrees is judged against TensorFlow's run, which the script "
                               "does not hold")

@@ -14,6 +14,7 @@ from difftest.devices import DATA_PARALLEL, across
 from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import refuse_changed_hooks
 from settings._training import build_for_training, record_training, to_numpy
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ class DataParallel(Setting):
         return record_training(ctx, inputs, lambda b: model.evaluate(ddp, b, ctx.device), train_step, read)
 
     def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, DataParallel)
+
         from settings._training_script import training_script
 
         if self.variant == "no-sync":

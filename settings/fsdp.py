@@ -18,6 +18,7 @@ from difftest.devices import SHARDED, across
 from difftest.oracle import Tolerance
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
+from difftest.standalone import refuse_changed_hooks
 from settings._training import build_for_training, parameter_holders, to_numpy, train_data_parallel
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class FullyShard(Setting):
                 "reshard_after_forward": self.reshard_after_forward, "precision": self.precision}
 
     def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, FullyShard, "sharded")
+
         from difftest.artifacts import LoadedModel
         from settings._training_script import training_script
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from difftest.devices import DATA_PARALLEL, SHARDED, across
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import refuse_changed_hooks
 from settings._training import build_for_training, to_numpy, train_data_parallel
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class LegacyFsdp(Setting):
         return train_data_parallel(ctx, model, inputs, wrapped, read)
 
     def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, LegacyFsdp, "wrapped")
+
         from settings._training_script import training_script
 
         return training_script(case, f"Legacy FullyShardedDataParallel (ShardingStrategy.{self.strategy.upper()}, "

@@ -25,7 +25,7 @@ import numpy as np
 from difftest.errors import Unsupported
 from difftest.registry import register_settings, traits_of
 from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import Script, StandaloneCase
+from difftest.standalone import Script, StandaloneCase, refuse_changed_hooks
 from settings import _error_bounds as bounds
 from settings._training import to_numpy
 from settings.torchrec_sharding import (
@@ -146,6 +146,7 @@ class QuantizedEmbeddings(Setting):
 
     # --- a standalone script (difftest.standalone) ------------------------------------------------
     def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, QuantizedEmbeddings, "load_quantized_state")
         tables = case.generator.embedding_tables(case.spec)
         if tables is None:
             raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")

@@ -23,6 +23,7 @@ from difftest.devices import SHARDED, across
 from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import refuse_changed_hooks
 from settings._training import build_for_training, device_mesh, gathered_parameters, record_training
 
 if TYPE_CHECKING:
@@ -156,6 +157,8 @@ class TensorParallel(Setting):
                                    lambda: gathered_parameters(ctx, model, module), data_shard=data_shard)
 
     def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, TensorParallel, "style")
+
         from difftest.artifacts import Inputs, LoadedModel
         from settings._training_script import training_script
         from settings.fsdp import full_parameters

@@ -20,7 +20,7 @@ from difftest.devices import SHARDED, across
 from difftest.errors import Unsupported
 from difftest.registry import register_settings, register_world_reset, traits_of
 from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import Script, StandaloneCase
+from difftest.standalone import Script, StandaloneCase, refuse_changed_hooks
 from settings._training import EVAL_BEFORE, assemble, gather_to_rank0, record_training, to_numpy
 
 SHARDING_TYPES = (
@@ -156,6 +156,7 @@ class TorchRecSharding(Setting):
 
     # --- a standalone script (difftest.standalone) ------------------------------------------------
     def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, TorchRecSharding, "load_initial_state")
         tables = case.generator.embedding_tables(case.spec)
         if tables is None:
             raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")

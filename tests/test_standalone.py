@@ -50,6 +50,11 @@ def test_a_finding_whose_family_has_no_emitter_gets_no_script_and_a_reason(fresh
     assert emitted.path is None and not (folder / STANDALONE_FILE).exists()
     assert emitted.describe() == "no standalone script: the `pipeline` family has no emitter"
     assert (folder / "standalone.txt").read_text().startswith(emitted.describe())
+    # a planted fault overrides a hook of its family's setting: a script copied from the family's module would not
+    # hold the fault, so it gets none (rather than a script that says the bug is gone)
+    emitted = emit(fresh_run, "T9", "a planted fault", "inconsistent", fresh_run / "models" / MODEL,
+                   "faults/fsdp1_skip_predivide/full_shard/ws2", "param_after_step1/over.0.weight", {}, Tolerance())
+    assert emitted.path is None and "overrides wrapped of LegacyFsdp" in emitted.why_not, emitted.why_not
     # a TorchRec case whose first divergence is past the embedding lookup is not one the script can show
     emitted = emit(fresh_run, "T9", "a TorchRec finding", "inconsistent", fresh_run / "models" / MODEL,
                    TORCHREC[0], "param_after_step1/over.0.weight", {}, Tolerance())

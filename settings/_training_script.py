@@ -27,9 +27,9 @@ full_parameters: Callable[..., Any]
 
 def training_script(case: StandaloneCase, summary: str, world_size: int, setting_functions: tuple[Any, ...],
                     setting: dict[str, Any], libraries: tuple[str, ...] = ()) -> Script:
-    """The script of a data-parallel training setting's disagreement: the model as its kind builds it
-    (`Generator.standalone_model`), as many steps of plain SGD as it took to diverge, on the whole batch in one process against the same
-    steps through the setting's wrapper, each rank on its contiguous share; it compares the parameters after them.
+    """The script of a training setting's disagreement: the model as its kind builds it (`Generator.standalone_model`),
+    as many steps of plain SGD as it took to diverge, on the whole batch in one process against the same steps through
+    the setting's wrapper, each rank on its share of the batch; it compares the parameters after them.
     `setting_functions` are the setting's own, among them `distribute(module, group, device, setting)` (the
     module wrapped), `full_parameters(wrapped, read)` (every tensor `read(wrapped)` names, whole) and, where the steps
     run inside a context, `stepping(module)`. `setting["data_parallel"]`: how many shares the batch is cut into

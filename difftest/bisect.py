@@ -3,7 +3,8 @@
 Each release's environment (`difftest.releases.environment`: torch with the fbgemm-gpu and torchrec built for it, made
 once and cached) runs the finding's own `findings/<id>/repro.py`: its minimal case, through this checkout's engine,
 against what it is judged against. The script's exit code says what happened there. A local build or a nightly is a
-path to its python instead of a release.
+path to its python instead of a release. With `standalone`, the finding's `standalone.py` runs instead: it needs no
+difftest, so any python with torch and the finding's libraries can be a target.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def probe(python: Path, script: Path, timeout_s: float) -> tuple[str, Outcome, str]:
-    """(stack, outcome, one line of detail) of the finding's script run by `python`."""
+def probe(python: Path, script: Path, timeout_s: float, standalone: bool = False) -> tuple[str, Outcome, str]:
+    """(stack, outcome, one line of detail) of the finding's script (`repro.py`, or `standalone.py`) run by `python`."""
     asked = subprocess.run([str(python), "-c", _STACK_PROBE], capture_output=True, text=True, timeout=120)
     if asked.returncode != 0:
         return "", Outcome.COULD_NOT_RUN, f"torch does not import: {_last_line(asked.stderr)}"
@@ -99,8 +100,10 @@ def probe(python: Path, script: Path, timeout_s: float) -> tuple[str, Outcome, s
                               cwd=script.parent)
     except subprocess.TimeoutExpired:
         return stack, Outcome.COULD_NOT_RUN, f"no answer within {timeout_s:.0f}s"
-    outcome = EXIT_CODES.get(done.returncode, Outcome.COULD_NOT_RUN)
     printed = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    if standalone:
+        return (stack, *_standalone_outcome(done.returncode, printed, done.stderr))
+    outcome = EXIT_CODES.get(done.returncode, Outcome.COULD_NOT_RUN)
     if outcome is Outcome.COULD_NOT_RUN:
         return stack, outcome, f"exit {done.returncode}: {_last_line(done.stderr) or _last_line(done.stdout)}"
     if outcome is Outcome.OK and printed and printed[0].endswith(": unsupported"):
@@ -111,10 +114,30 @@ def probe(python: Path, script: Path, timeout_s: float) -> tuple[str, Outcome, s
     return stack, outcome, (" · ".join(useful[:2]) if useful else printed[0] if printed else "")[:400]
 
 
+def _standalone_outcome(code: int, printed: list[str], stderr: str) -> tuple[Outcome, str]:
+    """What a `standalone.py` said: exit 1 with BUG PRESENT, exit 0, or anything else (it could not run the setting,
+    the setting failed another way, or the script failed on its own: exit 2)."""
+    from difftest.standalone import BUG_PRESENT
+
+    off = next((line for line in printed if " elements off" in line and not line.split(": ", 1)[-1].startswith("0 of")),
+               "")
+    last = printed[-1] if printed else ""
+    if code == 1 and any(line.startswith(BUG_PRESENT) for line in printed):
+        return Outcome.REPRODUCES, " · ".join(filter(None, (off, last)))[:400]
+    if code == 0:
+        return Outcome.OK, last[:400]
+    return Outcome.COULD_NOT_RUN, f"exit {code}: {last if code == 2 and last else _last_line(stderr) or last}"[:400]
+
+
 def bisect(run_dir: Path, finding: str, spec: str, cache: Path | None = None, timeout_s: float = 600.0,
-           log: Callable[[str], None] = lambda _: None, on_step: Callable[[Step], None] = lambda _: None) -> list[Step]:
-    script = Path(run_dir) / "findings" / finding / "repro.py"
+           log: Callable[[str], None] = lambda _: None, on_step: Callable[[Step], None] = lambda _: None,
+           standalone: bool = False) -> list[Step]:
+    folder = Path(run_dir) / "findings" / finding
+    script = folder / ("standalone.py" if standalone else "repro.py")
     if not script.is_file():
+        if standalone and (folder / "standalone.txt").is_file():
+            raise UserError(f"{finding}: {(folder / 'standalone.txt').read_text().splitlines()[0]}; bisect its "
+                            "repro.py instead (leave out --standalone)")
         raise UserError(f"{script}: no such finding's reproducer; findings.csv in {run_dir} lists the findings "
                         "(run `difftest analyze` first if it has none)")
     steps = []
@@ -131,7 +154,7 @@ def bisect(run_dir: Path, finding: str, spec: str, cache: Path | None = None, ti
                 on_step(step)
                 continue
         assert python is not None
-        stack, outcome, detail = probe(python, script, timeout_s)
+        stack, outcome, detail = probe(python, script, timeout_s, standalone)
         step = Step(target.label, stack, outcome, detail, time.perf_counter() - started)
         steps.append(step)
         on_step(step)

@@ -508,6 +508,7 @@ def bisect(
     torch: Annotated[str, typer.Option("--torch", help="Releases to try, oldest first: a range 2.6.0..2.14.1 (every supported release between), a list 2.8,2.10, or paths to a python with its own torch (a local build, a nightly).")],
     cache: Annotated[Path | None, typer.Option("--cache", help="Where each release's environment is made once and kept (default: $DIFFTEST_STACKS, else ~/.cache/difftest/stacks).")] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds the finding's reproducer may take on one release.")] = 600.0,
+    standalone: Annotated[bool, typer.Option("--standalone", help="Run the finding's standalone.py instead of its repro.py: it needs no difftest, so a python given by path needs only torch and the finding's libraries.")] = False,
 ) -> None:
     """Re-run a finding's minimal case on each torch release (with the fbgemm-gpu and torchrec made for it): which
     reproduce it, which are ok, and the first release where it appears and where it is gone."""
@@ -521,7 +522,7 @@ def bisect(
         table.add_row(step.target, escape(step.stack), str(step.outcome), escape(step.detail), f"{step.seconds:.0f}")
 
     steps = run_bisect(run_dir, finding, torch, cache, timeout, log=lambda line: console.print(escape(line)),
-                       on_step=show)
+                       on_step=show, standalone=standalone)
     out_console.print(table)
     out_console.print(verdict(steps), highlight=False)
 

@@ -132,6 +132,23 @@ def test_bisect_reads_what_a_reproducer_says(tmp_path: Path, code: int, first: s
     assert "needs torch >= 2.9" in detail and detail.startswith("exit 7") == (code == 7)
 
 
+@pytest.mark.parametrize(("code", "said", "expected"), [
+    (1, "BUG PRESENT: the setting disagrees", Outcome.REPRODUCES), (0, "ok: the setting agrees", Outcome.OK),
+    (2, "COULD NOT RUN the setting: ValueError: x", Outcome.COULD_NOT_RUN),
+    # exit 1 without the script's own words is not the bug (an import failing on its own exits 1 too)
+    (1, "Traceback", Outcome.COULD_NOT_RUN)])
+def test_bisect_reads_what_a_standalone_script_says(tmp_path: Path, code: int, said: str, expected: Outcome) -> None:
+    from difftest.bisect import probe
+
+    script = tmp_path / "standalone.py"
+    lines = ["python 3.11, torch 2.9.1", "w: 0 of 4 elements off, 0.1x what rounding explains",
+             "b: 3 of 4 elements off, 9e4x what rounding explains", said]
+    script.write_text(f"import sys\nprint({chr(10).join(lines)!r})\nsys.exit({code})\n")
+    _, outcome, detail = probe(Path(sys.executable), script, timeout_s=60, standalone=True)
+    assert outcome is expected, detail
+    assert detail.startswith("b: 3 of 4") == (expected is Outcome.REPRODUCES) and said in detail
+
+
 @pytest.mark.slow
 def test_bisect_runs_a_torchrec_finding_on_three_releases(tmp_path: Path) -> None:
     """A real finding (grid_shard with MEAN pooling), minimised here, re-run on three releases' environments (made

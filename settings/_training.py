@@ -136,15 +136,17 @@ def sgd_step(model: Any, module: Any, optimizer: Any, batch: Batch, device: str)
     return loss.item()
 
 
-def canonical_parameters(model: Any, module: Any) -> dict[str, np.ndarray]:
-    """Every parameter under its canonical name, whole. Collective when parameters are DTensors (FSDP2,
-    tensor parallel): every rank must call it."""
+def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
+    """Every tensor `read(wrapped)` names, whole: a DTensor (FSDP2, tensor parallel) all-gathered, so every rank must
+    call it. A standalone script of a setting whose parameters are whole or DTensors copies this one."""
     from torch.distributed.tensor import DTensor
 
-    full = {}
-    for name, tensor in model.parameters(module).items():
-        full[name] = to_numpy(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
-    return full
+    return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in read(wrapped).items()}
+
+
+def canonical_parameters(model: Any, module: Any) -> dict[str, np.ndarray]:
+    """Every parameter under its canonical name, whole (collective for DTensors: every rank must call it)."""
+    return {name: to_numpy(tensor) for name, tensor in full_parameters(module, model.parameters).items()}
 
 
 def gathered_parameters(ctx: RunContext, model: Any, module: Any) -> dict[str, np.ndarray] | None:

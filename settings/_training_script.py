@@ -1,7 +1,7 @@
-"""A data-parallel training setting's standalone script (`difftest.standalone`): what `training_script` assembles,
-and the functions copied into it beside the model's (`Generator.standalone_model`: `build_model`, `model_loss`,
-`model_parameters`) and the setting's (`distribute`, `full_parameters`), which the script defines before these.
-The steps are those `settings._training.record_training` takes: plain SGD, each rank on its contiguous share."""
+"""A training setting's standalone script (`difftest.standalone`): what `training_script` assembles, and the functions
+copied into it beside the model's (`Generator.standalone_model`: `build_model`, `model_loss`, `model_parameters`) and
+the setting's (`distribute`, `full_parameters`), which the script defines before these. The steps are those
+`settings._training.record_training` takes: plain SGD, each rank (or group of ranks) on its contiguous share."""
 
 # ruff: noqa: F821 -- the model's and the setting's functions are defined in the script, before these
 

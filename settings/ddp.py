@@ -15,7 +15,7 @@ from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from difftest.standalone import refuse_changed_hooks
-from settings._training import build_for_training, record_training, to_numpy
+from settings._training import build_for_training, canonical_parameters, full_parameters, record_training
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
@@ -82,8 +82,7 @@ class DataParallel(Setting):
             return loss_a.item() + loss_b.item()
 
         def read() -> dict | None:
-            return {name: to_numpy(t) for name, t in full_parameters(ddp, model.parameters).items()} if ctx.rank == 0 \
-                else None
+            return canonical_parameters(model, ddp) if ctx.rank == 0 else None
 
         return record_training(ctx, inputs, lambda b: model.evaluate(ddp, b, ctx.device), train_step, read)
 
@@ -107,11 +106,6 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
 
     device_ids = [torch.device(device)] if device.startswith("cuda") else None
     return DistributedDataParallel(module, device_ids=device_ids, process_group=group, **setting["options"])
-
-
-def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
-    """Every tensor `read(wrapped)` names (every rank holds them whole)."""
-    return {name: tensor.detach().clone() for name, tensor in read(wrapped).items()}
 
 
 register_settings(DataParallel(ws, variant) for variant in VARIANTS for ws in (2, 3, 4))

@@ -19,7 +19,13 @@ from difftest.oracle import Tolerance
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from difftest.standalone import refuse_changed_hooks
-from settings._training import build_for_training, parameter_holders, to_numpy, train_data_parallel
+from settings._training import (
+    build_for_training,
+    full_parameters,
+    gathered_parameters,
+    parameter_holders,
+    train_data_parallel,
+)
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
@@ -73,11 +79,7 @@ class FullyShard(Setting):
         ctx.notes["units"] = str(len(layout["units"]) + 1)
         self.sharded(ctx, module)
 
-        def read() -> dict | None:
-            full = {name: to_numpy(tensor) for name, tensor in full_parameters(module, model.parameters).items()}
-            return full if ctx.rank == 0 else None
-
-        return train_data_parallel(ctx, model, inputs, module, read)
+        return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module))
 
     def layout(self, model: Any, module: Any) -> dict[str, Any]:
         """What `distribute` needs: the units (a transformer's blocks, else every layer holding a parameter; none for
@@ -128,13 +130,6 @@ def distribute(module: Any, group: Any, device: str, layout: dict[str, Any]) -> 
         fully_shard(module.get_submodule(name), **options, mp_policy=mixed_precision(layout["precision"],
                                                                                       inner=layout["blocks"]))
     return fully_shard(module, **options, mp_policy=mixed_precision(layout["precision"], inner=False))
-
-
-def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
-    """Every tensor `read(wrapped)` names, whole (FSDP2 holds DTensor shards: all-gathered, collectively)."""
-    from torch.distributed.tensor import DTensor
-
-    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for name, t in read(wrapped).items()}
 
 
 def fsdp2_units(model: Any, module: Any) -> list[tuple[str, Any]]:

@@ -24,7 +24,7 @@ from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from difftest.standalone import refuse_changed_hooks
-from settings._training import build_for_training, device_mesh, gathered_parameters, record_training
+from settings._training import build_for_training, device_mesh, full_parameters, gathered_parameters, record_training
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
@@ -161,7 +161,6 @@ class TensorParallel(Setting):
 
         from difftest.artifacts import Inputs, LoadedModel
         from settings._training_script import training_script
-        from settings.fsdp import full_parameters
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         module = model.build("cpu")

@@ -58,6 +58,10 @@ class ModelCode:
     case: dict[str, Any]  # what the functions read from `CASE`
     data: dict[str, Any]  # arrays they read from the script's data: the weights, the training batch
     parameters: tuple[str, ...]  # the canonical names `model_parameters` returns
+    # the model as the layer chain a pipeline splits (`Generator.chain`), where the kind has one: functions defining
+    # `model_chain(module, data, fed, dtype)` (the units of `module`, the first reading the samples of the batch
+    # `fed["split"]` of the script's data at the positions it is given) and `prediction_loss(prediction, labels)`
+    chain: tuple[Any, ...] = ()
 
 
 class Generator(abc.ABC):

@@ -111,10 +111,11 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
         (folder / stale).unlink(missing_ok=True)
     setting = get_setting(setting_name)
     model, inputs = load_model(model_dir)
+    config = RunConfig.load(run_dir / "run.json")
     case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
                           {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
-                          simulated_local_size(setting.world_size), RunConfig.load(run_dir / "run.json").lr, message,
-                          model_dir)
+                          simulated_local_size(setting.world_size), config.lr, message, model_dir, config.seed,
+                          config.steps)
     try:
         script = setting.standalone(case)
         if script is None:

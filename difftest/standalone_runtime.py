@@ -4,9 +4,9 @@ Its functions are copied verbatim into each script (`difftest.standalone`), so t
 library, numpy and torch: a script must run where difftest is not installed. A script defines beside them
 `single_process(data, case, dtype)` (the reference: the program in one process, in `dtype`) and
 `on_rank(rank, world_size, data, case)` (the setting: every rank runs it, rank 0 returns the full tensors), and the
-constants `CASE`, `WORLD_SIZE`, `TENSORS`, `SPREAD`, `K`, `ATOL`, `RTOL`, `LIBRARIES` and `FAILURE`: for a finding
-that is a failure (an exception, a rank killed by a signal), a regex of how the setting fails, and the script shows
-the bug by the setting failing that way rather than by its tensors.
+constants `CASE`, `WORLD_SIZE`, `LIBRARIES`, and either `TENSORS`, `SPREAD`, `K`, `ATOL`, `RTOL` (a disagreement) or
+`FAILURE`: for a finding that is a failure (an exception, a rank killed by a signal), a regex of how the setting
+fails, and the script shows the bug by the setting failing that way rather than by its tensors.
 """
 
 # ruff: noqa: F821 -- pyflakes does not count a bare annotation as a definition; the script gives each a value
@@ -38,7 +38,10 @@ FAILURE: str
 single_process: Callable[[dict[str, np.ndarray], dict[str, Any], Any], dict[str, np.ndarray]]
 on_rank: Callable[[int, int, dict[str, np.ndarray], dict[str, Any]], dict[str, np.ndarray] | None]
 
-RUNTIME_FUNCTIONS = ("versions", "free_port", "rank_main", "run_distributed", "judge", "main")
+# copied in this order, less those the script never calls: a failure's script starts at `main_failing`, a
+# disagreement's at `main`
+RUNTIME_FUNCTIONS = ("versions", "free_port", "rank_main", "run_distributed", "judge", "load_data", "main_failing",
+                     "main")
 
 
 def versions() -> str:
@@ -105,22 +108,32 @@ def judge(name: str, x: np.ndarray, s: np.ndarray, c: np.ndarray) -> tuple[bool,
                              f" single process {float(s[worst])!r}, setting {float(x[worst])!r}, float64 {float(c[worst])!r}")
 
 
-def main() -> int:
+def load_data() -> dict[str, np.ndarray]:
     print(versions())
-    data = dict(np.load(Path(__file__).resolve().with_suffix(".npz")))
-    SPREAD.update({name[len("spread."):]: float(v) for name, v in data.items() if name.startswith("spread.")})
+    return dict(np.load(Path(__file__).resolve().with_suffix(".npz")))
+
+
+def main_failing() -> int:
+    """A failure finding: exit 1 while the setting fails as FAILURE says, how its ranks raise (their traceback) or
+    the signal that ends one."""
+    try:
+        run_distributed(load_data())
+    except Exception as exc:
+        present = re.search(FAILURE, failure := f"{type(exc).__name__}: {exc}") is not None
+        print(f"{failure.strip().splitlines()[-1]}\nBUG PRESENT: the setting fails as it did when difftest found it"
+              if present else f"COULD NOT RUN the setting, not as this script shows: {failure}")
+        return 1 if present else 2
+    print("ok: the setting runs through (the failure is gone)")
+    return 0
+
+
+def main() -> int:
+    """A disagreement: exit 1 while a tensor of the setting is further from the single-process program's than
+    rounding explains."""
     import torch
 
-    if FAILURE:  # the bug is the setting failing: how its ranks raise (their traceback) or the signal that ends one
-        try:
-            run_distributed(data)
-        except Exception as exc:
-            present = re.search(FAILURE, failure := f"{type(exc).__name__}: {exc}") is not None
-            print(f"{failure.strip().splitlines()[-1]}\nBUG PRESENT: the setting fails as it did when difftest found it"
-                  if present else f"COULD NOT RUN the setting, not as this script shows: {failure}")
-            return 1 if present else 2
-        print("ok: the setting runs through (the failure is gone)")
-        return 0
+    data = load_data()
+    SPREAD.update({name[len("spread."):]: float(v) for name, v in data.items() if name.startswith("spread.")})
     exact, single = single_process(data, CASE, torch.float64), single_process(data, CASE, torch.float32)
     try:
         actual, present = run_distributed(data), False

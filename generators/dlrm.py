@@ -7,6 +7,7 @@ depend on torch's RNG or version.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -192,7 +193,7 @@ class DlrmGenerator(Generator):
     def loss(self, prediction: Any, batch: Batch) -> Any:
         import torch
 
-        return torch.nn.functional.binary_cross_entropy(prediction, torch.from_numpy(batch.labels).to(prediction.device))
+        return prediction_loss(prediction, torch.from_numpy(batch.labels).to(prediction.device))
 
     def parameters(self, module: Any) -> dict[str, Any]:
         return model_parameters(module)
@@ -203,7 +204,9 @@ class DlrmGenerator(Generator):
             summary="The model is a DLRM-like recommendation model in plain PyTorch and TorchRec: unweighted and "
                     "weighted EmbeddingBagCollections and a dense MLP feeding an over-arch MLP, binary cross-entropy.",
             libraries=("torchrec", "fbgemm-gpu-cpu"), preamble=(),
-            functions=(_build_module, with_state, build_model, model_loss, _unwrap, model_parameters),
+            functions=(_build_module, with_state, build_model, model_inputs, prediction_loss, model_loss, _unwrap,
+                       model_parameters),
+            chain=(_chain_units, model_chain),
             case={"model": spec.params, "frozen": list(spec.frozen)},
             data={**{f"state.{k}": v for k, v in init_state.items()}, **train.to_arrays("train")},
             parameters=tuple(init_state))
@@ -237,7 +240,7 @@ class DlrmGenerator(Generator):
 
         module = self.build(spec, init_state, device)
         source = BatchSource()
-        units = _chain_units(self, module, source, device)
+        units = _chain_units(module, lambda positions: self.model_inputs(module, source.samples(positions), device))
         return LayerChain(units, source, lambda: dict(module.named_parameters()), "prediction")
 
     @staticmethod
@@ -281,8 +284,8 @@ def build_model(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> Any:
     return with_state(_build_module(case["model"], "cpu"), state, case["frozen"]).to(dtype)
 
 
-def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> Any:
-    """The loss on training samples start..stop of the script's data, as `forward` and `loss` compute it."""
+def model_inputs(module: Any, data: dict[str, Any], split: str, start: int, stop: int, dtype: Any) -> tuple[Any, ...]:
+    """(dense tensor, unweighted KJT, weighted KJT) of samples start..stop of the script's `split` batch."""
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -290,18 +293,37 @@ def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: 
         keys = [f for t in _unwrap(module).table_specs if t["weighted"] == weighted for f in t["features"]]
         values, lengths, weights = [], [], []
         for key in keys:
-            bags = data[f"train.sparse.{key}.lengths"]
+            bags = data[f"{split}.sparse.{key}.lengths"]
             lo, hi = bags[:start].sum(), bags[:stop].sum()
             lengths.append(bags[start:stop])
-            values.append(data[f"train.sparse.{key}.values"][lo:hi])
-            weights.append(data[f"train.sparse.{key}.weights"][lo:hi] if weighted else None)
+            values.append(data[f"{split}.sparse.{key}.values"][lo:hi])
+            weights.append(data[f"{split}.sparse.{key}.weights"][lo:hi] if weighted else None)
         return KeyedJaggedTensor.from_lengths_sync(
             keys=keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.from_numpy(np.concatenate(lengths)),
             weights=torch.from_numpy(np.concatenate(weights)).to(dtype) if weighted else None)
 
-    dense = torch.from_numpy(data["train.dense"][start:stop]).to(dtype)
-    prediction = module(dense, kjt(False), kjt(True))
-    return torch.nn.functional.binary_cross_entropy(prediction, torch.from_numpy(data["train.labels"][start:stop]).to(dtype))
+    return torch.from_numpy(data[f"{split}.dense"][start:stop]).to(dtype), kjt(False), kjt(True)
+
+
+def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> Any:
+    """The loss on training samples start..stop of the script's data, as `forward` and `loss` compute it."""
+    import torch
+
+    labels = torch.from_numpy(data["train.labels"][start:stop]).to(dtype)
+    return prediction_loss(module(*model_inputs(module, data, "train", start, stop, dtype)), labels)
+
+
+def prediction_loss(prediction: Any, labels: Any) -> Any:
+    import torch
+
+    return torch.nn.functional.binary_cross_entropy(prediction, labels)
+
+
+def model_chain(module: Any, data: dict[str, Any], fed: dict[str, str], dtype: Any) -> list[Any]:
+    """The model as the chain of units a pipeline splits into stages (`_chain_units`), reading the samples of the
+    script's batch `fed["split"]` at the positions its first unit is given."""
+    return _chain_units(module, lambda positions: model_inputs(
+        module, data, fed["split"], int(positions[0]), int(positions[0]) + len(positions), dtype))
 
 
 def model_parameters(module: Any) -> dict[str, Any]:
@@ -315,7 +337,9 @@ def _unwrap(module: Any) -> Any:
     return module
 
 
-def _chain_units(generator: DlrmGenerator, module: Any, source: Any, device: str) -> list[Any]:
+def _chain_units(module: Any, inputs_at: Callable[[Any], tuple[Any, Any, Any]]) -> list[Any]:
+    """[features, one unit per dense-arch layer, one per over-arch layer]; `inputs_at(positions)`: the model's inputs
+    (dense tensor, unweighted KJT, weighted KJT) of the samples at those positions of the batch being fed."""
     import torch
     from torch import nn
 
@@ -327,7 +351,7 @@ def _chain_units(generator: DlrmGenerator, module: Any, source: Any, device: str
             self.sparse, self.weighted_sparse = module.sparse, module.weighted_sparse
 
         def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            dense, sparse, weighted = generator.model_inputs(module, source.samples(positions), device)
+            dense, sparse, weighted = inputs_at(positions)
             pooled = {**self.sparse(sparse).to_dict(), **self.weighted_sparse(weighted).to_dict()}
             return dense, torch.cat([pooled[f] for f in module.feature_order], dim=1)
 

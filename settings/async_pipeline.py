@@ -29,7 +29,7 @@ from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from generators.inputs import Batch
 from settings._training import gather_to_rank0, record_training, to_numpy
-from settings.pipeline import _microbatches, _stage_examples, balanced_split
+from settings.pipeline import _microbatches, balanced_split, chain_examples
 
 MODES = ("stash", "vertical-sync", "flush")
 
@@ -213,7 +213,7 @@ class AsyncPipeline(Setting):
         if not self.simulate:
             s = ctx.rank
             state["stage"] = _StashedStage(modules[s], ctx.lr, self.mode, self.stash_capacity(s))
-            state["examples"] = _stage_examples(chain, inputs.train, self.microbatches, bounds)[s]
+            state["examples"] = chain_examples(chain, inputs.train, self.microbatches, bounds)[s]
 
         def train_step(batch: Batch) -> float | None:
             return run_step(ctx, model, chain, modules, batch, state)

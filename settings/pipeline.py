@@ -11,9 +11,10 @@ by side as data-parallel replicas, with DDP or FSDP2 inside each stage, on a 2-D
 from __future__ import annotations
 
 import itertools
+import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from difftest.devices import DATA_PARALLEL, POINT_TO_POINT, SHARDED, across
 from difftest.errors import ConversionFailed, Unsupported
 from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import refuse_changed_hooks
 from generators.inputs import Batch
 from settings._compat import PipelineSchedule
 from settings._training import (
@@ -30,6 +32,9 @@ from settings._training import (
     record_training,
     to_numpy,
 )
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
 
 # schedule name -> (torch class name, stages per rank, stage placement)
 SCHEDULES = {
@@ -155,46 +160,32 @@ class Pipeline(Setting):
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch
-        from torch.distributed import pipelining
 
         try:
             chain = model.chain(ctx.device)
         except ConversionFailed as exc:
             raise Unsupported(f"no layer chain: {exc}") from None
-        class_name, per_rank, placement = SCHEDULES[self.schedule]
-        pp, stages = self.pipeline_ranks, self.pipeline_ranks * per_rank
-        if len(chain.units) < stages:
-            raise Unsupported(f"{len(chain.units)} layer units (cuts at layer boundaries) for {stages} stages")
-        if self.split == "balanced":
-            starts = balanced_split(chain.parameter_counts(), stages)
-        else:
-            starts = random_split(len(chain.units), stages, zlib.crc32(f"{ctx.seed}/{self.name}".encode()))
-        ctx.notes["stage starts"] = str(starts)
+        layout = self.layout(chain, ctx.seed)
+        ctx.notes["stage starts"] = str(layout["starts"])
+        pp = self.pipeline_ranks
         groups = _groups(ctx, self.data_parallel, pp)
         dp_index, pp_rank = ctx.rank // pp, ctx.rank % pp
-        mine = [pp_rank, stages - 1 - pp_rank] if placement == "v" else list(range(pp_rank, stages, pp))
-        bounds = [*starts, len(chain.units)]
+        mine = stages_of(pp_rank, pp, layout)
         from generators.chain import ChainStage
 
+        bounds = [*layout["starts"], len(chain.units)]
         modules = {s: ChainStage(chain.units[bounds[s]:bounds[s + 1]]) for s in mine}
-        examples = _stage_examples(chain, inputs.train.shard(dp_index, self.data_parallel), self.microbatches, bounds)
+        examples = chain_examples(chain, inputs.train.shard(dp_index, self.data_parallel), self.microbatches, bounds)
         # read before wrapping: afterwards canonical() all-gathers FSDP2's shards, a collective only rank 0 would join
         canonical_names = set(chain.canonical())
         wrapped = {s: _wrap(m, self.inner, groups, ctx) for s, m in modules.items()}
         device = torch.device(ctx.device)
-        pipeline_stages = [
-            pipelining.PipelineStage(wrapped[s], s, stages, device, input_args=examples[s][0],
-                                     output_args=examples[s][1], group=groups["pp"])
-            for s in mine
-        ]
 
         def loss_fn(output: Any, target: Any) -> Any:
             return model.loss(output, Batch(labels=target.detach().cpu().numpy()))
 
-        schedule_class = getattr(pipelining.schedules, class_name)
-        stage_arg = pipeline_stages if per_rank > 1 else pipeline_stages[0]
-        schedule = PipelineSchedule(schedule_class, stage_arg, self.microbatches, loss_fn, self.scale_grads)
-        holds_last = stages - 1 in mine
+        schedule = pipeline_schedule(wrapped, layout, groups["pp"], ctx.device, examples, loss_fn, self.scale_grads)
+        holds_last = layout["stages"] - 1 in mine
         trainable = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(trainable, lr=ctx.lr) if trainable else None
 
@@ -236,6 +227,58 @@ class Pipeline(Setting):
         return record_training(ctx, inputs, evaluate, train_step, full_parameters,
                                data_shard=(dp_index, self.data_parallel))
 
+    def layout(self, chain: Any, seed: int) -> dict[str, Any]:
+        """How the chain is cut and placed: the schedule's class, the stages, where each starts (balanced, or drawn
+        from the run's seed), how many a rank holds and where (`stages_of`), the micro-batches."""
+        class_name, per_rank, placement = SCHEDULES[self.schedule]
+        stages = self.pipeline_ranks * per_rank
+        if len(chain.units) < stages:
+            raise Unsupported(f"{len(chain.units)} layer units (cuts at layer boundaries) for {stages} stages")
+        if self.split == "balanced":
+            starts = balanced_split(chain.parameter_counts(), stages)
+        else:
+            starts = random_split(len(chain.units), stages, zlib.crc32(f"{seed}/{self.name}".encode()))
+        return {"schedule_class": class_name, "stages": stages, "starts": starts, "per_rank": per_rank,
+                "placement": placement, "microbatches": self.microbatches}
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, Pipeline, "after_backward")
+        from difftest.standalone import Script
+        from generators.chain import ChainStage
+        from settings._pipeline_script import on_rank, single_process
+        from settings._training_script import parameters_after
+
+        if self.data_parallel > 1 or type(self).scale_grads is not Pipeline.scale_grads:
+            raise Unsupported("a hybrid pipeline (replicas with DDP or FSDP2 in each stage) or a changed scale_grads "
+                              "has no emitter")
+        step = re.match(r"param_after_step(\d+)/", case.first_divergence)
+        if not case.failure and step is None:
+            raise Unsupported(f"it first diverges at {case.first_divergence}, not at a parameter after a training "
+                              "step or by failing, which is what a pipeline script shows")
+        model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
+        if model is None or not model.chain:
+            raise Unsupported(f"{case.spec.kind} models have no standalone layer chain (ModelCode.chain)")
+        try:
+            chain = case.generator.chain(case.spec, case.init_state, "cpu", case.model_dir)
+        except ConversionFailed as exc:
+            raise Unsupported(f"no layer chain: {exc}") from None
+        steps = int(step[1]) if step else case.steps
+        names = [n for n in model.parameters if f"param_after_step{steps}/{n}" in case.spread] or list(model.parameters)
+        return Script(
+            summary=f"{self.describe()}: the model's layer chain cut into stages (torch.distributed.pipelining), "
+                    f"evaluated once, then {steps} step(s) of plain SGD (lr {case.lr:g}) over {self.world_size} CPU "
+                    f"ranks (gloo), against the same steps accumulating the micro-batches' gradients in one "
+                    f"process: the parameters after them. {model.summary}",
+            libraries=("torch", *model.libraries, "numpy"),
+            case={**model.case, "setting": self.layout(chain, case.seed), "lr": case.lr, "steps": steps,
+                  "batch": case.inputs["train"].size},
+            functions=(*model.functions, *model.chain, to_numpy, parameters_after, ChainStage, PipelineSchedule,
+                       stages_of, stage_examples, pipeline_schedule, single_process, on_rank),
+            # the compatibility wrapper's refusal on a release without `eval`, by a name the script has
+            preamble=(*model.preamble, "import inspect", "", "Unsupported = NotImplementedError"),
+            tensors={f"param_after_step{steps}/{n}": f"param_after_step{steps}/{n}" for n in names},
+            data={**model.data, **case.inputs["eval"].to_arrays("eval")}, world_size=self.world_size)
+
     # hooks for planted faults
     scale_grads: ClassVar[bool] = True
 
@@ -275,27 +318,52 @@ def _wrap(module: Any, inner: str, groups: dict[str, Any], ctx: RunContext) -> A
     return fully_shard_for(ctx.device)(module, mesh=groups["dp"])
 
 
-def _stage_examples(chain: Any, batch: Batch, microbatches: int, bounds: list[int]) -> dict[int, tuple]:
-    """Each stage's (input, output) for one micro-batch, from running the whole chain once in this process."""
-    import torch
+def stages_of(pp_rank: int, pp: int, layout: dict[str, Any]) -> list[int]:
+    """The stages a pipeline rank holds: every pp-th from its own (loop), or its own and its mirror (V)."""
+    stages = layout["stages"]
+    return [pp_rank, stages - 1 - pp_rank] if layout["placement"] == "v" else list(range(pp_rank, stages, pp))
 
-    from generators.chain import ChainStage
+
+def stage_examples(stage_modules: list[Any], size: int) -> dict[int, tuple]:
+    """Each stage's (inputs, outputs) on the first `size` samples of the batch the chain is fed, from running every
+    stage's module (`ChainStage`) in turn in this process."""
+    import torch
 
     def example(tensor: Any) -> Any:
         # a stage sends back gradients for exactly the received tensors that require them
         return tensor.detach().clone().requires_grad_(tensor.requires_grad)
 
-    first = _microbatches(batch, microbatches)[0]
-    chain.feed(first)
-    value: Any = torch.arange(first.size)
+    value: Any = torch.arange(size)
     examples = {}
-    for s in range(len(bounds) - 1):
+    for s, stage in enumerate(stage_modules):
         inputs = tuple(example(t) for t in (value if isinstance(value, tuple) else (value,)))
-        value = ChainStage(chain.units[bounds[s]:bounds[s + 1]])(*inputs)
+        value = stage(*inputs)
         outputs = value if isinstance(value, tuple) else (value,)
         examples[s] = (inputs, tuple(example(t) for t in outputs))
-    chain.canonical_zero_grad()
+        stage.zero_grad(set_to_none=True)
     return examples
+
+
+def chain_examples(chain: Any, batch: Batch, microbatches: int, bounds: list[int]) -> dict[int, tuple]:
+    """`stage_examples` of the chain cut at `bounds`, on the first micro-batch of `batch`."""
+    from generators.chain import ChainStage
+
+    first = _microbatches(batch, microbatches)[0]
+    chain.feed(first)
+    return stage_examples([ChainStage(chain.units[a:b]) for a, b in zip(bounds, bounds[1:])], first.size)
+
+
+def pipeline_schedule(wrapped: dict[int, Any], layout: dict[str, Any], group: Any, device: str,
+                      examples: dict[int, tuple], loss_fn: Any, scale_grads: bool = True) -> PipelineSchedule:
+    """A PipelineStage of each stage module the rank holds (`wrapped`, in stage order) under the layout's schedule."""
+    import torch
+    from torch.distributed import pipelining
+
+    stages = [pipelining.PipelineStage(module, s, layout["stages"], torch.device(device), input_args=examples[s][0],
+                                       output_args=examples[s][1], group=group) for s, module in wrapped.items()]
+    return PipelineSchedule(getattr(pipelining.schedules, layout["schedule_class"]),
+                            stages if layout["per_rank"] > 1 else stages[0], layout["microbatches"], loss_fn,
+                            scale_grads)
 
 
 def _stage_parameters(chain: Any, modules: dict[int, Any], wrapped: dict[int, Any], inner: str) -> dict:

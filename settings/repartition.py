@@ -26,7 +26,7 @@ from difftest.setting import Outputs, RunContext, Setting, variant_of
 from generators.inputs import Batch
 from settings._compat import PipelineSchedule
 from settings._training import gather_to_rank0, record_training, to_numpy
-from settings.pipeline import SCHEDULES, Accumulation, _stage_examples, balanced_split
+from settings.pipeline import SCHEDULES, Accumulation, balanced_split, chain_examples
 
 TOTAL_STEPS = 4
 MOVE_AFTER = 2
@@ -58,7 +58,7 @@ class _Stages:
         self.bounds = [*starts, len(chain.units)]
         self.units = list(range(self.bounds[ctx.rank], self.bounds[ctx.rank + 1]))
         self.module = ChainStage([chain.units[u] for u in self.units])
-        examples = _stage_examples(chain, inputs.train, microbatches, self.bounds)[ctx.rank]
+        examples = chain_examples(chain, inputs.train, microbatches, self.bounds)[ctx.rank]
         device = torch.device(ctx.device)
         stage = pipelining.PipelineStage(self.module, ctx.rank, stages, device, input_args=examples[0],
                                          output_args=examples[1], group=ctx.group)

@@ -43,12 +43,12 @@ def test_a_standalone_script_reaches_its_settings_verdict_where_difftest_does_no
 
 
 def test_a_finding_whose_family_has_no_emitter_gets_no_script_and_a_reason(fresh_run: Path) -> None:
-    pipeline = next(s for s in all_settings() if s.family == "pipeline" and s.world_size == 2)
-    emitted = emit(fresh_run, "T9", "a pipeline finding", "inconsistent", fresh_run / "models" / MODEL, pipeline.name,
-                   "eval_before/prediction", {}, Tolerance())
+    partial = next(s for s in all_settings() if s.family == "partial-reduce" and s.world_size == 2)
+    emitted = emit(fresh_run, "T9", "a partial-reduce finding", "inconsistent", fresh_run / "models" / MODEL,
+                   partial.name, "eval_before/prediction", {}, Tolerance())
     folder = fresh_run / "findings" / "T9"
     assert emitted.path is None and not (folder / STANDALONE_FILE).exists()
-    assert emitted.describe() == "no standalone script: the `pipeline` family has no emitter"
+    assert emitted.describe() == "no standalone script: the `partial-reduce` family has no emitter"
     assert (folder / "standalone.txt").read_text().startswith(emitted.describe())
     # a planted fault overrides a hook of its family's setting: a script copied from the family's module would not
     # hold the fault, so it gets none (rather than a script that says the bug is gone)
@@ -115,3 +115,31 @@ def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) 
         assert "what rounding explains" in emitted.checked.output  # the envelope judged, not allclose
         assert emitted.checked.exit_code == (0 if verdicts[(MODEL, setting)] == "ok" else 1), \
             emitted.checked.output[-3000:]
+
+
+# pipelines on the same model: a random split and two stages per rank train as the single process does; the
+# zero-bubble V schedule fails in its eval (`pipelining-zbv-eval` on this stack)
+PIPELINE = ("pipeline/gpipe/ws2/stages2/mb2/random", "pipeline/looped-bfs/ws2/stages4/mb2/balanced",
+            "pipeline/zbv-zero-bubble/ws2/stages4/mb2/balanced")
+
+
+def test_a_pipeline_script_trains_or_fails_as_the_setting_does(fresh_run: Path) -> None:
+    run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in PIPELINE), timeout_s=120))
+    analysis = analyze(fresh_run)
+    verdicts = analysis.cases.set_index(["model", "setting"])["verdict"]
+    recorded = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
+    # the case must hold both outcomes, or agreement below proves nothing
+    assert {str(verdicts[(MODEL, s)]) for s in PIPELINE} >= {"ok", "error"}, verdicts
+    for number, setting in enumerate(PIPELINE):
+        verdict, spread = str(verdicts[(MODEL, setting)]), envelope_spread(fresh_run, MODEL, setting)
+        emitted = emit(fresh_run, f"P{number}", "a pipeline finding", "inconsistent" if verdict == "ok" else verdict,
+                       fresh_run / "models" / MODEL, setting, "" if verdict == "error" else
+                       "param_after_step1/over.0.weight", spread, Tolerance(), check_timeout_s=120,
+                       message=str(recorded.get((MODEL, setting), "")))
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        text = emitted.path.read_text()
+        assert "import difftest" not in text and "from generators" not in text and text.count("\n") <= MAX_LINES
+        # a failure's script holds no judging, a disagreement's no failure pattern: each what it runs
+        assert ("def judge(" in text) == (verdict == "ok") and ("FAILURE =" in text) == (verdict == "error")
+        assert emitted.checked.exit_code == (0 if verdict == "ok" else 1), emitted.checked.output[-3000:]
+        assert verdict == "error" or "what rounding explains" in emitted.checked.output  # the envelope judged

@@ -200,13 +200,21 @@ class DlrmGenerator(Generator):
 
     def standalone_model(self, spec: ModelSpec, init_state: dict[str, np.ndarray], model_dir: Any,
                          train: Batch) -> ModelCode:
+        return self.model_code(
+            spec, init_state, train, "The model is a DLRM-like recommendation model in plain PyTorch and TorchRec: "
+            "unweighted and weighted EmbeddingBagCollections and a dense MLP feeding an over-arch MLP, binary "
+            "cross-entropy.", (_build_module, _unwrap, model_inputs, model_prediction), _chain_units)
+
+    @staticmethod
+    def model_code(spec: ModelSpec, init_state: dict[str, np.ndarray], train: Batch, summary: str,
+                   kind_functions: tuple[Any, ...], chain_units: Any) -> ModelCode:
+        """A TorchRec model's `ModelCode`: the weights and the training batch as data; the kind's own construction and
+        inputs (`kind_functions`: `_build_module`, `_unwrap`, `model_inputs`, `model_prediction`) and layer chain
+        (`chain_units`), and the functions below that build, train and read every such model by those names."""
         return ModelCode(
-            summary="The model is a DLRM-like recommendation model in plain PyTorch and TorchRec: unweighted and "
-                    "weighted EmbeddingBagCollections and a dense MLP feeding an over-arch MLP, binary cross-entropy.",
-            libraries=("torchrec", "fbgemm-gpu-cpu"), preamble=(),
-            functions=(_build_module, with_state, build_model, model_inputs, prediction_loss, model_loss, _unwrap,
-                       model_parameters),
-            chain=(_chain_units, model_chain),
+            summary=summary, libraries=("torchrec", "fbgemm-gpu-cpu"), preamble=(),
+            functions=(*kind_functions, with_state, build_model, prediction_loss, model_loss, model_parameters),
+            chain=(chain_units, model_chain),
             case={"model": spec.params, "frozen": list(spec.frozen)},
             data={**{f"state.{k}": v for k, v in init_state.items()}, **train.to_arrays("train")},
             parameters=tuple(init_state))
@@ -223,7 +231,7 @@ class DlrmGenerator(Generator):
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         """Predictions of `module` (unsharded or a TorchRec DMP around it) for `batch`."""
-        return module(*self.model_inputs(module, batch, device))
+        return model_prediction(module, self.model_inputs(module, batch, device))
 
     def model_inputs(self, module: Any, batch: Batch, device: str) -> tuple[Any, Any, Any]:
         """(dense tensor, unweighted KJT, weighted KJT) of `batch`, keyed as `module`'s tables are."""
@@ -310,7 +318,11 @@ def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: 
     import torch
 
     labels = torch.from_numpy(data["train.labels"][start:stop]).to(dtype)
-    return prediction_loss(module(*model_inputs(module, data, "train", start, stop, dtype)), labels)
+    return prediction_loss(model_prediction(module, model_inputs(module, data, "train", start, stop, dtype)), labels)
+
+
+def model_prediction(module: Any, inputs: tuple[Any, ...]) -> Any:
+    return module(*inputs)
 
 
 def prediction_loss(prediction: Any, labels: Any) -> Any:

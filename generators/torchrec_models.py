@@ -13,10 +13,12 @@ prediction = sigmoid(logit) for the DLRMs, DeepFM's own sigmoid output; loss = b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from difftest.generator import ModelCode
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators.dlrm import DlrmGenerator, _mlp_sizes, feature_kjt, input_reductions
@@ -123,10 +125,15 @@ class TorchRecModelGenerator(DlrmGenerator):
         return torch.from_numpy(batch.dense).to(device), feature_kjt(batch, names, False, device)
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
-        import torch
+        return model_prediction(module, self.model_inputs(module, batch, device))
 
-        out = module(*self.model_inputs(module, batch, device)).squeeze(1)
-        return out if _unwrap(module).params["architecture"] == "DeepFM" else torch.sigmoid(out)
+    def standalone_model(self, spec: ModelSpec, init_state: dict[str, np.ndarray], model_dir: Any,
+                         train: Batch) -> ModelCode:
+        name = spec.params["architecture"]
+        return self.model_code(
+            spec, init_state, train, f"The model is TorchRec's own {'SimpleDeepFMNN' if name == 'DeepFM' else name} "
+            "(torchrec.models) on one EmbeddingBagCollection, binary cross-entropy.",
+            (_build_module, _unwrap, model_inputs, model_prediction), _chain_units)
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         """The prediction and each feature's pooled embedding, taken where TorchRec's sparse arch hands them on and
@@ -155,11 +162,37 @@ class TorchRecModelGenerator(DlrmGenerator):
 
         module = self.build(spec, init_state, device)
         source = BatchSource()
-        return LayerChain(_chain_units(self, module, source, device), source,
-                          lambda: dict(module.named_parameters()), "prediction")
+        units = _chain_units(module, lambda positions: self.model_inputs(module, source.samples(positions), device))
+        return LayerChain(units, source, lambda: dict(module.named_parameters()), "prediction")
 
 
-def _chain_units(generator: TorchRecModelGenerator, module: Any, source: Any, device: str) -> list[Any]:
+def model_prediction(module: Any, inputs: tuple[Any, ...]) -> Any:
+    """The prediction from the model's inputs: TorchRec's DLRMs answer a logit, DeepFM a probability."""
+    import torch
+
+    out = module(*inputs).squeeze(1)
+    return out if _unwrap(module).params["architecture"] == "DeepFM" else torch.sigmoid(out)
+
+
+def model_inputs(module: Any, data: dict[str, Any], split: str, start: int, stop: int, dtype: Any) -> tuple[Any, Any]:
+    """(dense tensor, KJT of every feature in table order) of samples start..stop of a script's `split` batch."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys = [f for t in _unwrap(module).table_specs for f in t["features"]]
+    values, lengths = [], []
+    for key in keys:
+        bags = data[f"{split}.sparse.{key}.lengths"]
+        lengths.append(bags[start:stop])
+        values.append(data[f"{split}.sparse.{key}.values"][bags[:start].sum():bags[:stop].sum()])
+    features = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.from_numpy(np.concatenate(values)),
+                                                   lengths=torch.from_numpy(np.concatenate(lengths)))
+    return torch.from_numpy(data[f"{split}.dense"][start:stop]).to(dtype), features
+
+
+def _chain_units(module: Any, inputs_at: Callable[[Any], tuple[Any, Any]]) -> list[Any]:
+    """[features, dense arch, interaction, one unit per over-arch layer]; `inputs_at(positions)`: the model's inputs
+    (dense tensor, KJT) of the samples at those positions of the batch being fed."""
     import torch
     from torch import nn
     from torchrec.sparse.jagged_tensor import KeyedTensor
@@ -172,7 +205,7 @@ def _chain_units(generator: TorchRecModelGenerator, module: Any, source: Any, de
             self.sparse_arch = module.sparse_arch
 
         def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            dense, features = generator.model_inputs(module, source.samples(positions), device)
+            dense, features = inputs_at(positions)
             pooled = self.sparse_arch(features)
             # DeepFM's sparse arch answers a KeyedTensor, which no stage can send: its values travel instead
             return dense, pooled.values() if deep_fm else pooled

@@ -62,6 +62,35 @@ def test_the_chain_of_units_computes_the_forward_bit_for_bit(kind: str) -> None:
         assert len(chain.units) >= 3
 
 
+@pytest.mark.parametrize("kind", ["dlrm", "torchrec-dlrm", "torchrec-deepfm"])
+def test_a_standalone_scripts_model_computes_what_the_kind_does(kind: str) -> None:
+    """The model code a standalone script holds (`Generator.standalone_model`), run from its data alone, gives the
+    kind's forward through its layer chain and its loss, bit for bit: a script shows the model difftest ran."""
+    import torch
+
+    from difftest.standalone import _source
+    from generators.chain import ChainStage
+
+    generator = get_generator(kind)
+    for index in (0, 1, 2):
+        spec = generator.spec(0, index)
+        state, batches = generator.init_state(spec), generator.inputs(spec, 12)
+        code = generator.standalone_model(spec, state, None, batches["train"])
+        assert code is not None and code.chain
+        script: dict[str, Any] = {"torch": torch, "np": np, "Any": Any}
+        exec("from __future__ import annotations\n" + "\n".join(_source(f) for f in (*code.functions, *code.chain)),
+             script)
+        data = {**code.data, **batches["eval"].to_arrays("eval")}
+        module = script["build_model"](data, code.case, torch.float32)
+        assert set(script["model_parameters"](module)) == set(code.parameters) == set(state)
+        reference = generator.build(spec, state, "cpu")
+        units = script["model_chain"](module, data, {"split": "eval"}, torch.float32)
+        with torch.no_grad():
+            assert torch.equal(ChainStage(units)(torch.arange(12)), generator.forward(reference, batches["eval"], "cpu"))
+        expected = generator.loss(generator.forward(reference, batches["train"], "cpu"), batches["train"])
+        assert torch.equal(script["model_loss"](module, data, 0, 12, torch.float32), expected)
+
+
 def test_the_transformer_plan_is_torchtitans() -> None:
     generator = get_generator("transformer")
     spec = next(s for s in (generator.spec(0, i) for i in range(20)) if not s.params["tied"])

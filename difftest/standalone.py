@@ -101,7 +101,9 @@ def refuse_changed_hooks(setting: Any, family: type, *hooks: str) -> None:
 
 
 _SIGNAL = re.compile(r"killed by (SIG[A-Z]+)")
-_EXCEPTION = re.compile(r"^(?:[\w.]*\.)?([A-Z]\w*): ([^\d(\[{'\"|<]*)")  # `InvalidGraph: [ONNXRuntimeError] …` too
+# the exception's type and its words up to the first value (a digit, a bracket, a quote; an apostrophe inside a word,
+# as in "can't", is a word's): `InvalidGraph: [ONNXRuntimeError] …` too
+_EXCEPTION = re.compile(r"^(?:[\w.]*\.)?([A-Z]\w*): ((?:[^\d(\[{'\"|<]|(?<=[a-z])'(?=[a-z]))*)")
 
 
 def failure_pattern(status: str, message: str) -> str:

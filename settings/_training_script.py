@@ -41,13 +41,14 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
 
     train = case.inputs["train"]
     step = re.match(r"param_after_step(\d+)/(.+)", case.first_divergence)
-    if case.failure or step is None:
-        raise Unsupported(f"it first diverges at {case.first_divergence or 'a failure'}, not at a parameter after a "
-                          "training step, which is what a training script compares")
+    if not case.failure and step is None:
+        raise Unsupported(f"it first diverges at {case.first_divergence}, not at a parameter after a training step, "
+                          "which is what a training script compares")
     model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, train)
     if model is None:
         raise Unsupported(f"{case.spec.kind} models have no standalone form (Generator.standalone_model)")
-    phase = f"param_after_step{step[1]}"
+    steps = int(step[1]) if step else case.steps  # a failure's script takes the run's steps, failing on the way
+    phase = f"param_after_step{steps}"
     # every parameter the envelope measured; without one (judged by allclose), every parameter: a minimal case's
     # model may no longer hold the tensor the finding's example first diverged at
     names = [n for n in model.parameters if f"{phase}/{n}" in case.spread] or list(model.parameters)
@@ -55,12 +56,12 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     fed = ("each on its contiguous share of the batch" if shares == world_size else "every rank on the whole batch"
            if shares == 1 else f"each of {shares} groups of ranks on its contiguous share of the batch")
     return Script(
-        summary=f"{summary}, {step[1]} step(s) of plain SGD (lr {case.lr:g}) over {world_size} CPU ranks (gloo), "
+        summary=f"{summary}, {steps} step(s) of plain SGD (lr {case.lr:g}) over {world_size} CPU ranks (gloo), "
                 f"{fed}, against the same steps on the whole batch in one process: the parameters after them. "
                 f"{model.summary}",
         libraries=("torch", *model.libraries, *libraries, "numpy"),
         preamble=model.preamble,
-        case={**model.case, "setting": setting, "device": "cpu", "lr": case.lr, "steps": int(step[1]),
+        case={**model.case, "setting": setting, "device": "cpu", "lr": case.lr, "steps": steps,
               "batch": train.size},
         functions=(*model.functions, *setting_functions, to_numpy, sgd_on_share,
                    *(() if any(f.__name__ == "stepping" for f in setting_functions) else (stepping,)),
@@ -74,7 +75,8 @@ def sgd_on_share(module: Any, data: dict[str, Any], case: dict[str, Any], rank: 
     import torch
 
     optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=case["lr"])
-    shares = case["setting"].get("data_parallel", world_size)  # the ranks of a tensor-parallel group share one
+    # the ranks of a tensor-parallel group share one; the single process (world_size 1) takes the whole batch
+    shares = min(case["setting"].get("data_parallel", world_size), world_size)
     share, index = case["batch"] // shares, rank // (world_size // shares)
     for _ in range(case["steps"]):
         optimizer.zero_grad()

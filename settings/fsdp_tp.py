@@ -7,14 +7,25 @@ column-/row-wise pairs elsewhere; FSDP2 then wraps per block (or per parameter-h
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest.devices import SHARDED, across
+from difftest.errors import Unsupported
 from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
-from settings._training import build_for_training, parameter_holders
+from difftest.standalone import refuse_changed_hooks
+from settings._training import build_for_training, full_parameters, parameter_holders
 from settings.fsdp import make_contiguous
-from settings.tensor_parallel import TensorParallel
+from settings.tensor_parallel import (
+    TensorParallel,
+    _describe,
+    parallel_style,
+    stepping,
+    whole_outputs_and_gradients,
+)
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
 
 
 @dataclass(frozen=True)
@@ -47,19 +58,61 @@ class FsdpTensorParallel(Setting):
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         from settings._compat import fully_shard_for
 
-        fully_shard = fully_shard_for(ctx.device)
+        fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device
         mesh = _mesh(ctx, self.data_parallel, self.tensor_parallel)
         tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
         module = build_for_training(model, ctx.device)
-        make_contiguous(module)  # FSDP2 refuses the transposed views a converted graph holds
-        tensor_parallel.parallelize(ctx, model, module, inputs, mesh["tp"])
-        units = model.blocks(module) or parameter_holders(module)
-        for _, unit in reversed(units):
-            if any(p.requires_grad for p in unit.parameters()):
-                fully_shard(unit, mesh=mesh["dp"])
-        fully_shard(module, mesh=mesh["dp"])
+        layout = self.layout(model, module, tensor_parallel.plan(model, module, inputs, ctx.device))
+        distribute(module, mesh, ctx.device, layout)
+        ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in layout["plan"].items())
         dp_index = mesh["dp"].get_local_rank()
         return tensor_parallel.train(ctx, model, inputs, module, data_shard=(dp_index, self.data_parallel))
+
+    def layout(self, model: Any, module: Any, plan: dict[str, Any]) -> dict[str, Any]:
+        """What `distribute` needs: the mesh's shape, the tensor-parallel plan (module name → ParallelStyle, or a
+        derived plan's spec for `parallel_style`) and FSDP2's units (a transformer's blocks, else every layer holding
+        a parameter, those with a trainable one)."""
+        units = [name for name, unit in model.blocks(module) or parameter_holders(module)
+                 if any(p.requires_grad for p in unit.parameters())]
+        return {"mesh": [self.data_parallel, self.tensor_parallel], "plan": plan, "units": units,
+                "data_parallel": self.data_parallel}
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, FsdpTensorParallel)
+
+        from difftest.artifacts import Inputs, LoadedModel
+        from settings._training_script import training_script
+
+        model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
+        module = model.build("cpu")
+        tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
+        if model.tp_plan(module, self.tensor_parallel, self.sequence_parallel, False) is not None:
+            raise Unsupported(f"{case.spec.kind} models run their own tensor-parallel plan, which is code, not data")
+        plan = tensor_parallel.derived_plan(model, module, Inputs(case.inputs["train"], case.inputs["eval"]), "cpu")
+        return training_script(case, f"{self.describe()}: parallelize_module with column-/row-wise pairs "
+                               f"({', '.join(plan)}), then fully_shard", self.world_size,
+                               (make_contiguous, parallel_style, whole_outputs_and_gradients, stepping, distribute,
+                                full_parameters), self.layout(model, module, plan))
+
+
+def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> Any:
+    """Tensor parallel over the mesh's `tp` dimension with the layout's plan, then FSDP2 over its `dp` dimension:
+    each unit, innermost first, then the root; as `FsdpTensorParallel.run` applies them. `mesh`: the (dp, tp)
+    DeviceMesh, or the process group of all its ranks (a standalone script's world), laid out as one."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if not isinstance(mesh, DeviceMesh):
+        mesh = init_device_mesh(device.split(":")[0], tuple(layout["mesh"]), mesh_dim_names=("dp", "tp"))
+    make_contiguous(module)  # FSDP2 refuses the transposed views a converted graph holds
+    plan = {name: parallel_style(s) if isinstance(s, dict) else s for name, s in layout["plan"].items()}
+    parallelize_module(module, mesh["tp"], plan)
+    for name in reversed(layout["units"]):
+        fully_shard(module.get_submodule(name), mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh["dp"])
+    whole_outputs_and_gradients(module)  # a sharded output handed back whole, as the tensor-parallel training does
+    return module
 
 
 _MESHES: dict[tuple[int, int], Any] = {}

@@ -96,14 +96,15 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
 
 # the training settings' scripts: the model's own code (`Generator.standalone_model`) and the setting's wrapper
 TRAINING = ("fsdp2/per-layer/no-reshard/fp32/ws2", "fsdp1/full_shard/ws2", "ddp/bucket-tiny/ws2",
-            "tp/colwise-rowwise/ws2")
+            "tp/colwise-rowwise/ws2", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4")
 
 
 def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) -> None:
-    """FSDP2, legacy FSDP, DDP and tensor parallel train this DLRM-like model as one process does on this stack (on
-    torch 2.7 and 2.8 FSDP2 did not: gloo's AVG reduce-scatter summed, `gloo-reduce-scatter-avg-sums`); each script,
-    judged by the envelope, says so too. The other verdict: the Keras test in test_sequential.py (legacy FSDP's
-    NO_SHARD bug) and the oldest release's (tensor parallel training a frozen parameter)."""
+    """FSDP2, legacy FSDP, DDP, tensor parallel and FSDP2 over tensor parallel train this DLRM-like model as one
+    process does on this stack (on torch 2.7 and 2.8 FSDP2 did not: gloo's AVG reduce-scatter summed,
+    `gloo-reduce-scatter-avg-sums`); each script, judged by the envelope, says so too. The other verdict: the Keras
+    test in test_sequential.py (legacy FSDP's NO_SHARD bug) and the oldest release's (tensor parallel training a
+    frozen parameter)."""
     run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in TRAINING), timeout_s=120))
     verdicts = analyze(fresh_run).cases.set_index(["model", "setting"])["verdict"]
     for number, setting in enumerate(TRAINING):
@@ -117,6 +118,14 @@ def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) 
         assert "what rounding explains" in emitted.checked.output  # the envelope judged, not allclose
         assert emitted.checked.exit_code == (0 if verdicts[(MODEL, setting)] == "ok" else 1), \
             emitted.checked.output[-3000:]
+    # a failure's script takes the run's steps through the setting and shows it failing as recorded, or, as here
+    # where the setting does not fail so, running through: exit 0, and no judging in it
+    emitted = emit(fresh_run, "D9", "a training failure", "error", fresh_run / "models" / MODEL, TRAINING[4], "", {},
+                   Tolerance(), check_timeout_s=120, message="NotImplementedError: Operator fsdp.chunk_cat.default")
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert "def judge(" not in emitted.path.read_text() and "FAILURE = 'NotImplementedError:" in emitted.path.read_text()
+    assert emitted.checked.exit_code == 0 and "the setting runs through" in emitted.checked.output, \
+        emitted.checked.output[-3000:]
 
 
 # pipelines on the same model: a random split and two stages per rank train as the single process does; the

@@ -15,6 +15,7 @@ import numpy as np
 from settings._training import to_numpy
 
 if TYPE_CHECKING:
+    from difftest.generator import ModelCode
     from difftest.standalone import Script, StandaloneCase
 
 # what the script defines before these functions (declared here so that this module checks on its own)
@@ -34,24 +35,10 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     module wrapped), `full_parameters(wrapped, read)` (every tensor `read(wrapped)` names, whole) and, where the steps
     run inside a context, `stepping(module)`. `setting["data_parallel"]`: how many shares the batch is cut into
     (default: one per rank)."""
-    import re
-
-    from difftest.errors import Unsupported
     from difftest.standalone import Script
 
     train = case.inputs["train"]
-    step = re.match(r"param_after_step(\d+)/(.+)", case.first_divergence)
-    if not case.failure and step is None:
-        raise Unsupported(f"it first diverges at {case.first_divergence}, not at a parameter after a training step, "
-                          "which is what a training script compares")
-    model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, train)
-    if model is None:
-        raise Unsupported(f"{case.spec.kind} models have no standalone form (Generator.standalone_model)")
-    steps = int(step[1]) if step else case.steps  # a failure's script takes the run's steps, failing on the way
-    phase = f"param_after_step{steps}"
-    # every parameter the envelope measured; without one (judged by allclose), every parameter: a minimal case's
-    # model may no longer hold the tensor the finding's example first diverged at
-    names = [n for n in model.parameters if f"{phase}/{n}" in case.spread] or list(model.parameters)
+    model, steps, tensors = trained_parameters(case)
     shares = setting.get("data_parallel", world_size)
     fed = ("each on its contiguous share of the batch" if shares == world_size else "every rank on the whole batch"
            if shares == 1 else f"each of {shares} groups of ranks on its contiguous share of the batch")
@@ -66,7 +53,29 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
         functions=(*model.functions, *setting_functions, to_numpy, sgd_on_share,
                    *(() if any(f.__name__ == "stepping" for f in setting_functions) else (stepping,)),
                    parameters_after, single_process, on_rank),
-        tensors={f"{phase}/{n}": f"{phase}/{n}" for n in names}, data=model.data, world_size=world_size)
+        tensors=tensors, data=model.data, world_size=world_size)
+
+
+def trained_parameters(case: StandaloneCase) -> tuple[ModelCode, int, dict[str, str]]:
+    """What a training setting's script compares: the model's code (`Generator.standalone_model`), the steps it takes
+    (as many as the case took to diverge; a failure's, the run's, failing on the way) and the parameters after them,
+    "param_after_step<N>/<name>" each (every one the envelope measured; without one, judged by allclose, every one: a
+    minimal case's model may no longer hold the tensor the finding's example first diverged at)."""
+    import re
+
+    from difftest.errors import Unsupported
+
+    step = re.match(r"param_after_step(\d+)/", case.first_divergence)
+    if not case.failure and step is None:
+        raise Unsupported(f"it first diverges at {case.first_divergence}, not at a parameter after a training step or "
+                          "by failing, which is what a training script shows")
+    model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
+    if model is None:
+        raise Unsupported(f"{case.spec.kind} models have no standalone form (Generator.standalone_model)")
+    steps = int(step[1]) if step else case.steps
+    phase = f"param_after_step{steps}"
+    names = [n for n in model.parameters if f"{phase}/{n}" in case.spread] or list(model.parameters)
+    return model, steps, {f"{phase}/{n}": f"{phase}/{n}" for n in names}
 
 
 def sgd_on_share(module: Any, data: dict[str, Any], case: dict[str, Any], rank: int, world_size: int,

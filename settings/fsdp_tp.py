@@ -66,7 +66,8 @@ class FsdpTensorParallel(Setting):
         distribute(module, mesh, ctx.device, layout)
         ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in layout["plan"].items())
         dp_index = mesh["dp"].get_local_rank()
-        return tensor_parallel.train(ctx, model, inputs, module, data_shard=(dp_index, self.data_parallel))
+        return tensor_parallel.train(ctx, model, inputs, module, data_shard=(dp_index, self.data_parallel),
+                                     outputs_whole=True)
 
     def layout(self, model: Any, module: Any, plan: dict[str, Any]) -> dict[str, Any]:
         """What `distribute` needs: the mesh's shape, the tensor-parallel plan (module name → ParallelStyle, or a

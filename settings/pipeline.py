@@ -11,7 +11,6 @@ by side as data-parallel replicas, with DDP or FSDP2 inside each stage, on a 2-D
 from __future__ import annotations
 
 import itertools
-import re
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -246,24 +245,18 @@ class Pipeline(Setting):
         from difftest.standalone import Script
         from generators.chain import ChainStage
         from settings._pipeline_script import on_rank, single_process
-        from settings._training_script import parameters_after
+        from settings._training_script import parameters_after, trained_parameters
 
         if self.data_parallel > 1 or type(self).scale_grads is not Pipeline.scale_grads:
             raise Unsupported("a hybrid pipeline (replicas with DDP or FSDP2 in each stage) or a changed scale_grads "
                               "has no emitter")
-        step = re.match(r"param_after_step(\d+)/", case.first_divergence)
-        if not case.failure and step is None:
-            raise Unsupported(f"it first diverges at {case.first_divergence}, not at a parameter after a training "
-                              "step or by failing, which is what a pipeline script shows")
-        model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
-        if model is None or not model.chain:
+        model, steps, tensors = trained_parameters(case)
+        if not model.chain:
             raise Unsupported(f"{case.spec.kind} models have no standalone layer chain (ModelCode.chain)")
         try:
             chain = case.generator.chain(case.spec, case.init_state, "cpu", case.model_dir)
         except ConversionFailed as exc:
             raise Unsupported(f"no layer chain: {exc}") from None
-        steps = int(step[1]) if step else case.steps
-        names = [n for n in model.parameters if f"param_after_step{steps}/{n}" in case.spread] or list(model.parameters)
         return Script(
             summary=f"{self.describe()}: the model's layer chain cut into stages (torch.distributed.pipelining), "
                     f"evaluated once, then {steps} step(s) of plain SGD (lr {case.lr:g}) over {self.world_size} CPU "
@@ -276,7 +269,7 @@ class Pipeline(Setting):
                        stages_of, stage_examples, pipeline_schedule, single_process, on_rank),
             # the compatibility wrapper's refusal on a release without `eval`, by a name the script has
             preamble=(*model.preamble, "import inspect", "", "Unsupported = NotImplementedError"),
-            tensors={f"param_after_step{steps}/{n}": f"param_after_step{steps}/{n}" for n in names},
+            tensors=tensors,
             data={**model.data, **case.inputs["eval"].to_arrays("eval")}, world_size=self.world_size)
 
     # hooks for planted faults

@@ -124,9 +124,11 @@ class TensorParallel(Setting):
         parallelize_module(module, mesh, plan)
         ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in plan.items())
 
-    def train(self, ctx: RunContext, model: Any, inputs: Any, module: Any, data_shard: tuple[int, int]) -> Outputs | None:
+    def train(self, ctx: RunContext, model: Any, inputs: Any, module: Any, data_shard: tuple[int, int],
+              outputs_whole: bool = False) -> Outputs | None:
         """Plain SGD on the share `data_shard` of the batch through a parallelized module (ranks of one
-        tensor-parallel group share a data share)."""
+        tensor-parallel group share a data share); `outputs_whole`: the module already hands back whole outputs and
+        gradients (`whole_outputs_and_gradients`, registered by a `distribute`)."""
         import contextlib
 
         import torch
@@ -135,7 +137,8 @@ class TensorParallel(Setting):
 
         # a sharded tensor may reach the model's output: hand back the whole tensor, except to a loss-parallel loss
         training = [False]
-        whole_outputs_and_gradients(module, keep_sharded=lambda: training[0] and self.loss_parallel)
+        if not outputs_whole:
+            whole_outputs_and_gradients(module, keep_sharded=lambda: training[0] and self.loss_parallel)
         optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
 
         def train_step(batch: Any) -> float:

@@ -252,3 +252,17 @@ def test_an_error_of_ours_while_recording_a_case_ends_the_sweep_with_that_error(
     with pytest.raises(RuntimeError, match="planted: recording failed"):
         run_sweep(fresh_run, SweepOptions(settings="reference,ddp/default/ws2", models="*-i0", jobs=2),
                   on_result=broken)
+
+
+def test_a_rank_not_yet_reaped_is_described_by_the_signal_its_faulthandler_report_names(tmp_path: Path) -> None:
+    """On a loaded host a rank killed by SIGFPE was once not reaped within the wait and recorded as "vanished": a
+    second finding for one bug. Its log's faulthandler report names the signal, and the rank then exits with it."""
+    from difftest.runner.pool import _describe_exit
+
+    log = tmp_path / "rank0.log"
+    with log.open("w") as out:
+        code = subprocess.run([sys.executable, "-X", "faulthandler", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGFPE)"],
+                              stderr=out, check=False).returncode
+    assert "Fatal Python error: Floating point exception" in log.read_text()
+    assert _describe_exit(code) == _describe_exit(None, log) == "killed by SIGFPE (exit -8)"
+    assert _describe_exit(None, tmp_path / "missing.log") == "vanished"

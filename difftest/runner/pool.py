@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -21,6 +22,14 @@ if TYPE_CHECKING:
 _SPAWN = mp.get_context("spawn")
 ERROR_GRACE_S = 3.0  # how long the other ranks may take to report after one rank raised
 READY_TIMEOUT_S = 60.0  # how long the ranks may take to close a case's world and open the next one
+# how long a rank whose pipe closed may take to be reaped: on a loaded host, one killed by a signal can take seconds
+# (faulthandler writes every thread's stack first), and 2 s once recorded a SIGFPE as "vanished"
+EXIT_WAIT_S = 30.0
+# faulthandler's words for the fatal signals it reports ("Fatal Python error: Floating point exception"); it then
+# raises the signal again, so the rank's exit status is that signal's
+_FAULTHANDLER_SIGNALS = {"Segmentation fault": signal.SIGSEGV, "Floating point exception": signal.SIGFPE,
+                         "Aborted": signal.SIGABRT, "Bus error": signal.SIGBUS, "Illegal instruction": signal.SIGILL}
+_FATAL = re.compile(r"^Fatal Python error: (" + "|".join(_FAULTHANDLER_SIGNALS) + r")$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,11 @@ def _tail(path: Path, lines: int = 6) -> str:
     return " | ".join(log_tail(path, lines))
 
 
-def _describe_exit(code: int | None) -> str:
+def _describe_exit(code: int | None, log_path: Path | None = None) -> str:
+    """How a rank ended; one not yet reaped is described by the signal its log's faulthandler report names."""
+    if code is None and log_path is not None and log_path.exists():
+        if fatal := _FATAL.search(log_path.read_text(errors="replace")):
+            code = -_FAULTHANDLER_SIGNALS[fatal[1]]
     if code is None:
         return "vanished"
     if code < 0:
@@ -148,9 +161,9 @@ class WorkerGroup:
                 pass
         if not ready:
             raise GroupStartError(f"rank {rank} did not start within {timeout_s:.0f}s; log: {_tail(self.log_paths[rank])}")
-        process.join(1)
+        process.join(EXIT_WAIT_S)
         raise GroupStartError(
-            f"rank {rank} {_describe_exit(process.exitcode)} while starting; log: {_tail(self.log_paths[rank])}"
+            f"rank {rank} {_describe_exit(process.exitcode, self.log_paths[rank])} while starting; log: {_tail(self.log_paths[rank])}"
         )
 
     def run_case(self, request: CaseRequest, timeout_s: float) -> CaseResult:
@@ -198,8 +211,8 @@ class WorkerGroup:
 
     def _crash(self, rank: int, started: float) -> CaseResult:
         process = self.processes[rank]
-        process.join(2)
-        message = f"rank {rank} {_describe_exit(process.exitcode)}; log: {_tail(self.log_paths[rank])}"
+        process.join(EXIT_WAIT_S)
+        message = f"rank {rank} {_describe_exit(process.exitcode, self.log_paths[rank])}; log: {_tail(self.log_paths[rank])}"
         self.kill()
         return CaseResult("crash", message=message, rank=rank, wall_s=time.perf_counter() - started, reusable=False)
 

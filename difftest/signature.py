@@ -36,7 +36,8 @@ def normalise_message(message: str) -> str:
 # must not stay glued to its file name
 _PATH = re.compile(r"(?<![\w.\-/])(?:[\w.\-]+)?(?:/[\w.\-]+)+")
 _RUN_FOLDERS = ("models", "outputs", "logs", "findings")
-_MODEL_ID = re.compile(r"^[a-z][\w\-]*-s\d+-i\d+(-min)?$")
+# `ModelSpec.model_id`: kind, seed, index, then a suffix (`-frozen`) and a variant (`-min`, a minimiser's trial `-m252`)
+_MODEL_ID = re.compile(r"^[a-z][\w\-]*-s\d+-i\d+(?:-\w+)*$")
 
 
 def _readable_path(match: re.Match[str]) -> str:

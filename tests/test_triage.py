@@ -42,6 +42,11 @@ def test_signature_parts_drop_what_varies_between_cases() -> None:
     assert normalise_message(unconnected) == normalise_message(
         "Pair is not connected ([127.0.0.1]:59267$1 <--> [127.0.0.1]:26034)") == "Pair is not connected (PEER <--> PEER)"
     assert normalise_message("expected x[3] at [::1]:29500") == "expected xSHAPE at PEER"
+    # a model's folder is generic whatever its suffix or variant: a frozen model's, a minimiser's trial model's
+    # (the Erfc finding's trials read "<run>/models/keras-transformer-s0-i0-m252/…" and none reproduced it)
+    loads = [normalise_message(f"Load model from /r/models/{m}/model.onnx failed") for m in
+             ("keras-transformer-s0-i0", "keras-transformer-s0-i0-m252", "sequential-s0-i1-frozen-min")]
+    assert set(loads) == {"Load model from <run>/models/<model>/model.onnx failed"}
     assert setting_family("pipeline/gpipe/ws2/stages2/mb4/balanced") == "pipeline/gpipe/balanced"
     assert setting_family("quant/torchrec/int8/out-fp16/row_wise/sim-ws3") == "quant/torchrec/int8/out-fp16/row_wise"
     # the kind of tensor, as the model kind's generator declares it

@@ -68,6 +68,10 @@ class StandaloneCase:
     seed: int = 0  # the run's seed (a random stage split or sharding plan is drawn from it)
     steps: int = 1  # the run's training steps (a failure's script takes as many)
 
+    def against(self, reference: str) -> str:
+        """A summary's clause on what the setting is compared with; a failure's script runs the setting alone."""
+        return ", alone: the script shows how it fails" if self.failure else f", against {reference}"
+
     @property
     def failure(self) -> str:
         """How the setting fails, as a regex over what torch.multiprocessing raises; "" for a disagreement."""

@@ -44,8 +44,8 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
            if shares == 1 else f"each of {shares} groups of ranks on its contiguous share of the batch")
     return Script(
         summary=f"{summary}, {steps} step(s) of plain SGD (lr {case.lr:g}) over {world_size} CPU ranks (gloo), "
-                f"{fed}, against the same steps on the whole batch in one process: the parameters after them. "
-                f"{model.summary}",
+                f"{fed}" + case.against("the same steps on the whole batch in one process: the parameters after "
+                                        "them") + f". {model.summary}",
         libraries=("torch", *model.libraries, *libraries, "numpy"),
         preamble=model.preamble,
         case={**model.case, "setting": setting, "device": "cpu", "lr": case.lr, "steps": steps,

@@ -260,8 +260,8 @@ class Pipeline(Setting):
         return Script(
             summary=f"{self.describe()}: the model's layer chain cut into stages (torch.distributed.pipelining), "
                     f"evaluated once, then {steps} step(s) of plain SGD (lr {case.lr:g}) over {self.world_size} CPU "
-                    f"ranks (gloo), against the same steps accumulating the micro-batches' gradients in one "
-                    f"process: the parameters after them. {model.summary}",
+                    f"ranks (gloo)" + case.against("the same steps accumulating the micro-batches' gradients "
+                                                   "in one process: the parameters after them") + f". {model.summary}",
             libraries=("torch", *model.libraries, "numpy"),
             case={**model.case, "setting": self.layout(chain, case.seed), "lr": case.lr, "steps": steps,
                   "batch": case.inputs["train"].size},

@@ -168,8 +168,9 @@ class QuantizedEmbeddings(Setting):
             "(ShardingEnv.from_local, as TorchRec's inference tests do)")
         return Script(
             summary=f"TorchRec EmbeddingBagCollections quantized for inference ({self.weights} weights, {self.output} "
-                    f"pooled output: QuantEmbeddingBagCollection), {how}, against the same quantized collections "
-                    "unsharded: the same quantized bytes, so only the order of additions may differ.",
+                    f"pooled output: QuantEmbeddingBagCollection), {how}"
+                    + case.against("the same quantized collections unsharded: the same quantized bytes, so only "
+                                   "the order of additions may differ") + ".",
             libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
             preamble=("import contextlib", "import copy", "", f"WEIGHT_TYPES = {WEIGHT_TYPES!r}",
                       f"OUTPUT_TYPES = {OUTPUT_TYPES!r}"),

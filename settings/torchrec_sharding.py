@@ -176,8 +176,9 @@ class TorchRecSharding(Setting):
                     self.sharding, f"every table {self.sharding}")
         return Script(
             summary=f"TorchRec EmbeddingBagCollections sharded by DistributedModelParallel over {self.world_size} "
-                    f"CPU ranks (gloo), {plan}, against the same collections in one process: the pooled embeddings "
-                    "of one batch, before any training.",
+                    f"CPU ranks (gloo), {plan}"
+                    + case.against("the same collections in one process: the pooled embeddings of one batch, before "
+                                   "any training") + ".",
             libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,

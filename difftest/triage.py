@@ -247,7 +247,9 @@ def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance
                 with_reference = np.allclose(mine, reference, atol=tol.atol, rtol=tol.rtol)
                 with_failing = np.allclose(mine, bad, atol=tol.atol, rtol=tol.rtol)
                 sides["reference" if with_reference else "failing" if with_failing else "neither"].append(name)
-            finding.pairwise = Pairwise(model, tensor, failing, sides["reference"], sides["failing"], sides["neither"])
+            if any(sides.values()):  # no peer at all (a quantized setting's reference is its own): nothing to show
+                finding.pairwise = Pairwise(model, tensor, failing, sides["reference"], sides["failing"],
+                                            sides["neither"])
     finally:
         store.close()
 

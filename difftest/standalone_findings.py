@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -117,7 +118,10 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
                           simulated_local_size(setting.world_size), config.lr, message, model_dir, config.seed,
                           config.steps)
     try:
-        script = setting.standalone(case)
+        # building the model again (a converter's warnings) says nothing new here: the sweep's logs have it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            script = setting.standalone(case)
         if script is None:
             raise Unsupported(f"the `{setting.family}` family has no emitter")
         path = write_script(folder, case, script)

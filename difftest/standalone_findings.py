@@ -4,6 +4,7 @@ minimal case and run once where difftest does not import, or why it has none; `f
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -131,6 +132,28 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
         emitted = Emitted(finding_id, setting.family, path)
     _record(folder, emitted)
     return _check_all([emitted], check_timeout_s)[0] if check_timeout_s > 0 else emitted
+
+
+# what a script prints of its own (`difftest.standalone_runtime`), among its libraries' warnings and its ranks' output
+_OWN_LINE = re.compile(r"^(python \d|\S+: (\d+ of \d+ elements off|the setting gives shape)|BUG PRESENT|ok: |COULD NOT RUN)")
+
+
+def own_lines(output: str) -> list[str]:
+    """The lines a script printed itself: the releases, each compared tensor's verdict, how the setting failed (the
+    line before a failure's BUG PRESENT) and the verdict; a finding's report quotes them."""
+    lines = output.splitlines()
+    return [line for i, line in enumerate(lines) if _OWN_LINE.match(line) or (
+        i + 1 < len(lines) and lines[i + 1].startswith(f"{BUG_PRESENT}: the setting fails"))]
+
+
+def recorded_run(folder: Path) -> tuple[str, list[str]] | None:
+    """What running the folder's script gave (`standalone.txt`): its one-line verdict and the lines it printed
+    itself; None where it has no script or it was not run."""
+    path = folder / STANDALONE_VERDICT_FILE
+    if not path.is_file() or not (folder / STANDALONE_FILE).is_file():
+        return None
+    verdict, _, output = path.read_text().partition("\n\n")
+    return (verdict.strip(), own_lines(output)) if output.strip() else None
 
 
 def _record(folder: Path, emitted: Emitted) -> None:

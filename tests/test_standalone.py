@@ -154,3 +154,23 @@ def test_a_pipeline_script_trains_or_fails_as_the_setting_does(fresh_run: Path) 
         assert ("def judge(" in text) == (verdict == "ok") and ("FAILURE =" in text) == (verdict == "error")
         assert emitted.checked.exit_code == (0 if verdict == "ok" else 1), emitted.checked.output[-3000:]
         assert verdict == "error" or "what rounding explains" in emitted.checked.output  # the envelope judged
+
+
+def test_a_findings_report_quotes_the_lines_its_script_printed_itself_not_its_libraries() -> None:
+    from difftest.standalone_findings import own_lines
+
+    printed = """python 3.11.7, torch 2.14.1, torchrec 1.9.2, numpy 2.4.6
+WARNING:torchrec.distributed.utils:Compute Kernel is dense, caching params will be ignored
+[rank0]:W1125 21:58:07.773000 4651 torch/fx/_symbolic_trace.py:57] is_fx_tracing will return true
+Traceback (most recent call last):
+  File "standalone.py", line 3, in run_distributed
+torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal SIGFPE
+ProcessExitedException: process 0 terminated with signal SIGFPE
+BUG PRESENT: the setting fails as it did when difftest found it"""
+    assert own_lines(printed) == ["python 3.11.7, torch 2.14.1, torchrec 1.9.2, numpy 2.4.6",
+                                  "ProcessExitedException: process 0 terminated with signal SIGFPE",
+                                  "BUG PRESENT: the setting fails as it did when difftest found it"]
+    judged = ("pooled.tf3: 3 of 96 elements off, 2.1x what rounding explains; at (1, 2) single process 0.5, setting 0.6\n"
+              "  return func(*args, **kwargs)\nlayers.0.w: the setting gives shape (2,), not (4,)\n"
+              "ok: the setting agrees with the single-process program (the bug is gone)")
+    assert own_lines(judged) == [line for line in judged.splitlines() if not line.startswith(" ")]

@@ -102,6 +102,10 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
         issue = (out / "findings" / fid / "ISSUE.md").read_text()
         assert f"- torch: {stack['libraries']['torch']}" in issue and "## What was expected, and why" in issue
         assert all(ref in issue for ref in re.findall(r"[\w.-]+/[\w.-]+#\d+", references)), (fid, references)
+        # and what its standalone script printed here, when it reproduced
+        ran = out / "findings" / fid / "standalone.txt"
+        if ran.is_file() and "reproduces (exit 1)" in ran.read_text().splitlines()[0]:
+            assert "what it printed of its own" in issue and "\nBUG PRESENT: " in issue, fid
     assert "distinct findings" in result.stdout
     # the sweep told its findings as it found them, before its end and before triage
     live = re.findall(r"\] finding (\d+) so far: ", result.stderr)

@@ -5,3 +5,6 @@ from generators import transformer  # noqa: F401  (registers kind "transformer")
 from generators import torchrec_models  # noqa: F401  (registers kinds "torchrec-dlrm", "torchrec-deepfm")
 from generators import sequential  # noqa: F401  (registers kind "sequential")
 from generators import functional  # noqa: F401  (registers kinds "keras-dag", "keras-transformer")
+
+# what the generators import lazily in every rank, loaded once into the server CPU ranks fork from
+RANK_IMPORTS = ("torchrec", "onnx", "onnx2torch", "onnx2pytorch", "onnxruntime")

@@ -28,6 +28,9 @@ class WorkerConfig:
     backend: str  # "gloo" or "nccl"
     collective_timeout_s: float
     local_world_size: int
+    # the starting process's environment when the group started: a rank forked from the import server
+    # (`difftest.runner.pool.rank_start`) would otherwise have the server's, from the sweep's first group
+    environment: dict[str, str] | None = None
 
 
 def _redirect_output(log_path: str) -> None:
@@ -70,6 +73,9 @@ _INITIAL_QENGINE = ""
 
 def main(config: WorkerConfig, conn: Any) -> None:
     global _INITIAL_QENGINE
+    if config.environment is not None:  # before any plugin import reads it (a planted fault is chosen this way)
+        os.environ.clear()
+        os.environ.update(config.environment)
     _redirect_output(config.log_path)
     # daemonic so the parent's exit takes the ranks along; but a setting may start processes of its own (a resume's
     # new process group) and multiprocessing refuses children to a daemon: this process waits for its children itself

@@ -1,0 +1,32 @@
+"""What every CPU worker group's ranks import, imported once into the server they are forked from (`difftest.runner.pool`).
+
+The worker, torch and the built-in plugins, and the libraries those plugins name in a module-level `RANK_IMPORTS`
+(TorchRec: a second and more per rank). A rank forked from the server has run nothing, as a spawned one, but starts
+in a tenth of a second instead of seconds. Nothing here may touch a GPU: a process forked from one that did cannot.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+
+def _import_all() -> None:
+    import torch
+    import torch.distributed  # noqa: F401
+
+    from difftest.registry import load_plugins
+    from difftest.runner import worker  # noqa: F401
+
+    for plugin in load_plugins():
+        for name in getattr(sys.modules[plugin], "RANK_IMPORTS", ()):
+            try:
+                importlib.import_module(name)
+            except Exception:  # a library that does not import: the rank that needs it says why
+                pass
+
+
+try:
+    _import_all()
+except Exception:  # the server must start: each rank imports what is missing, and reports what fails
+    pass

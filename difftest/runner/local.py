@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
     from difftest.runner.executor import Case
 
+# how much longer than a case's timeout a rank waits in a collective: a rank that waits for a hung peer must not give
+# up first (its collective error raced the watchdog and sometimes won), the hang is the finding: a `timeout`
+HANG_MARGIN_S = 10.0
+
 # a bucket's key with what else its group was started with: (world size, process affinity, device, backend, plugins,
 # case timeout)
 WarmKey = tuple[int, str, str, str, tuple[str, ...], float]
@@ -88,7 +92,7 @@ class GroupRunner:
         self.timeout_s = timeout_s
         self.recycle_after = recycle_after
         self.supply = _GroupSupply(lambda: WorkerGroup(world_size, log_dir, plugins, device=device, backend=backend,
-                                                       collective_timeout_s=timeout_s))
+                                                       collective_timeout_s=timeout_s + HANG_MARGIN_S))
         self.group = group
         self._served = 0  # cases the current group has run
         self._broken_before = False  # a group was replaced: the next one comes from the spare

@@ -283,7 +283,8 @@ class _ConsoleEvents(PipelineEvents):
         scripts = [e for e in emitted if e.path is not None]
         reproducing = sum(e.checked is not None and e.checked.reproduces for e in scripts)
         console.print(f"standalone scripts (no difftest needed): {len(scripts)} of {len(emitted)} findings, "
-                      f"{reproducing} reproducing when run alone, in {seconds:.1f}s"
+                      f"{reproducing} reproducing when run alone; {seconds:.1f}s after minimisation (a script starts "
+                      "as soon as its finding is minimal)"
                       + ("; findings.md says why the others have none" if len(scripts) < len(emitted) else ""),
                       highlight=False)
 

@@ -346,10 +346,12 @@ def resign(m: Minimisation, round_no: int, chosen: list[Trial], signed: dict[tup
 
 def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budget_s: float = 60.0, timeout_s: float = 120.0,
              device: str = "cpu", plugins: tuple[str, ...] = (),
-             on_round: Callable[[int, list[Minimisation], float, float, int], None] | None = None) -> list[Minimisation]:
+             on_round: Callable[[int, list[Minimisation], float, float, int], None] | None = None,
+             on_done: Callable[[Minimisation], None] | None = None) -> list[Minimisation]:
     """Shrink every finding's example within `budget_s` seconds of rounds each; write each finding's minimal case to
     `findings/<id>/` (model folder, repro.py, minimize.json). Returns the minimisations in the order of `findings`.
-    `on_round(number, minimisations, seconds, seconds building models, cases)` after each round."""
+    `on_round(number, minimisations, seconds, seconds building models, cases)` after each round; `on_done(m)` once per
+    finding as soon as its minimisation is final and written (what comes next may start while others still shrink)."""
     from difftest.runner.executor import SweepOptions
     from difftest.runner.local import WarmGroups
     from difftest.signature import separating_values
@@ -357,6 +359,9 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
     config = RunConfig.load(run_dir / "run.json")
     separating = separating_values(analysis.cases)
     work, kept = _start(run_dir, findings, budget_s, timeout_s)
+    for previous in kept.values():
+        if on_done is not None:
+            on_done(previous)
     verdicts = {(c.model, c.setting): c.d3_verdict for c in analysis.cases.itertuples()}
     needs_envelope = {f.id for f in findings if f.status == "inconsistent"
                       and verdicts.get((f.example["model"], f.example["setting"])) == "ok"}
@@ -364,7 +369,20 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
     scratch = Path(tempfile.mkdtemp(prefix=".minimize-", dir=run_dir))
     warm = WarmGroups()
     counter = iter(range(1, 10**9))
+    by_finding = {f.id: f for f in findings}
+    written: set[str] = set()
+
+    def finish_stopped() -> None:
+        """Each minimisation that has just stopped: its minimal case written out, and `on_done` told."""
+        for m in work:
+            if not m.active and m.finding_id not in written:
+                _write(run_dir, by_finding[m.finding_id], m, config, scratch)
+                written.add(m.finding_id)
+                if on_done is not None:
+                    on_done(m)
+
     try:
+        finish_stopped()  # those that cannot shrink here
         round_no = 0
         while any(m.active for m in work):
             round_no += 1
@@ -380,12 +398,10 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
                     m.spread = this.spreads.get((m.best.model_id, m.best.setting), m.spread)
             if on_round is not None:
                 on_round(round_no, work, this.seconds, this.built_s, len(this.pairs()))
-            # the minimal models are copied out at the end; a round's folder is not needed past its verdicts
+            # a minimal model is copied out when its finding stops; a round's outputs are not needed past its verdicts
             shutil.rmtree(this.folder / "outputs", ignore_errors=True)
+            finish_stopped()
         by_id = {m.finding_id: m for m in work}
-        for finding in findings:
-            if finding.id in by_id:
-                _write(run_dir, finding, by_id[finding.id], config, scratch)
     finally:
         warm.close()
         shutil.rmtree(scratch, ignore_errors=True)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from difftest.oracle import Tolerance
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from difftest.analysis import Analysis
     from difftest.minimize import Minimisation
     from difftest.standalone_findings import Emitted
@@ -79,9 +81,10 @@ def triage_run(run_dir: Path, analysis: Analysis) -> list[Finding]:
 
 
 def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options: PipelineOptions,
-             events: PipelineEvents) -> list[Minimisation]:
-    """Each finding's example shrunk within its budget; a run still being swept, or a budget of 0, keeps what
-    earlier triages of the run minimised."""
+             events: PipelineEvents,
+             on_done: Callable[[Minimisation], None] | None = None) -> list[Minimisation]:
+    """Each finding's example shrunk within its budget (`on_done` told of each as soon as it is final); a run still
+    being swept, or a budget of 0, keeps what earlier triages of the run minimised."""
     from difftest.minimize import load_previous, minimize
     from difftest.spec import RunConfig
 
@@ -94,7 +97,8 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options
     fresh = sum(load_previous(run_dir, f, budget) is None for f in findings)
     events.minimising(fresh, len(findings) - fresh, budget)
     done = minimize(run_dir, findings, analysis, budget_s=budget, timeout_s=options.timeout_s, device=options.device,
-                    plugins=RunConfig.load(run_dir / "run.json").plugins, on_round=events.minimise_round)
+                    plugins=RunConfig.load(run_dir / "run.json").plugins, on_round=events.minimise_round,
+                    on_done=on_done)
     events.minimised(time.perf_counter() - started)
     return done
 
@@ -104,7 +108,7 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     still being swept gets no scripts (its findings are not final)."""
     from difftest.issue_report import write_issues
     from difftest.report import write_report
-    from difftest.standalone_findings import write_standalones
+    from difftest.standalone_findings import StandaloneScripts
     from difftest.triage import write_findings
 
     events = events or PipelineEvents()
@@ -113,10 +117,14 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     events.judged(analysis)
     findings = triage_run(run_dir, analysis)
     events.triaged(findings, time.perf_counter() - started)
-    minimised = minimise(run_dir, findings, analysis, options, events)
-    if not analysis.sweep_running:
+    # a running sweep's findings are not final: they get no scripts
+    scripts = None if analysis.sweep_running else StandaloneScripts(run_dir, findings, options.tolerance,
+                                                                      options.check_standalone_s)
+    minimised = minimise(run_dir, findings, analysis, options, events,
+                         on_done=scripts.finding_done if scripts is not None else None)
+    if scripts is not None:
         started = time.perf_counter()
-        emitted = write_standalones(run_dir, findings, minimised, options.tolerance, options.check_standalone_s)
+        emitted = scripts.finish(minimised)
         write_findings(run_dir, findings)  # again: it names each finding's script
         events.standalone(emitted, time.perf_counter() - started)
     write_issues(run_dir, analysis, findings, minimised)

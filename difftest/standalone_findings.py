@@ -25,6 +25,8 @@ from difftest.standalone import (
 )
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from difftest.minimize import Minimisation
     from difftest.oracle import Tolerance
     from difftest.triage import Finding
@@ -180,24 +182,47 @@ def _check_all(emitted: list[Emitted], timeout_s: float) -> list[Emitted]:
         return list(pool.map(check, emitted))
 
 
-def write_standalones(run_dir: Path, findings: list[Finding], minimised: list[Minimisation], tolerance: Tolerance,
-                      check_timeout_s: float = 0.0) -> list[Emitted]:
+class StandaloneScripts:
     """Each finding's standalone script, for its minimal case where it has one (judged by the envelope the minimiser
-    measured on it), else for its example (judged by the run's envelope); run once each when `check_timeout_s`."""
-    from difftest.analysis import envelope_spread
+    measured on it), else for its example (judged by the run's envelope), run once each when `check_timeout_s`.
 
-    by_id = {m.finding_id: m for m in minimised}
-    emitted = []
-    for f in findings:
-        m = by_id.get(f.id)
+    A finding's script is started as soon as its minimisation is final (`finding_done`, the minimiser's `on_done`):
+    one at a time in the background while the minimiser works on the others, as its rounds leave cores idle between
+    them; `finish` writes and runs the rest, as many at a time as the machine has cores."""
+
+    def __init__(self, run_dir: Path, findings: list[Finding], tolerance: Tolerance, check_timeout_s: float = 0.0) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._run_dir, self._findings, self._tolerance = run_dir, findings, tolerance
+        self._check_timeout_s = check_timeout_s
+        self._background = ThreadPoolExecutor(max_workers=1)
+        self._started: dict[str, Future[Emitted]] = {}
+
+    def finding_done(self, m: Minimisation) -> None:
+        finding = next((f for f in self._findings if f.id == m.finding_id), None)
+        if finding is not None:
+            self._started[finding.id] = self._background.submit(self._emit, finding, m, self._check_timeout_s)
+
+    def finish(self, minimised: list[Minimisation]) -> list[Emitted]:
+        """Every finding's script, in the order of the findings, once each has been written and run."""
+        by_id = {m.finding_id: m for m in minimised}
+        waiting = [f for f in self._findings if f.id not in self._started or self._started[f.id].cancel()]
+        self._background.shutdown(wait=False)
+        written = {f.id: self._emit(f, by_id.get(f.id), 0.0) for f in waiting}
+        if self._check_timeout_s > 0:
+            written = {e.finding_id: e for e in _check_all(list(written.values()), self._check_timeout_s)}
+        return [written[f.id] if f.id in written else self._started[f.id].result() for f in self._findings]
+
+    def _emit(self, f: Finding, m: Minimisation | None, check_timeout_s: float) -> Emitted:
+        from difftest.analysis import envelope_spread
+
+        run_dir, tolerance = self._run_dir, self._tolerance
         title = f.known.title if f.known else f.title
-        message = str(f.example.get("message", ""))
         if m is not None and m.best is not m.original:
             model_dir = run_dir / "findings" / f.id / "run" / "models" / m.best.model_id
             setting, spread = m.best.setting, m.spread
         else:
             model, setting = str(f.example["model"]), str(f.example["setting"])
             model_dir, spread = run_dir / "models" / model, envelope_spread(run_dir, model, setting, tolerance)
-        emitted.append(emit(run_dir, f.id, title, f.status, model_dir, setting, f.first_divergence, spread, tolerance,
-                            message=message))
-    return _check_all(emitted, check_timeout_s) if check_timeout_s > 0 else emitted
+        return emit(run_dir, f.id, title, f.status, model_dir, setting, f.first_divergence, spread, tolerance,
+                    check_timeout_s, message=str(f.example.get("message", "")))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -40,7 +39,7 @@ on_rank: Callable[[int, int, dict[str, np.ndarray], dict[str, Any]], dict[str, n
 
 # copied in this order, less those the script never calls: a failure's script starts at `main_failing`, a
 # disagreement's at `main`
-RUNTIME_FUNCTIONS = ("versions", "free_port", "rank_main", "run_distributed", "judge", "load_data", "main_failing",
+RUNTIME_FUNCTIONS = ("versions", "rank_main", "run_distributed", "judge", "load_data", "main_failing",
                      "main")
 
 
@@ -55,20 +54,14 @@ def versions() -> str:
     return ", ".join(found)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rank_main(rank: int, world_size: int, port: int, data: dict[str, np.ndarray], result: str) -> None:
-    """One rank: a gloo process group on the loopback interface, the setting, rank 0's tensors to `result`."""
+def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarray], result: str) -> None:
+    """One rank: a gloo process group that meets through a file in `folder` (no port to race for), the setting,
+    rank 0's tensors to `result`."""
     import torch.distributed as dist
 
     local = CASE.get("local_world_size", world_size)  # ranks per (simulated) host, as torchrun would say
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(local),
-                      LOCAL_RANK=str(rank % local))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    os.environ.update(LOCAL_WORLD_SIZE=str(local), LOCAL_RANK=str(rank % local))
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
     try:
         if (outputs := on_rank(rank, world_size, data, CASE)) is not None:
             np.savez(result, **outputs)  # type: ignore[arg-type]
@@ -86,7 +79,7 @@ def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
     with tempfile.TemporaryDirectory() as folder:
         result = str(Path(folder) / "rank0.npz")
-        mp.spawn(rank_main, args=(WORLD_SIZE, free_port(), data, result), nprocs=WORLD_SIZE)  # type: ignore[attr-defined,no-untyped-call]
+        mp.spawn(rank_main, args=(WORLD_SIZE, folder, data, result), nprocs=WORLD_SIZE)  # type: ignore[attr-defined,no-untyped-call]
         return dict(np.load(result))
 
 

@@ -365,6 +365,10 @@ def run(
     count, models_of, which_wins = model_counts(models, models_of, kind)
     if which_wins:
         console.print(which_wins, highlight=False)
+    if getattr(where, "kind", "local") == "local":
+        from difftest.runner.pool import start_rank_server
+
+        start_rank_server(device)  # its imports overlap the models' generation
     _generate(out, count, seed, kind, steps, lr, batch_size, plugins, models_of)
     judging = _options(atol, rtol, oracle, minimize_budget, timeout, device)
     _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where, backend=backend,

@@ -101,6 +101,15 @@ def rank_start(device: str) -> Any:
     return _SPAWN
 
 
+def start_rank_server(device: str) -> None:
+    """Start the import server now, where ranks are forked from one: it imports in a process of its own (seconds on
+    a small machine) while this one does other work (`difftest run` generates the models meanwhile)."""
+    if rank_start(device) is _FORKSERVER:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 class WorkerGroup:
     """World-size ranks that import everything and join the process group once, then run cases."""
 

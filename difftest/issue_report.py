@@ -8,7 +8,6 @@ relates it to. Rendered from `templates/ISSUE.md.j2`; every value comes from the
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,17 +99,6 @@ def environment(run_dir: Path) -> list[tuple[str, str]]:
     return lines + [(name, libraries[name]) for name in ENVIRONMENT if name in libraries]
 
 
-def _script_run(folder: Path) -> tuple[str, list[str], int] | None:
-    """The script's verdict, the lines it printed of its own less those of tensors it found in agreement, and how many
-    those were."""
-    ran = recorded_run(folder)
-    if ran is None:
-        return None
-    verdict, lines = ran
-    wrong = [line for line in lines if not re.search(r": 0 of \d+ elements off", line)]
-    return verdict, wrong, len(lines) - len(wrong)
-
-
 def write_issue(run_dir: Path, analysis: Analysis, finding: Finding, minimised: Minimisation | None) -> Path:
     """Write `findings/<id>/ISSUE.md` for one finding and return its path."""
     folder = run_dir / "findings" / finding.id
@@ -126,7 +114,7 @@ def write_issue(run_dir: Path, analysis: Analysis, finding: Finding, minimised: 
                   evidence=evidence(run_dir, analysis, model, setting, finding.first_divergence),
                   worst_linf=float(finding.rows["worst_linf"].max()),
                   minimal=minimal, message=_readable(str(finding.example.get("message") or "")),
-                  standalone=standalone.name if standalone.is_file() else None, ran=_script_run(folder),
+                  standalone=standalone.name if standalone.is_file() else None, ran=recorded_run(folder),
                   settings=sorted(finding.rows["setting"].unique()), models=finding.rows["model"].nunique())
     path = folder / ISSUE_FILE
     path.write_text(text)

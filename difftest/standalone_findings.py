@@ -140,6 +140,9 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
 _OWN_LINE = re.compile(r"^(python \d|\S+: (\d+ of \d+ elements off|the setting gives shape)|BUG PRESENT|ok: |COULD NOT RUN)")
 
 
+_AGREEING_LINE = re.compile(r": 0 of \d+ elements off")
+
+
 def own_lines(output: str) -> list[str]:
     """The lines a script printed itself: the releases, each compared tensor's verdict, how the setting failed (the
     line before a failure's BUG PRESENT) and the verdict; a finding's report quotes them."""
@@ -148,14 +151,19 @@ def own_lines(output: str) -> list[str]:
         i + 1 < len(lines) and lines[i + 1].startswith(f"{BUG_PRESENT}: the setting fails"))]
 
 
-def recorded_run(folder: Path) -> tuple[str, list[str]] | None:
-    """What running the folder's script gave (`standalone.txt`): its one-line verdict and the lines it printed
-    itself; None where it has no script or it was not run."""
+def recorded_run(folder: Path) -> tuple[str, list[str], int] | None:
+    """What running the folder's script gave (`standalone.txt`): its one-line verdict, the lines it printed itself
+    less those of the tensors it found in agreement, and how many those were; None where it has no script or it was
+    not run."""
     path = folder / STANDALONE_VERDICT_FILE
     if not path.is_file() or not (folder / STANDALONE_FILE).is_file():
         return None
     verdict, _, output = path.read_text().partition("\n\n")
-    return (verdict.strip(), own_lines(output)) if output.strip() else None
+    if not output.strip():
+        return None
+    lines = own_lines(output)
+    telling = [line for line in lines if not _AGREEING_LINE.search(line)]
+    return verdict.strip(), telling, len(lines) - len(telling)
 
 
 def _record(folder: Path, emitted: Emitted) -> None:
@@ -163,32 +171,36 @@ def _record(folder: Path, emitted: Emitted) -> None:
     (folder / STANDALONE_VERDICT_FILE).write_text(text)
 
 
-def _check_all(emitted: list[Emitted], timeout_s: float) -> list[Emitted]:
-    """Run every written script once, sealed, as many at a time as the machine has cores (a script is mostly its
-    libraries' import and a rank or two: it waits more than it computes)."""
+def _check(e: Emitted, timeout_s: float) -> Emitted:
+    """Run a written script once, sealed, and record what it printed."""
     import dataclasses
+
+    if e.path is None:
+        return e
+    checked = dataclasses.replace(e, checked=check_script(e.path, timeout_s,
+                                                          env=sealed_environment(e.path.parent / ".sealed")))
+    _record(e.path.parent, checked)
+    return checked
+
+
+def _check_all(emitted: list[Emitted], timeout_s: float) -> list[Emitted]:
+    """Run every written script once, as many at a time as the machine has cores (a script is mostly its libraries'
+    import and a rank or two: it waits more than it computes)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    def check(e: Emitted) -> Emitted:
-        if e.path is None:
-            return e
-        checked = dataclasses.replace(e, checked=check_script(
-            e.path, timeout_s, env=sealed_environment(e.path.parent / ".sealed")))
-        _record(e.path.parent, checked)
-        return checked
-
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(check, emitted))
+        return list(pool.map(lambda e: _check(e, timeout_s), emitted))
 
 
 class StandaloneScripts:
     """Each finding's standalone script, for its minimal case where it has one (judged by the envelope the minimiser
     measured on it), else for its example (judged by the run's envelope), run once each when `check_timeout_s`.
 
-    A finding's script is started as soon as its minimisation is final (`finding_done`, the minimiser's `on_done`):
-    one at a time in the background while the minimiser works on the others, as its rounds leave cores idle between
-    them; `finish` writes and runs the rest, as many at a time as the machine has cores."""
+    A finding's script is written as soon as its minimisation is final (`finding_done`, the minimiser's `on_done`; a
+    fraction of a second, in the minimiser's own thread) and run in the background, one at a time, while the minimiser
+    works on the others (its rounds leave cores idle between them); `finish` writes the rest and runs every script
+    not yet started, as many at a time as the machine has cores."""
 
     def __init__(self, run_dir: Path, findings: list[Finding], tolerance: Tolerance, check_timeout_s: float = 0.0) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -196,24 +208,32 @@ class StandaloneScripts:
         self._run_dir, self._findings, self._tolerance = run_dir, findings, tolerance
         self._check_timeout_s = check_timeout_s
         self._background = ThreadPoolExecutor(max_workers=1)
-        self._started: dict[str, Future[Emitted]] = {}
+        self._written: dict[str, Emitted] = {}
+        self._checks: dict[str, Future[Emitted]] = {}
 
     def finding_done(self, m: Minimisation) -> None:
         finding = next((f for f in self._findings if f.id == m.finding_id), None)
-        if finding is not None:
-            self._started[finding.id] = self._background.submit(self._emit, finding, m, self._check_timeout_s)
+        if finding is None:
+            return
+        self._written[finding.id] = written = self._emit(finding, m)
+        if self._check_timeout_s > 0 and written.path is not None:
+            self._checks[finding.id] = self._background.submit(_check, written, self._check_timeout_s)
 
     def finish(self, minimised: list[Minimisation]) -> list[Emitted]:
         """Every finding's script, in the order of the findings, once each has been written and run."""
         by_id = {m.finding_id: m for m in minimised}
-        waiting = [f for f in self._findings if f.id not in self._started or self._started[f.id].cancel()]
+        for f in self._findings:
+            if f.id not in self._written:
+                self._written[f.id] = self._emit(f, by_id.get(f.id))
+        # a check still queued runs with the rest, side by side; one already started is waited for
+        unstarted = [e for e in self._written.values() if e.finding_id not in self._checks
+                     or self._checks[e.finding_id].cancel()]
         self._background.shutdown(wait=False)
-        written = {f.id: self._emit(f, by_id.get(f.id), 0.0) for f in waiting}
-        if self._check_timeout_s > 0:
-            written = {e.finding_id: e for e in _check_all(list(written.values()), self._check_timeout_s)}
-        return [written[f.id] if f.id in written else self._started[f.id].result() for f in self._findings]
+        done = {e.finding_id: e for e in _check_all(unstarted, self._check_timeout_s)} if self._check_timeout_s > 0 \
+            else {e.finding_id: e for e in unstarted}
+        return [done[f.id] if f.id in done else self._checks[f.id].result() for f in self._findings]
 
-    def _emit(self, f: Finding, m: Minimisation | None, check_timeout_s: float) -> Emitted:
+    def _emit(self, f: Finding, m: Minimisation | None) -> Emitted:
         from difftest.analysis import envelope_spread
 
         run_dir, tolerance = self._run_dir, self._tolerance
@@ -225,4 +245,4 @@ class StandaloneScripts:
             model, setting = str(f.example["model"]), str(f.example["setting"])
             model_dir, spread = run_dir / "models" / model, envelope_spread(run_dir, model, setting, tolerance)
         return emit(run_dir, f.id, title, f.status, model_dir, setting, f.first_divergence, spread, tolerance,
-                    check_timeout_s, message=str(f.example.get("message", "")))
+                    message=str(f.example.get("message", "")))

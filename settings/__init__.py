@@ -26,4 +26,4 @@ from settings import resume_tensorflow  # noqa: F401
 from settings import device  # noqa: F401  (last: it registers CUDA runs of settings registered above)
 
 # what the settings import lazily in every rank, loaded once into the server CPU ranks fork from
-RANK_IMPORTS = ("torchrec",)
+RANK_IMPORTS = ("torchrec", "torch.distributed.checkpoint")

@@ -262,9 +262,10 @@ def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpo
     return launch("settings._resumable", request, phase.placement.world_size, workdir, tag)
 
 
-# what every phase program imports, loaded once into the fork server (TensorFlow never: it must come after torch,
-# and a fork server that never needs it should not pay for it)
-_FORK_SERVER_PRELOAD = ["torch", "torch.distributed.checkpoint", "torchrec", "settings._resumable"]
+# a phase's processes fork from a server that has imported what a sweep's ranks import (difftest.runner.rank_imports:
+# torch, the plugins, the libraries they name; TensorFlow never: it must come after torch, and a fork server that never
+# needs it should not pay for it)
+_FORK_SERVER_PRELOAD = ["difftest.runner.rank_imports"]
 
 
 def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, tag: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import re
@@ -87,6 +88,7 @@ def _describe_exit(code: int | None, log_path: Path | None = None) -> str:
     return f"exited with code {code}"
 
 
+@functools.cache  # decided once per process, not at every group start
 def rank_start(device: str) -> Any:
     """How a group's ranks start. On CPU, forked from one server per sweep process that has imported what every rank
     needs (`difftest.runner.rank_imports`): a group then starts in a tenth of a second rather than seconds of imports

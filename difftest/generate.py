@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from difftest import stack
@@ -38,6 +42,79 @@ def materialise(spec: ModelSpec, model_dir: Path, batch_size: int) -> None:
     generator = get_generator(spec.kind)
     state = generator.init_state(spec)
     save_model(model_dir, spec, state, generator.inputs(spec, batch_size), generator.artifacts(spec, state))
+
+
+def try_materialise(spec: ModelSpec, model_dir: Path, batch_size: int) -> str | None:
+    """`materialise`, or why the spec's generator cannot build it (a smaller model Keras refuses): one line, and no
+    half-written folder left behind. A `UserError` (an input of the user's to fix) is raised."""
+    try:
+        materialise(spec, model_dir, batch_size)
+    except UserError:
+        raise
+    except Exception as exc:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        return f"{type(exc).__name__}: {first}"
+    return None
+
+
+def _materialise_in_builder(plugins: tuple[str, ...], spec: ModelSpec, model_dir: str, batch_size: int) -> str | None:
+    load_plugins(plugins)
+    return try_materialise(spec, Path(model_dir), batch_size)
+
+
+class ModelBuilders:
+    """Model folders written side by side: by this process and by builder processes, one per core more. A converted
+    Keras model takes a third of a second of tf2onnx, and a minimisation round builds dozens while its worker groups
+    wait. The builders fork from the ranks' import server where there is one (torch and the plugins imported), start
+    on the first batch with more than one model, and each imports a heavy library (TensorFlow) once, for every batch
+    after; this process builds meanwhile, so a batch never waits for their imports."""
+
+    def __init__(self, plugins: tuple[str, ...]) -> None:
+        from difftest.runner.scheduler import machine_ranks
+
+        self._plugins = plugins
+        self._processes = machine_ranks() - 1
+        self._pool: ProcessPoolExecutor | None = None
+
+    def build(self, jobs: list[tuple[ModelSpec, Path, int]]) -> list[str | None]:
+        """`try_materialise` of each (spec, folder, batch size), in order. The builders take jobs from the front, this
+        process from the back; a builder that dies costs its model (which says so) and the builders are replaced."""
+        results: dict[int, str | None] = {}
+        waiting = deque(range(len(jobs)))
+        running: dict[Future[str | None], int] = {}
+        while waiting or running:
+            # two each, so a builder that finishes while this process is busy building has its next model already
+            while waiting and len(running) < 2 * self._processes and len(waiting) > 1:
+                index = waiting.popleft()
+                spec, folder, batch = jobs[index]
+                running[self._builders().submit(_materialise_in_builder, self._plugins, spec, str(folder), batch)] = index
+            if waiting:
+                index = waiting.pop()
+                results[index] = try_materialise(*jobs[index])
+            else:
+                wait(running, return_when=FIRST_COMPLETED)
+            for future in [f for f in running if f.done()]:
+                index = running.pop(future)
+                try:
+                    results[index] = future.result()
+                except BrokenProcessPool as exc:  # a library crashed building it (a signal): not a candidate
+                    shutil.rmtree(jobs[index][1], ignore_errors=True)
+                    results[index] = f"BrokenProcessPool: {str(exc).splitlines()[0][:160]}"
+                    self.close()
+        return [results[index] for index in range(len(jobs))]
+
+    def _builders(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            from difftest.runner.pool import rank_start
+
+            self._pool = ProcessPoolExecutor(max_workers=self._processes, mp_context=rank_start("cpu"))
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
 
 
 def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] | None = None) -> list[str]:

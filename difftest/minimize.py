@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 from difftest.analysis import Analysis, analyze, envelope_spread
 from difftest.artifacts import load_spec
 from difftest.errors import UserError
-from difftest.registry import all_settings, get_generator, get_setting, kind_unavailable
+from difftest.generate import ModelBuilders, try_materialise
+from difftest.registry import all_settings, get_generator, get_setting, kind_unavailable, loaded_plugins
 from difftest.spec import ModelSpec, RunConfig
 
 if TYPE_CHECKING:
@@ -184,21 +185,6 @@ def _with_params(spec: ModelSpec, params: dict[str, Any]) -> ModelSpec:
     return dataclasses.replace(smaller, frozen=tuple(f for f in spec.frozen if f in have))
 
 
-def _materialise(trial: Trial, models_dir: Path) -> str | None:
-    """Write the trial's model folder (spec, weights, inputs); why its generator cannot build it, or None."""
-    from difftest.generate import materialise
-
-    target = models_dir / trial.model_id
-    try:
-        materialise(trial.spec, target, trial.batch_size)
-    except UserError:
-        raise
-    except Exception as exc:  # a shape the smaller model cannot have (Keras refuses it): not a candidate
-        shutil.rmtree(target, ignore_errors=True)
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
-    return None
-
-
 def _start(run_dir: Path, findings: list[Finding], budget_s: float,
            timeout_s: float) -> tuple[list[Minimisation], dict[str, Minimisation]]:
     """Planning, once: a minimisation per finding, those an earlier triage finished kept apart, and those that
@@ -239,11 +225,13 @@ class _Round:
         return tuple(dict.fromkeys((t.model_id, t.setting) for ts in self.planned.values() for t in ts))
 
 
-def _plan(this: _Round, work: list[Minimisation], serial: Callable[[], str]) -> None:
+def _plan(this: _Round, work: list[Minimisation], serial: Callable[[], str], builders: ModelBuilders) -> None:
     """Planning a round: each active finding's next proposals, as many as the rest of its budget affords at what
-    a try has cost it so far (a crash costs a worker group's restart), each model materialised once."""
+    a try has cost it so far (a crash costs a worker group's restart), each model materialised once. The models are
+    built side by side, in waves: a proposal that cannot be built is told in its finding's outcome and replaced by
+    the finding's next one in the next wave, so each finding gets the same trials as one by one."""
     started = time.perf_counter()
-    by_key: dict[str, Trial] = {}
+    wanted: dict[str, int] = {}
     for m in work:
         if not m.active:
             continue
@@ -255,19 +243,27 @@ def _plan(this: _Round, work: list[Minimisation], serial: Callable[[], str]) -> 
             m.pending = _proposals(m, serial)
         per_try = m.seconds / m.tries if m.tries else FIRST_TRY_COST_S.get(m.status, 1.0)
         room = max(1, min(PER_FINDING_PER_ROUND, int((m.budget_s - m.seconds) / per_try)))
-        chosen: list[Trial] = []
-        while m.pending and len(chosen) < room + (this.number == 1):
-            trial = m.pending.pop(0)
-            built_before = by_key.get(trial.key())
-            if built_before is not None:
-                trial = dataclasses.replace(trial, spec=built_before.spec)
-            elif (why := _materialise(trial, this.folder / "models")) is None:
-                by_key[trial.key()] = trial
-            else:  # told in its outcome: a generator whose reductions cannot be built looks minimal
-                m.unbuilt.append(f"{trial.change}: {why}")
-                continue
-            chosen.append(trial)
-        this.planned[m.finding_id] = chosen
+        wanted[m.finding_id] = room + (this.number == 1)
+        this.planned[m.finding_id] = []
+    built: dict[str, Trial] = {}  # by `Trial.key`: the trial whose folder holds that model
+    unbuildable: dict[str, str] = {}
+    while wave := [(m, m.pending.pop(0)) for m in work if m.finding_id in wanted
+                   for _ in range(min(len(m.pending), wanted[m.finding_id] - len(this.planned[m.finding_id])))]:
+        new: dict[str, Trial] = {}  # the wave's models not built yet, each once (two findings may propose one)
+        for _, trial in wave:
+            if trial.key() not in built and trial.key() not in unbuildable:
+                new.setdefault(trial.key(), trial)
+        for trial, why in zip(new.values(), builders.build([(t.spec, this.folder / "models" / t.model_id, t.batch_size)
+                                                           for t in new.values()])):
+            if why is None:
+                built[trial.key()] = trial
+            else:
+                unbuildable[trial.key()] = why
+        for m, trial in wave:
+            if trial.key() in unbuildable:  # told in its outcome: a generator whose reductions cannot be built looks minimal
+                m.unbuilt.append(f"{trial.change}: {unbuildable[trial.key()]}")
+            else:
+                this.planned[m.finding_id].append(dataclasses.replace(trial, spec=built[trial.key()].spec))
     this.built_s = time.perf_counter() - started
 
 
@@ -368,6 +364,7 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
     options = SweepOptions(timeout_s=timeout_s, device=device, plugins=plugins)
     scratch = Path(tempfile.mkdtemp(prefix=".minimize-", dir=run_dir))
     warm = WarmGroups()
+    builders = ModelBuilders(loaded_plugins())  # the plugins this process loaded: a benchmark's patch too
     counter = iter(range(1, 10**9))
     by_finding = {f.id: f for f in findings}
     written: set[str] = set()
@@ -389,7 +386,7 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
             this = _Round(round_no, scratch / f"round{round_no}")
             (this.folder / "models").mkdir(parents=True)
             (this.folder / "run.json").write_text(config.to_json())
-            _plan(this, work, lambda: f"m{next(counter)}")
+            _plan(this, work, lambda: f"m{next(counter)}", builders)
             _run(this, needs_envelope, options, warm, separating, config.plugins + plugins)
             charged = charges(this.planned, this.cost, this.built_s, sum(m.active for m in work))
             for m in work:
@@ -404,6 +401,7 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
         by_id = {m.finding_id: m for m in work}
     finally:
         warm.close()
+        builders.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return [kept.get(f.id) or by_id[f.id] for f in findings]
 
@@ -423,7 +421,8 @@ def _write(run_dir: Path, finding: Any, m: Minimisation, config: RunConfig, scra
         minimal = dataclasses.replace(m.best, spec=dataclasses.replace(m.best.spec, variant="min"))
         staging = scratch / "minimal" / finding.id  # two findings may shrink the same model two ways
         (staging / "models").mkdir(parents=True, exist_ok=True)
-        if (why := _materialise(minimal, staging / "models")) is not None:  # it was built in its round
+        # built in its round, in a folder that goes with the round
+        if (why := try_materialise(minimal.spec, staging / "models" / minimal.model_id, minimal.batch_size)) is not None:
             raise RuntimeError(f"the minimal case of {finding.id} could not be built again: {why}")
         (staging / "run.json").write_text(dataclasses.replace(config, batch_size=minimal.batch_size).to_json())
         write_reproducer(staging, target, finding.id, finding.title, minimal.model_id, minimal.setting,

@@ -34,6 +34,31 @@ def test_models_are_reproducible_from_seed_and_index(tmp_path: Path) -> None:
         assert all(np.array_equal(arrays_a[k], arrays_b[k]) for k in arrays_a)
 
 
+def test_models_built_side_by_side_are_the_models_built_one_by_one_and_one_that_cannot_be_built_says_why(
+        tmp_path: Path) -> None:
+    from difftest.generate import ModelBuilders, materialise
+
+    load_plugins()
+    g = DlrmGenerator()
+    specs = [dataclasses.replace(g.spec(0, i), variant=f"v{i}") for i in range(5)]
+    broken = specs[0].params["tables"][0] | {"num_embeddings": -1}  # a shape numpy refuses
+    specs.insert(2, dataclasses.replace(specs[0], params=specs[0].params | {"tables": [broken]}, variant="broken"))
+    builders = ModelBuilders(load_plugins())
+    builders._processes = max(builders._processes, 1)  # a builder process even where this machine has one core
+    try:
+        reasons = builders.build([(s, tmp_path / "side" / s.model_id, 24) for s in specs])
+    finally:
+        builders.close()
+    assert [r is None for r in reasons] == [True, True, False, True, True, True]
+    assert reasons[2] is not None and reasons[2].startswith("ValueError: ") and "\n" not in reasons[2]
+    assert not (tmp_path / "side" / specs[2].model_id).exists()  # no half-written folder
+    for spec in specs[:2] + specs[3:]:
+        materialise(spec, tmp_path / "one" / spec.model_id, 24)
+        side, one = tmp_path / "side" / spec.model_id, tmp_path / "one" / spec.model_id
+        assert sorted(p.name for p in side.iterdir()) == sorted(p.name for p in one.iterdir())
+        assert all((side / p.name).read_bytes() == p.read_bytes() for p in one.iterdir())
+
+
 def test_generated_models_cover_the_spec() -> None:
     g = DlrmGenerator()
     specs = [g.spec(0, i) for i in range(20)]

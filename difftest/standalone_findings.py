@@ -4,7 +4,9 @@ minimal case and run once where difftest does not import, or why it has none; `f
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -46,16 +48,25 @@ class Checked:
 
 
 def check_script(path: Path, timeout_s: float = 120.0, python: str = sys.executable,
-                 env: dict[str, str] | None = None) -> Checked:
-    """Run a script the way a maintainer would (its own folder is not the current one) and keep what it said."""
+                 env: dict[str, str] | None = None, niceness: int = 0) -> Checked:
+    """Run a script the way a maintainer would (its own folder is not the current one) and keep what it said. With a
+    `niceness`, the script and the ranks it starts (they inherit it) run at that lower priority. A script past its
+    timeout is killed with every process it started."""
     started = time.perf_counter()
-    try:
-        done = subprocess.run([python, str(path)], cwd=path.parent.parent, capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
-        code, output = done.returncode, (done.stdout + done.stderr).strip()
-    except subprocess.TimeoutExpired as exc:
-        partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        code, output = 124, f"timed out after {timeout_s:.0f} s: {partial}"
+    with subprocess.Popen([python, str(path)], cwd=path.parent.parent, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) as process:
+        if niceness:
+            try:  # before its imports are done, so before it forks its ranks
+                os.setpriority(os.PRIO_PROCESS, process.pid, niceness)
+            except (OSError, AttributeError):  # not POSIX, or gone already: it runs at normal priority
+                pass
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+            code, output = process.returncode, output.strip()
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # its ranks too: they are in its session
+            partial, _ = process.communicate()
+            code, output = 124, f"timed out after {timeout_s:.0f} s: {partial}"
     return Checked(code, time.perf_counter() - started, output)
 
 
@@ -82,8 +93,6 @@ class Emitted:
 def sealed_environment(folder: Path) -> dict[str, str]:
     """The environment of a process (and of the ranks it spawns) in which difftest's own packages do not import:
     a `sitecustomize` on PYTHONPATH refuses them, so a script that needed them fails as it would elsewhere."""
-    import os
-
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(textwrap.dedent('''\
         import importlib.abc, sys
@@ -136,6 +145,9 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
     return _check_all([emitted], check_timeout_s)[0] if check_timeout_s > 0 else emitted
 
 
+# the priority of a script run while the minimiser still works: below its trials (CFS gives nice 10 a tenth of a core
+# beside nice 0), above nothing
+BACKGROUND_NICENESS = 10
 # what a script prints of its own (`difftest.standalone_runtime`), among its libraries' warnings and its ranks' output
 _OWN_LINE = re.compile(r"^(python \d|\S+: (\d+ of \d+ elements off|the setting gives shape)|BUG PRESENT|ok: |COULD NOT RUN)")
 
@@ -171,25 +183,30 @@ def _record(folder: Path, emitted: Emitted) -> None:
     (folder / STANDALONE_VERDICT_FILE).write_text(text)
 
 
-def _check(e: Emitted, timeout_s: float) -> Emitted:
+def _check(e: Emitted, timeout_s: float, niceness: int = 0) -> Emitted:
     """Run a written script once, sealed, and record what it printed."""
     import dataclasses
 
     if e.path is None:
         return e
-    checked = dataclasses.replace(e, checked=check_script(e.path, timeout_s,
+    checked = dataclasses.replace(e, checked=check_script(e.path, timeout_s, niceness=niceness,
                                                           env=sealed_environment(e.path.parent / ".sealed")))
     _record(e.path.parent, checked)
     return checked
 
 
+def _cores() -> int:
+    from difftest.runner.scheduler import machine_ranks
+
+    return machine_ranks()
+
+
 def _check_all(emitted: list[Emitted], timeout_s: float) -> list[Emitted]:
     """Run every written script once, as many at a time as the machine has cores (a script is mostly its libraries'
     import and a rank or two: it waits more than it computes)."""
-    import os
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=_cores()) as pool:
         return list(pool.map(lambda e: _check(e, timeout_s), emitted))
 
 
@@ -198,16 +215,18 @@ class StandaloneScripts:
     measured on it), else for its example (judged by the run's envelope), run once each when `check_timeout_s`.
 
     A finding's script is written as soon as its minimisation is final (`finding_done`, the minimiser's `on_done`; a
-    fraction of a second, in the minimiser's own thread) and run in the background, one at a time, while the minimiser
-    works on the others (its rounds leave cores idle between them); `finish` writes the rest and runs every script
-    not yet started, as many at a time as the machine has cores."""
+    fraction of a second, in the minimiser's own thread) and run in the background while the minimiser works on the
+    others, as many at a time as the machine has cores but at a lower priority (`BACKGROUND_NICENESS`): they take the
+    cores the rounds leave idle (while a round's models are built, its verdicts signed) and hardly slow the trials,
+    whose time the findings' budgets are charged. `finish` writes the rest and runs every script not yet started, as
+    many at a time as the machine has cores."""
 
     def __init__(self, run_dir: Path, findings: list[Finding], tolerance: Tolerance, check_timeout_s: float = 0.0) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._run_dir, self._findings, self._tolerance = run_dir, findings, tolerance
         self._check_timeout_s = check_timeout_s
-        self._background = ThreadPoolExecutor(max_workers=1)
+        self._background = ThreadPoolExecutor(max_workers=_cores())
         self._written: dict[str, Emitted] = {}
         self._checks: dict[str, Future[Emitted]] = {}
 
@@ -217,7 +236,8 @@ class StandaloneScripts:
             return
         self._written[finding.id] = written = self._emit(finding, m)
         if self._check_timeout_s > 0 and written.path is not None:
-            self._checks[finding.id] = self._background.submit(_check, written, self._check_timeout_s)
+            self._checks[finding.id] = self._background.submit(_check, written, self._check_timeout_s,
+                                                               BACKGROUND_NICENESS)
 
     def finish(self, minimised: list[Minimisation]) -> list[Emitted]:
         """Every finding's script, in the order of the findings, once each has been written and run."""

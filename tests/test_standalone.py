@@ -174,3 +174,34 @@ BUG PRESENT: the setting fails as it did when difftest found it"""
               "  return func(*args, **kwargs)\nlayers.0.w: the setting gives shape (2,), not (4,)\n"
               "ok: the setting agrees with the single-process program (the bug is gone)")
     assert own_lines(judged) == [line for line in judged.splitlines() if not line.startswith(" ")]
+
+
+def test_a_script_that_outlives_its_timeout_is_killed_with_the_ranks_it_started(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from difftest.standalone_findings import check_script
+
+    (tmp_path / "finding").mkdir()
+    script = tmp_path / "finding" / "standalone.py"
+    pid_file = tmp_path / "rank.pid"
+    script.write_text(f"""import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+open({str(pid_file)!r}, "w").write(str(rank.pid))
+print("started", flush=True)
+time.sleep(600)
+""")
+    started = time.perf_counter()
+    checked = check_script(script, timeout_s=3.0, niceness=5)
+    assert time.perf_counter() - started < 30
+    assert checked.exit_code == 124 and "timed out after 3 s" in checked.output and "started" in checked.output
+    rank = int(pid_file.read_text())
+    for _ in range(50):  # killed at once; reaped by init a moment later
+        state = subprocess.run(["ps", "-o", "stat=", "-p", str(rank)], capture_output=True, text=True).stdout.strip()
+        if not state or state.startswith("Z"):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(rank, 9)
+        raise AssertionError(f"the script's rank {rank} outlived the script's timeout")

@@ -63,19 +63,40 @@ def _materialise_in_builder(plugins: tuple[str, ...], spec: ModelSpec, model_dir
     return try_materialise(spec, Path(model_dir), batch_size)
 
 
+def _warm_builder(plugins: tuple[str, ...], examples: list[tuple[ModelSpec, int]]) -> None:
+    """A builder's first job: one model of each kind, thrown away, so it has imported what every kind needs."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="difftest-warm-") as scratch:
+        for number, (spec, batch_size) in enumerate(examples):
+            _materialise_in_builder(plugins, spec, f"{scratch}/{number}", batch_size)
+
+
 class ModelBuilders:
     """Model folders written side by side: by this process and by builder processes, one per core more. A converted
     Keras model takes a third of a second of tf2onnx, and a minimisation round builds dozens while its worker groups
-    wait. The builders fork from the ranks' import server where there is one (torch and the plugins imported), start
-    on the first batch with more than one model, and each imports a heavy library (TensorFlow) once, for every batch
-    after; this process builds meanwhile, so a batch never waits for their imports."""
+    wait. The builders fork from the ranks' import server where there is one (torch and the plugins imported) and
+    `warm_up` builds one model of each kind in each, so that a builder has imported what they need (TensorFlow: seconds)
+    before it is given a batch's model; until then this process builds alone, and no batch waits for their imports."""
 
-    def __init__(self, plugins: tuple[str, ...]) -> None:
+    def __init__(self, plugins: tuple[str, ...], processes: int | None = None) -> None:
+        """`processes`: builder processes beside this one (default: one per core more; 0 builds one by one here)."""
         from difftest.runner.scheduler import machine_ranks
 
         self._plugins = plugins
-        self._processes = machine_ranks() - 1
+        self._processes = machine_ranks() - 1 if processes is None else processes
         self._pool: ProcessPoolExecutor | None = None
+        self._warming: list[Future[None]] = []
+
+    def warm_up(self, examples: list[tuple[ModelSpec, int]]) -> None:
+        """Start the builders now, each building (spec, batch size) of every kind in `examples` in a folder of its own
+        that is thrown away."""
+        kinds = list({spec.kind: (spec, batch) for spec, batch in examples}.values())
+        if self._processes and kinds:
+            self._warming = [self._builders().submit(_warm_builder, self._plugins, kinds) for _ in range(self._processes)]
+
+    def _warm(self) -> bool:
+        return all(future.done() for future in self._warming)
 
     def build(self, jobs: list[tuple[ModelSpec, Path, int]]) -> list[str | None]:
         """`try_materialise` of each (spec, folder, batch size), in order. The builders take jobs from the front, this
@@ -85,7 +106,7 @@ class ModelBuilders:
         running: dict[Future[str | None], int] = {}
         while waiting or running:
             # two each, so a builder that finishes while this process is busy building has its next model already
-            while waiting and len(running) < 2 * self._processes and len(waiting) > 1:
+            while waiting and len(running) < 2 * self._processes and len(waiting) > 1 and self._warm():
                 index = waiting.popleft()
                 spec, folder, batch = jobs[index]
                 running[self._builders().submit(_materialise_in_builder, self._plugins, spec, str(folder), batch)] = index
@@ -114,7 +135,7 @@ class ModelBuilders:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
-            self._pool = None
+            self._pool, self._warming = None, []
 
 
 def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] | None = None) -> list[str]:

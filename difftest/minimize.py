@@ -365,6 +365,7 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
     scratch = Path(tempfile.mkdtemp(prefix=".minimize-", dir=run_dir))
     warm = WarmGroups()
     builders = ModelBuilders(loaded_plugins())  # the plugins this process loaded: a benchmark's patch too
+    builders.warm_up([(m.original.spec, m.original.batch_size) for m in work if m.active])
     counter = iter(range(1, 10**9))
     by_finding = {f.id: f for f in findings}
     written: set[str] = set()

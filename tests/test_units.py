@@ -43,8 +43,7 @@ def test_models_built_side_by_side_are_the_models_built_one_by_one_and_one_that_
     specs = [dataclasses.replace(g.spec(0, i), variant=f"v{i}") for i in range(5)]
     broken = specs[0].params["tables"][0] | {"num_embeddings": -1}  # a shape numpy refuses
     specs.insert(2, dataclasses.replace(specs[0], params=specs[0].params | {"tables": [broken]}, variant="broken"))
-    builders = ModelBuilders(load_plugins())
-    builders._processes = max(builders._processes, 1)  # a builder process even where this machine has one core
+    builders = ModelBuilders(load_plugins(), processes=2)  # builder processes even where this machine has one core
     try:
         reasons = builders.build([(s, tmp_path / "side" / s.model_id, 24) for s in specs])
     finally:

@@ -96,6 +96,8 @@ class ModelBuilders:
             self._warming = [self._builders().submit(_warm_builder, self._plugins, kinds) for _ in range(self._processes)]
 
     def _warm(self) -> bool:
+        if any(f.done() and isinstance(f.exception(), BrokenProcessPool) for f in self._warming):
+            self.close()  # a builder died warming up: the next batch starts fresh ones, unwarmed
         return all(future.done() for future in self._warming)
 
     def build(self, jobs: list[tuple[ModelSpec, Path, int]]) -> list[str | None]:

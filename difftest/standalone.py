@@ -3,7 +3,7 @@
 The script imports only the libraries the finding involves. Its code is copied from difftest's own modules with
 `inspect.getsource`, never written a second time: the setting's family supplies the library code it runs (its plan
 helpers, its model's construction, `single_process` and `on_rank`, through `Setting.standalone`), this module the
-runtime every script shares (`difftest.standalone_runtime`: spawn the ranks on loopback, judge, report, exit 1 while
+runtime every script shares (`difftest.standalone_runtime`: start the ranks on loopback, judge, report, exit 1 while
 the bug is present). The case's tensors go beside it as `standalone.npz`, its parameters into the script as literals,
 and what difftest measured of its rounding noise (the calibrated envelope) as the tolerance the script judges by.
 
@@ -111,7 +111,7 @@ _EXCEPTION = re.compile(r"^(?:[\w.]*\.)?([A-Z]\w*): ((?:[^\d(\[{'\"|<]|(?<=[a-z]
 
 
 def failure_pattern(status: str, message: str) -> str:
-    """A regex that what `torch.multiprocessing.spawn` raises matches while the setting fails as recorded: the signal
+    """A regex that what `torch.multiprocessing.start_processes` raises matches while the setting fails as recorded: the signal
     that killed a rank (`process 0 terminated with signal SIGFPE`), or the exception's type and its words before the
     first value (a minimised case fails with other sizes); "" for a disagreement. A failure it cannot tell (a
     timeout, a message without an exception type) is no script's."""

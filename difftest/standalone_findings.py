@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftest.errors import Unsupported
+from difftest.runner.scheduler import machine_ranks
 from difftest.standalone import (
     BUG_PRESENT,
     DATA_FILE,
@@ -195,18 +196,12 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0) -> Emitted:
     return checked
 
 
-def _cores() -> int:
-    from difftest.runner.scheduler import machine_ranks
-
-    return machine_ranks()
-
-
 def _check_all(emitted: list[Emitted], timeout_s: float) -> list[Emitted]:
     """Run every written script once, as many at a time as the machine has cores (a script is mostly its libraries'
     import and a rank or two: it waits more than it computes)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=_cores()) as pool:
+    with ThreadPoolExecutor(max_workers=machine_ranks()) as pool:
         return list(pool.map(lambda e: _check(e, timeout_s), emitted))
 
 
@@ -226,7 +221,7 @@ class StandaloneScripts:
 
         self._run_dir, self._findings, self._tolerance = run_dir, findings, tolerance
         self._check_timeout_s = check_timeout_s
-        self._background = ThreadPoolExecutor(max_workers=_cores())
+        self._background = ThreadPoolExecutor(max_workers=machine_ranks())
         self._written: dict[str, Emitted] = {}
         self._checks: dict[str, Future[Emitted]] = {}
 

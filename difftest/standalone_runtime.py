@@ -1,4 +1,4 @@
-"""The part of every `findings/<id>/standalone.py` that no family changes: spawn the ranks, judge, report, exit.
+"""The part of every `findings/<id>/standalone.py` that no family changes: start the ranks, judge, report, exit.
 
 Its functions are copied verbatim into each script (`difftest.standalone`), so this module imports only the standard
 library, numpy and torch: a script must run where difftest is not installed. A script defines beside them

@@ -233,17 +233,17 @@ def _close_world(failed: bool, store_port: int) -> None:
         dist.destroy_process_group()
     reset_world_state()
     gc.collect()  # what is not frozen: the cached model and the case's garbage
-    _freeze_new_imports()
+    if len(sys.modules) != _MODULES_FROZEN:  # the case imported something: a module's objects are never garbage
+        _freeze()
 
 
-def _freeze_new_imports() -> None:
-    """Keep what a case imported out of later collections: a module's objects are never garbage."""
+def _freeze() -> None:
+    """Everything alive now into the permanent generation, noting whether the cached model went with it."""
     import gc
 
     global _MODULES_FROZEN, _MODEL_FROZEN
-    if len(sys.modules) != _MODULES_FROZEN:
-        gc.freeze()
-        _MODULES_FROZEN, _MODEL_FROZEN = len(sys.modules), bool(_CACHED_MODELS)
+    gc.freeze()
+    _MODULES_FROZEN, _MODEL_FROZEN = len(sys.modules), bool(_CACHED_MODELS)
 
 
 _SOCKETS_BEFORE_WORLD: set[int] = set()
@@ -290,12 +290,10 @@ def _cached_model(model_dir: str, loader: Any) -> Any:
     if model_dir not in _CACHED_MODELS:
         import gc
 
-        global _MODEL_FROZEN
         _CACHED_MODELS.clear()
         if _MODEL_FROZEN:  # frozen with an import: the model let go, and whatever else became garbage since, can go
             gc.unfreeze()
         gc.collect()
-        gc.freeze()  # what survived is not the model: the next one alone stays out of the permanent generation
-        _MODEL_FROZEN = False
+        _freeze()  # what survived is not the model: the next one alone stays out of the permanent generation
         _CACHED_MODELS[model_dir] = loader(Path(model_dir))
     return _CACHED_MODELS[model_dir]

@@ -86,10 +86,8 @@ def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def judge(name: str, x: np.ndarray, s: np.ndarray, c: np.ndarray) -> tuple[bool, str]:
-    """Whether the setting's `x` is further from the float64 result `c` than float32 rounding explains: SPREAD[name]
-    is the furthest legitimate float32 runs of the single-process program landed from `c` (difftest's calibration:
-    other sample orders, thread counts), and an element may be K times that plus its own rounding away. A tensor
-    difftest did not calibrate is judged by allclose with the single-process float32 result `s`."""
+    """Whether the setting's `x` is further from the float64 result `c` than float32 rounding explains (K times
+    SPREAD[name] plus its own rounding); a tensor without a SPREAD, by allclose with the float32 one `s`."""
     x, s, c = x.astype(np.float64), s.astype(np.float64), c.astype(np.float64)
     if name in SPREAD:
         d, allowed = np.abs(x - c), K * (SPREAD[name] + 2.0**-24 * np.abs(c))

@@ -416,17 +416,9 @@ def _build_module(params: dict[str, Any], device: str) -> Any:
         return nn.Sequential(*layers)
 
     def collection(weighted: bool) -> EmbeddingBagCollection:
-        configs = [
-            EmbeddingBagConfig(
-                name=t["name"],
-                num_embeddings=t["num_embeddings"],
-                embedding_dim=t["embedding_dim"],
-                feature_names=list(t["features"]),
-                pooling=PoolingType[t["pooling"]],
-            )
-            for t in params["tables"]
-            if t["weighted"] == weighted
-        ]
+        configs = [EmbeddingBagConfig(name=t["name"], num_embeddings=t["num_embeddings"], embedding_dim=t["embedding_dim"],
+                                      feature_names=list(t["features"]), pooling=PoolingType[t["pooling"]])
+                   for t in params["tables"] if t["weighted"] == weighted]
         return EmbeddingBagCollection(tables=configs, is_weighted=weighted, device=torch.device(device))
 
     class DLRM(nn.Module):

@@ -26,11 +26,9 @@ def fully_shard_for(device: str) -> Callable[..., Any]:
 
 
 class PipelineSchedule:
-    """A `torch.distributed.pipelining` schedule with the interface of current torch on every supported release:
-    `scale_grads` (torch 2.7 on; before, schedules left the gradients summed over micro-batches, divided here
-    instead) and `eval` (torch 2.9 on). Before `eval`, only GPipe ran forward alone (made without a loss function;
-    1F1B's step runs its backward regardless), and a forward pass is the same stage by stage whatever the order of
-    micro-batches, so a rank holding one stage evaluates through GPipe; a rank holding several is unsupported there."""
+    """A `torch.distributed.pipelining` schedule with current torch's `scale_grads` (2.7 on; before, the gradients
+    stay summed over micro-batches: divided here) and `eval` (2.9 on; before, a rank of one stage evaluates through
+    GPipe, the only schedule that ran forward alone, and a forward pass does not depend on the micro-batches' order)."""
 
     def __init__(self, schedule_class: type, stage_arg: Any, microbatches: int, loss_fn: Callable[..., Any],
                  scale_grads: bool = True) -> None:

@@ -23,7 +23,7 @@ from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from difftest.standalone import refuse_changed_hooks
 from generators.inputs import Batch
-from settings._compat import PipelineSchedule
+from settings._compat import PipelineSchedule, fully_shard_for
 from settings._training import (
     build_for_training,
     canonical_parameters,
@@ -31,6 +31,7 @@ from settings._training import (
     record_training,
     to_numpy,
 )
+from settings.fsdp import make_contiguous
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
@@ -177,7 +178,7 @@ class Pipeline(Setting):
         examples = chain_examples(chain, inputs.train.shard(dp_index, self.data_parallel), self.microbatches, bounds)
         # read before wrapping: afterwards canonical() all-gathers FSDP2's shards, a collective only rank 0 would join
         canonical_names = set(chain.canonical())
-        wrapped = {s: _wrap(m, self.inner, groups, ctx) for s, m in modules.items()}
+        wrapped = {s: wrap_stage(m, self.inner, groups, ctx.device) for s, m in modules.items()}
         device = torch.device(ctx.device)
 
         def loss_fn(output: Any, target: Any) -> Any:
@@ -247,9 +248,8 @@ class Pipeline(Setting):
         from settings._pipeline_script import on_rank, single_process
         from settings._training_script import parameters_after, trained_parameters
 
-        if self.data_parallel > 1 or type(self).scale_grads is not Pipeline.scale_grads:
-            raise Unsupported("a hybrid pipeline (replicas with DDP or FSDP2 in each stage) or a changed scale_grads "
-                              "has no emitter")
+        if type(self).scale_grads is not Pipeline.scale_grads:
+            raise Unsupported("a changed scale_grads has no emitter")
         model, steps, tensors = trained_parameters(case)
         if not model.chain:
             raise Unsupported(f"{case.spec.kind} models have no standalone layer chain (ModelCode.chain)")
@@ -257,16 +257,21 @@ class Pipeline(Setting):
             chain = case.generator.chain(case.spec, case.init_state, "cpu", case.model_dir)
         except ConversionFailed as exc:
             raise Unsupported(f"no layer chain: {exc}") from None
+        layout, hybrid = self.layout(chain, case.seed), self.data_parallel > 1
+        replicas = f", each of {self.data_parallel} pipelines on its share of the batch" if hybrid else ""
         return Script(
             summary=f"{self.describe()}: the model's layer chain cut into stages (torch.distributed.pipelining), "
                     f"evaluated once, then {steps} step(s) of plain SGD (lr {case.lr:g}) over {self.world_size} CPU "
-                    f"ranks (gloo)" + case.against("the same steps accumulating the micro-batches' gradients "
-                                                   "in one process: the parameters after them") + f". {model.summary}",
+                    f"ranks (gloo){replicas}" + case.against("the same steps accumulating the micro-batches' "
+                                                             "gradients in one process: the parameters after them")
+                    + f". {model.summary}",
             libraries=("torch", *model.libraries, "numpy"),
-            case={**model.case, "setting": self.layout(chain, case.seed), "lr": case.lr, "steps": steps,
-                  "batch": case.inputs["train"].size},
+            case={**model.case, "lr": case.lr, "steps": steps, "batch": case.inputs["train"].size,
+                  "setting": {**layout, "data_parallel": self.data_parallel, "inner": self.inner} if hybrid else layout},
             functions=(*model.functions, *model.chain, to_numpy, parameters_after, ChainStage, PipelineSchedule,
-                       stages_of, stage_examples, pipeline_schedule, single_process, on_rank),
+                       stages_of, stage_examples, pipeline_schedule,
+                       *((make_contiguous, fully_shard_for, pipeline_groups, wrap_stage) if hybrid else ()),
+                       single_process, on_rank),
             # the compatibility wrapper's refusal on a release without `eval`, by a name the script has
             preamble=(*model.preamble, "import inspect", "", "Unsupported = NotImplementedError"),
             tensors=tensors,
@@ -284,31 +289,33 @@ register_world_reset(_GROUPS.clear)  # the groups die with the case's world
 
 
 def _groups(ctx: RunContext, dp: int, pp: int) -> dict[str, Any]:
-    """The pipeline group and data-parallel mesh of this rank; made once per case and shape, since every rank must
-    create every subgroup in the same order."""
+    """`pipeline_groups` of this rank, made once per case and shape, since every rank must create every subgroup in
+    the same order."""
     if dp == 1:
         return {"pp": ctx.group, "dp": None}
-    key = (dp, pp)
-    if key not in _GROUPS:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(ctx.device.split(":")[0], (dp, pp), mesh_dim_names=("dp", "pp"))
-        _GROUPS[key] = {"pp": mesh["pp"].get_group(), "dp": mesh["dp"]}
-    return _GROUPS[key]
+    if (dp, pp) not in _GROUPS:
+        _GROUPS[(dp, pp)] = pipeline_groups(ctx.device, dp, pp)
+    return _GROUPS[(dp, pp)]
 
 
-def _wrap(module: Any, inner: str, groups: dict[str, Any], ctx: RunContext) -> Any:
+def pipeline_groups(device: str, dp: int, pp: int) -> dict[str, Any]:
+    """The hybrid's 2-D (dp, pp) device mesh: this rank's pipeline group ("pp") and its replicas' mesh ("dp")."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.split(":")[0], (dp, pp), mesh_dim_names=("dp", "pp"))
+    return {"pp": mesh["pp"].get_group(), "dp": mesh["dp"]}
+
+
+def wrap_stage(module: Any, inner: str, groups: dict[str, Any], device: str) -> Any:
+    """A hybrid's stage module in DDP or FSDP2 over its replicas; as it is without `inner` or anything to train."""
     if not inner or not any(p.requires_grad for p in module.parameters()):
         return module  # nothing to synchronise
     if inner == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(module, process_group=groups["dp"].get_group())
-    from settings._compat import fully_shard_for
-    from settings.fsdp import make_contiguous
-
     make_contiguous(module)
-    return fully_shard_for(ctx.device)(module, mesh=groups["dp"])
+    return fully_shard_for(device)(module, mesh=groups["dp"])
 
 
 def stages_of(pp_rank: int, pp: int, layout: dict[str, Any]) -> list[int]:
@@ -317,16 +324,16 @@ def stages_of(pp_rank: int, pp: int, layout: dict[str, Any]) -> list[int]:
     return [pp_rank, stages - 1 - pp_rank] if layout["placement"] == "v" else list(range(pp_rank, stages, pp))
 
 
-def stage_examples(stage_modules: list[Any], size: int) -> dict[int, tuple]:
-    """Each stage's (inputs, outputs) on the first `size` samples of the batch the chain is fed, from running every
-    stage's module (`ChainStage`) in turn in this process."""
+def stage_examples(stage_modules: list[Any], size: int, first: int = 0) -> dict[int, tuple]:
+    """Each stage's (inputs, outputs) on `size` samples from the `first` of the batch the chain is fed, from running
+    every stage's module (`ChainStage`) in turn in this process."""
     import torch
 
     def example(tensor: Any) -> Any:
         # a stage sends back gradients for exactly the received tensors that require them
         return tensor.detach().clone().requires_grad_(tensor.requires_grad)
 
-    value: Any = torch.arange(size)
+    value: Any = torch.arange(first, first + size)
     examples = {}
     for s, stage in enumerate(stage_modules):
         inputs = tuple(example(t) for t in (value if isinstance(value, tuple) else (value,)))

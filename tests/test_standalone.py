@@ -128,9 +128,11 @@ def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) 
         emitted.checked.output[-3000:]
 
 
-# pipelines on the same model: a random split and two stages per rank train as the single process does; the
-# zero-bubble V schedule fails in its eval (`pipelining-zbv-eval` on this stack)
+# pipelines on the same model: a random split and two stages per rank train as the single process does, and so do
+# two pipelines side by side with DDP or FSDP2 over each stage's replicas (hybrid); the zero-bubble V schedule fails
+# in its eval (`pipelining-zbv-eval` on this stack)
 PIPELINE = ("pipeline/gpipe/ws2/stages2/mb2/random", "pipeline/looped-bfs/ws2/stages4/mb2/balanced",
+            "hybrid/1f1b/dp2xfsdp2/pp2/stages2/mb2/balanced", "hybrid/interleaved-1f1b/dp2xddp/pp2/stages4/mb2/balanced",
             "pipeline/zbv-zero-bubble/ws2/stages4/mb2/balanced")
 
 

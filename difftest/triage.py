@@ -176,19 +176,20 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
 
 def merge_known(findings: list[Finding]) -> list[Finding]:
     """One root cause, one finding: findings whose cases one known library bug explains become one, led by the most
-    severe and largest of them (its example, signature and reproducer); the others are recorded in `merged`. Findings
-    no entry explains stay apart (their signatures are all the evidence there is). Order is kept."""
+    severe and largest of them (its example, signature and reproducer), titled by that bug; the others are recorded in
+    `merged`. Findings no entry explains stay apart (their signatures are all the evidence there is). Order is
+    kept."""
     groups: dict[str, list[Finding]] = {}
     for f in findings:
         groups.setdefault(f.known.id if f.known is not None else f.id, []).append(f)
     merged = []
     for key, group in groups.items():
         lead = group[0]
+        if lead.known is not None:  # named by its cause, as a maintainer would say it, rather than where it shows
+            lead = dataclasses.replace(lead, title=f"{lead.status}: {lead.known.title}")
         if len(group) > 1:
-            assert lead.known is not None
             lead = dataclasses.replace(
                 lead, id=f"F{hashlib.sha1(f'known | {key}'.encode()).hexdigest()[:8]}",
-                title=f"{lead.status}: {lead.known.title}",
                 rows=pd.concat([f.rows for f in group]),  # the lead's rows first: its example stays the example
                 merged=[(f.id, f.signature, len(f.rows)) for f in group])
         merged.append(lead)

@@ -94,7 +94,10 @@ def test_findings_one_known_bug_explains_become_one_and_say_what_they_merged() -
     assert one.signature == "sig Fb" and one.example["setting"] == "torchrec/ebc/table_row_wise/ws2"
     assert one.merged == [("Fb", "sig Fb", 3), ("Fa", "sig Fa", 2)] and scaling.title in one.title
     assert one.id == merge_known([finding("Fa", "x", 1, scaling), finding("Fc", "y", 1, scaling)])[0].id  # stable
-    assert found[1].id == "Fn" and not found[1].merged
+    assert found[1].id == "Fn" and not found[1].merged and found[1].title == "Fn"  # no entry: where it shows
+    # alone, a finding an entry explains keeps its id and is titled by that bug too
+    alone = merge_known([finding("Fz", "torchrec/ebc/row_wise/ws2", 2, scaling)])[0]
+    assert alone.id == "Fz" and not alone.merged and alone.title == f"inconsistent: {scaling.title}"
 
 
 def test_a_run_records_its_stack_and_keeps_an_earlier_one(tmp_path: Path) -> None:

@@ -88,11 +88,15 @@ class TensorFlowQuantization(Setting):
         allowed = self.allowed_error(tf, model, float_model, x)
         return {"eval_before/logits": logits.astype(np.float32), "allowed/eval_before/logits": allowed.astype(np.float32)}
 
+    def quantized_source(self, model: Any) -> Any:
+        """The Keras model the scheme quantizes (a hook for planted faults); built afresh, under the global policy."""
+        return model.generator.keras_model(model.spec, model.init_state)
+
     def _mixed_bfloat16(self, keras: Any, model: Any, x: np.ndarray) -> np.ndarray:
         before = keras.mixed_precision.global_policy()
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
         try:
-            quantized = model.generator.keras_model(model.spec, model.init_state)
+            quantized = self.quantized_source(model)
         finally:
             keras.mixed_precision.set_global_policy(before)  # a global: later cases must build in float32
         return np.asarray(quantized(x, training=False), dtype=np.float32)
@@ -104,7 +108,7 @@ class TensorFlowQuantization(Setting):
         converting a tf.function over a Keras 3 model directly (`from_concrete_functions`) gave outputs of 1e37
         from uninitialised variables, even unoptimised, while the SavedModel of the same model converts exactly.
         """
-        keras_model = model.generator.keras_model(model.spec, model.init_state)
+        keras_model = self.quantized_source(model)
         with tempfile.TemporaryDirectory(prefix="difftest-tflite-") as saved:
             archive = keras.export.ExportArchive()
             archive.track(keras_model)
@@ -144,17 +148,17 @@ class TensorFlowQuantization(Setting):
             _, keras = _tf.import_tensorflow()
             logits = model.generator.layer_by_layer(keras, model.spec, keras_model, tf.constant(x), site)
         bound = np.zeros(tuple(logits.shape), dtype=np.float64)
-        for kernel in kernels:
-            jacobian = tape.jacobian(logits, kernel, experimental_use_pfor=True)  # [batch, classes, *kernel]
+        # one backward pass for every kernel's jacobian ([batch, classes, *kernel] each), one per logit column for
+        # every site's gradient: the same derivatives as one pass per tensor, a fraction of the passes
+        for kernel, jacobian in zip(kernels, tape.jacobian(logits, kernels, experimental_use_pfor=True) if kernels else []):
             delta = self._weight_rounding(np.asarray(kernel.numpy(), dtype=np.float64))
             bound += np.abs(np.asarray(jacobian, dtype=np.float64)).reshape(*logits.shape, -1) @ delta.reshape(-1)
-        for layer, activation in sites:
-            delta = self._activation_rounding(layer, np.asarray(activation, dtype=np.float64))
-            if delta is None:
-                continue
-            for column in range(logits.shape[1]):
-                selector = tf.one_hot(tf.fill([len(x)], column), logits.shape[1], dtype=logits.dtype)
-                grad = tape.gradient(logits, activation, output_gradients=selector)
+        rounded = [(activation, delta) for layer, activation in sites
+                   if (delta := self._activation_rounding(layer, np.asarray(activation, dtype=np.float64))) is not None]
+        for column in range(logits.shape[1]) if rounded else ():
+            selector = tf.one_hot(tf.fill([len(x)], column), logits.shape[1], dtype=logits.dtype)
+            grads = tape.gradient(logits, [activation for activation, _ in rounded], output_gradients=selector)
+            for (_, delta), grad in zip(rounded, grads):
                 if grad is not None:
                     bound[:, column] += (np.abs(np.asarray(grad, dtype=np.float64)) * delta).reshape(len(x), -1).sum(axis=1)
         del tape

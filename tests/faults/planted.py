@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from settings.conversion import Conversion
+from settings.quant_tensorflow import TensorFlowQuantization
 from settings.quant_torchrec import QuantizedEmbeddings
 from settings.tensorflow import TensorFlowStrategy
 from settings.torchrec_sharding import TorchRecSharding, _local_pieces
@@ -149,8 +150,26 @@ class MirroredLocalMeanLoss(TensorFlowStrategy):
         return global_batch // replicas
 
 
+@dataclass(frozen=True)
+class QuantizedKernelScaled(TensorFlowQuantization):
+    """A float16-quantized Keras model whose first kernel is 64 half-precision steps (2^-5) too large before it is
+    quantized: an error no rounding of the scheme explains."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/quant_kernel_scaled/{self.scheme}"
+
+    def quantized_source(self, model: Any) -> Any:
+        keras_model = super().quantized_source(model)
+        kernel = next(w for w in keras_model.weights if len(w.shape) >= 2)
+        kernel.assign(kernel * (1 + 64 * 2**-11))
+        return keras_model
+
+
 register_settings([ConvertedKernelFlipped("onnx2pytorch", "eval"), ConvertedKernelFlipped("onnx2pytorch", "train"),
-                   MirroredLocalMeanLoss("mirrored", 2)])
+                   MirroredLocalMeanLoss("mirrored", 2), QuantizedKernelScaled("float16")])
 
 
 @dataclass(frozen=True)

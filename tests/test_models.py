@@ -236,3 +236,57 @@ def test_a_column_output_read_twice_is_not_paired() -> None:
             return self.b(h) + h.sum()
 
     assert _feeding(_Plain, Net(), _ones_inputs(), linear_pairs(Net()), "cpu") == []
+
+
+def _graph(proto: Any) -> tuple[Any, list[str]]:
+    """An ONNX graph as the multiset of its computations, each named by its op, attributes and what it reads
+    (recursively down to the inputs and the weights' values): equal for the same graph in any node order or naming."""
+    import collections
+    import hashlib
+
+    from onnx import AttributeProto, helper, numpy_helper
+
+    graph = proto.graph
+    value = {x.name: f"input {i}" for i, x in enumerate(graph.input)}
+    value |= {t.name: hashlib.sha1(numpy_helper.to_array(t).tobytes() + bytes(str(t.dims), "ascii")).hexdigest()
+              for t in graph.initializer}
+    computed: collections.Counter[str] = collections.Counter()
+    pending = list(graph.node)
+    while pending:
+        ready = [n for n in pending if all(i in value or not i for i in n.input)]
+        assert ready, "a cycle, or an input the graph lacks"
+        for node in ready:
+            attributes = sorted((a.name, repr(helper.get_attribute_value(a))) for a in node.attribute
+                                if a.type != AttributeProto.TENSOR)
+            tensors = sorted(numpy_helper.to_array(a.t).tobytes().hex() for a in node.attribute
+                             if a.type == AttributeProto.TENSOR)
+            key = hashlib.sha1(repr((node.op_type, [value.get(i, "") for i in node.input], attributes,
+                                     tensors)).encode()).hexdigest()
+            value |= {out: f"{key}:{k}" for k, out in enumerate(node.output)}
+            computed[key] += 1
+        pending = [n for n in pending if n not in ready]
+    return computed, [value[o.name] for o in graph.output]
+
+
+@pytest.mark.parametrize("kind", ("sequential", *KERAS_KINDS))
+def test_the_export_runs_tf2onnx_optimizers_in_place_and_gets_its_default_graph(kind: str) -> None:
+    """`export_onnx` lets tf2onnx optimize the graph without copying it before each optimizer (half a transformer's
+    export): the same computations and outputs as tf2onnx's default way."""
+    import onnx
+
+    from generators import _tf
+    from generators.sequential import OPSET, export_onnx
+
+    tf, keras = _tf.import_tensorflow()  # first: it loads what must come before TensorFlow
+    import tf2onnx
+    generator = get_generator(kind)
+    spec = generator.spec(0, 0)
+    keras.utils.set_random_seed(0)
+    model = generator.keras_model(spec)
+    in_place = onnx.load_from_string(export_onnx(model, spec))
+    source = spec.params["input"]
+    signature = (tf.TensorSpec((None, *source["shape"]), tf.int32 if source["form"] == "tokens" else tf.float32,
+                               name="x"),)
+    default, _ = tf2onnx.convert.from_function(tf.function(lambda x: model(x, training=False)),
+                                               input_signature=signature, opset=OPSET)
+    assert _graph(in_place) == _graph(default)

@@ -68,13 +68,20 @@ def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_
     # TensorFlow's quantized forms too: within the bound their schemes' rounding implies, unless a kernel is off
     clean = ["reference", "tf/reference", "tf/mirrored/r2", "convert/onnxruntime/eval",
              "convert/onnx2pytorch/eval", "convert/onnx2pytorch/train", "ddp/default/ws2", "quant/tflite/float16",
-             "quant/tflite/dynamic-int8", "quant/tf/mixed-bfloat16"]
+             "quant/tf/mixed-bfloat16"]
     planted = ["faults/convert_flipped_kernel/eval", "faults/convert_flipped_kernel/train", "faults/tf_local_mean_loss/r2",
                "faults/later_kernel_scaled", "faults/quant_kernel_scaled/float16"]
     models = "*-i0,*-i1-frozen,*-i2"
-    run_sweep(run_dir, SweepOptions(settings=",".join(clean + planted), models=models, plugins=(PLANTED,), timeout_s=180))
-    cases = analyze(run_dir).cases
+    run_sweep(run_dir, SweepOptions(settings=",".join([*clean, *planted, "quant/tflite/dynamic-int8"]), models=models,
+                                    plugins=(PLANTED,), timeout_s=180))
+    analysis = analyze(run_dir)
+    cases = analysis.cases
     judged = {(r.model, r.setting): r.verdict for r in cases.itertuples()}
+    # TFLite's int8 leaves these small models' kernels in float: nothing of int8 to test, and said so
+    messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
+    for model in ("sequential-s0-i0", "sequential-s0-i1-frozen", "sequential-s0-i2"):
+        key = (model, "quant/tflite/dynamic-int8")
+        assert judged[key] == "unsupported" and "tensorflow#53094" in messages[key], (judged[key], messages[key])
     for model in ("sequential-s0-i0", "sequential-s0-i1-frozen", "sequential-s0-i2"):
         for setting in clean:
             assert judged[(model, setting)] == "ok", (model, setting)

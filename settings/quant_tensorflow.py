@@ -7,8 +7,9 @@
 * `quant/tfmot/qat-int8`: TF-MOT quantization-aware 8-bit, where its package installs.
 
 TFLite converts with a batch of 1 (it cannot lower an LSTM with a variable batch size) and runs sample by sample.
-Bounds are first order (see `settings/_error_bounds.py`), with TensorFlow's autodiff: every kernel rounded by at
-most its scheme's step, and the input of every layer that owns a kernel rounded as its hybrid kernel does.
+Bounds are first order (see `settings/_error_bounds.py`), with TensorFlow's autodiff: every kernel the converted model
+stores quantized rounded by at most its scheme's step (TFLite keeps a weight of under 1024 elements in float), and
+the input of every layer that owns such a kernel rounded as its hybrid kernel does.
 """
 
 from __future__ import annotations

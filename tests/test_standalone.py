@@ -156,6 +156,14 @@ def test_a_pipeline_script_trains_or_fails_as_the_setting_does(fresh_run: Path) 
         assert ("def judge(" in text) == (verdict == "ok") and ("FAILURE =" in text) == (verdict == "error")
         assert emitted.checked.exit_code == (0 if verdict == "ok" else 1), emitted.checked.output[-3000:]
         assert verdict == "error" or "what rounding explains" in emitted.checked.output  # the envelope judged
+        if "dp2xddp" in setting:  # its agreement is the replicas' synchronisation: unwrapped, they drift apart
+            from difftest.standalone_findings import check_script
+
+            wrap = 'wrapped = {s: wrap_stage(m, layout["inner"], groups, "cpu") for s, m in modules.items()}'
+            assert text.count(wrap) == 1
+            emitted.path.write_text(text.replace(wrap, "wrapped = modules"))
+            unsynchronised = check_script(emitted.path, timeout_s=120)
+            assert unsynchronised.exit_code == 1 and "BUG PRESENT" in unsynchronised.output, unsynchronised.output
 
 
 def test_a_findings_report_quotes_the_lines_its_script_printed_itself_not_its_libraries() -> None:

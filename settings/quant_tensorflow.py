@@ -92,7 +92,7 @@ class TensorFlowQuantization(Setting):
         rounded = [w for w in kernels if stored is None or stored[int(np.prod(w.shape))]]
         # TFLite keeps a weight of under 1024 elements in float (tensorflow#53094): the bound rounds only the others,
         # and a model with none left has nothing of the scheme to test
-        if not rounded:
+        if stored is not None and not rounded:
             raise Unsupported(f"TFLite stored none of the model's {len(kernels)} kernels {self.scheme.split('-')[-1]} "
                               "(it keeps a weight of under 1024 elements in float: tensorflow#53094)")
         if len(rounded) < len(kernels):

@@ -254,7 +254,7 @@ def test_an_error_of_ours_while_recording_a_case_ends_the_sweep_with_that_error(
                   on_result=broken)
 
 
-def test_a_rank_not_yet_reaped_is_described_by_the_signal_its_faulthandler_report_names(tmp_path: Path) -> None:
+def test_a_rank_not_yet_reaped_or_whose_status_was_lost_is_described_by_the_signal_its_faulthandler_report_names(tmp_path: Path) -> None:
     """On a loaded host a rank killed by SIGFPE was once not reaped within the wait and recorded as "vanished": a
     second finding for one bug. Its log's faulthandler report names the signal, and the rank then exits with it."""
     from difftest.runner.pool import _describe_exit
@@ -265,4 +265,6 @@ def test_a_rank_not_yet_reaped_is_described_by_the_signal_its_faulthandler_repor
                               stderr=out, check=False).returncode
     assert "Fatal Python error: Floating point exception" in log.read_text()
     assert _describe_exit(code) == _describe_exit(None, log) == "killed by SIGFPE (exit -8)"
+    assert _describe_exit(255, log) == "killed by SIGFPE (exit -8)"  # the forkserver lost the status: the log says
+    assert _describe_exit(255, tmp_path / "missing.log") == "exited with code 255"
     assert _describe_exit(None, tmp_path / "missing.log") == "vanished"

@@ -74,8 +74,10 @@ def _tail(path: Path, lines: int = 6) -> str:
 
 
 def _describe_exit(code: int | None, log_path: Path | None = None) -> str:
-    """How a rank ended; one not yet reaped is described by the signal its log's faulthandler report names."""
-    if code is None and log_path is not None and log_path.exists():
+    """How a rank ended. One not yet reaped, or whose status was lost (multiprocessing's forkserver answers 255 when
+    it cannot read it: seen once for one of two ranks that died of SIGFPE within 4 ms), is described by the signal its
+    log's faulthandler report names, the signal the rank then dies of: one bug, one description."""
+    if (code is None or code >= 0) and log_path is not None and log_path.exists():
         if fatal := _FATAL.search(log_path.read_text(errors="replace")):
             code = -_FAULTHANDLER_SIGNALS[fatal[1]]
     if code is None:

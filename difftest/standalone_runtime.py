@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -32,6 +33,7 @@ K: float
 ATOL: float
 RTOL: float
 LIBRARIES: tuple[str, ...]
+RANK_IMPORTS: tuple[str, ...]
 CASE: dict[str, Any]
 FAILURE: str
 single_process: Callable[[dict[str, np.ndarray], dict[str, Any], Any], dict[str, np.ndarray]]
@@ -66,6 +68,9 @@ def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarra
         if (outputs := on_rank(rank, world_size, data, CASE)) is not None:
             np.savez(result, **outputs)  # type: ignore[arg-type]
         dist.barrier()  # leave together: a rank torn down while a peer still talks to it aborts
+    except BaseException:  # every rank's error is reported, not only the one torch.multiprocessing notices first
+        Path(folder, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -74,14 +79,25 @@ def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarra
 
 
 def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The setting on WORLD_SIZE processes forked from this one before it has computed anything (so they start with
-    its imports, in a fraction of a second); torch.multiprocessing ends them all when one fails."""
+    """The setting on WORLD_SIZE processes forked from this one before it has computed anything, after it has imported
+    what they import (so each starts in a fraction of a second); torch.multiprocessing ends them all when one fails."""
+    import importlib
+
     import torch.multiprocessing as mp
+
+    for name in RANK_IMPORTS:  # imported once here, not once per rank (TorchRec: seconds each on a small machine)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a release without it: the code that imports it says what it does then
+            pass
 
     with tempfile.TemporaryDirectory() as folder:
         result = str(Path(folder) / "rank0.npz")
-        mp.start_processes(rank_main, args=(WORLD_SIZE, folder, data, result), nprocs=WORLD_SIZE,  # type: ignore[attr-defined,no-untyped-call]
-                           start_method="fork" if sys.platform == "linux" else "spawn")
+        try:
+            mp.start_processes(rank_main, args=(WORLD_SIZE, folder, data, result), nprocs=WORLD_SIZE,  # type: ignore[attr-defined,no-untyped-call]
+                               start_method="fork" if sys.platform == "linux" else "spawn")
+        except Exception as exc:  # it may be a peer's lost connection, the rank that failed first having exited
+            raise RuntimeError("\n".join([str(exc), *(p.read_text() for p in Path(folder).glob("rank*.error"))])) from exc
         return dict(np.load(result))
 
 
@@ -112,10 +128,12 @@ def main_failing() -> int:
     try:
         run_distributed(load_data())
     except Exception as exc:
-        present = re.search(FAILURE, failure := f"{type(exc).__name__}: {exc}") is not None
-        print(f"{failure.strip().splitlines()[-1]}\nBUG PRESENT: the setting fails as it did when difftest found it"
-              if present else f"COULD NOT RUN the setting, not as this script shows: {failure}")
-        return 1 if present else 2
+        if (found := re.search(FAILURE, failure := f"{type(exc).__name__}: {exc}")) is None:
+            print(f"COULD NOT RUN the setting, not as this script shows: {failure}")
+            return 2
+        print(failure[failure.rfind("\n", 0, found.start()) + 1:].split("\n")[0])  # the line that shows it
+        print("BUG PRESENT: the setting fails as it did when difftest found it")
+        return 1
     print("ok: the setting runs through (the failure is gone)")
     return 0
 

@@ -262,22 +262,17 @@ def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpo
     return launch("settings._resumable", request, phase.placement.world_size, workdir, tag)
 
 
-# a phase's processes fork from a server that has imported what a sweep's ranks import (difftest.runner.rank_imports:
-# torch, the plugins, the libraries they name; TensorFlow never: it must come after torch, and a fork server that never
-# needs it should not pay for it)
-_FORK_SERVER_PRELOAD = ["difftest.runner.rank_imports"]
-
-
 def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, tag: str,
            timeout_s: float = 600.0) -> Outputs:
     """`<module>.main(request.json, rank)` in `processes` new processes; rank 0 writes the outputs to
     `request["result"]` (.npz, read back without pickle). Raises with the failing rank's last stderr lines
     (`Unsupported` when the program refused the model).
 
-    The processes are forked from a fork server that has imported torch and nothing of any case, so each starts
+    The processes are forked from a fork server that has imported what a sweep's ranks import (torch, the plugins,
+    the libraries they name; TensorFlow never: it must come after torch) and nothing of any case, so each starts
     with no state of the run that saved the checkpoint, without paying the interpreter start and the imports
-    again (seconds per process on 2 cores); the server lives as long as the rank that launched it."""
-    import multiprocessing
+    again (seconds per process on 2 cores): `difftest.runner.pool.import_server`."""
+    from difftest.runner.pool import import_server
 
     workdir.mkdir(parents=True, exist_ok=True)
     result = workdir / f"outputs-{tag}.npz"
@@ -287,8 +282,7 @@ def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, 
     # the new processes load what this one did: a plugin's generator kind, or a patch a benchmark injects
     request_path.write_text(json.dumps({**request, "result": str(result), "plugins": list(loaded_plugins())}))
     logs = [workdir / f"rank{r}-{tag}.log" for r in range(processes)]
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_FORK_SERVER_PRELOAD)
+    context = import_server()
     running = [context.Process(target=_launched, args=(module, str(request_path), r, str(log)), daemon=True)
                for r, log in enumerate(logs)]
     for process in running:

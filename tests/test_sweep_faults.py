@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -268,3 +270,36 @@ def test_a_rank_not_yet_reaped_or_whose_status_was_lost_is_described_by_the_sign
     assert _describe_exit(255, log) == "killed by SIGFPE (exit -8)"  # the forkserver lost the status: the log says
     assert _describe_exit(255, tmp_path / "missing.log") == "exited with code 255"
     assert _describe_exit(None, tmp_path / "missing.log") == "vanished"
+
+
+def _start_through_import_server(answers: Any) -> None:
+    """In a rank forked from the CPU ranks' import server: start a process as a resume phase does, and say whose
+    child it is and whether this rank started a fork server of its own."""
+    from multiprocessing import forkserver
+
+    from difftest.runner.pool import import_server
+
+    child = import_server().Process(target=_say_parent, args=(answers,))
+    child.start()
+    child.join()
+    answers.put((os.getppid(), child.exitcode, forkserver._forkserver._forkserver_pid))
+
+
+def _say_parent(answers: Any) -> None:
+    answers.put(os.getppid())
+
+
+def test_a_rank_starts_its_processes_from_the_import_server_it_was_forked_from() -> None:
+    """A resume case's phases fork from the server the sweep's ranks fork from: a server of the rank's own would
+    import torch and the plugins again (3 s a rank on 2 cores), the old behaviour, which this test fails on."""
+    from difftest.runner.pool import rank_start
+
+    context = rank_start("cpu")
+    answers = context.SimpleQueue()
+    rank = context.Process(target=_start_through_import_server, args=(answers,))
+    rank.start()
+    rank.join(120)
+    child_parent, (server, exitcode, own_server) = answers.get(), answers.get()
+    assert rank.exitcode == 0 and exitcode == 0
+    assert own_server is None  # CPython's own `ensure_running` would have started (and recorded) one
+    assert child_parent == server != os.getpid()  # the rank's child is the server's, as the rank is

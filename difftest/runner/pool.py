@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 _SPAWN = mp.get_context("spawn")
 _FORKSERVER = mp.get_context("forkserver")
+RANK_PRELOAD = ["difftest.runner.rank_imports"]  # what the CPU ranks' fork server imports before it forks one
 ERROR_GRACE_S = 3.0  # how long the other ranks may take to report after one rank raised
 READY_TIMEOUT_S = 60.0  # how long the ranks may take to close a case's world and open the next one
 # how long a rank whose pipe closed may take to be reaped: on a loaded host, one killed by a signal can take seconds
@@ -100,9 +101,25 @@ def rank_start(device: str) -> Any:
     from difftest.devices import visible_gpus
 
     if device == "cpu" and visible_gpus() == 0:
-        _FORKSERVER.set_forkserver_preload(["difftest.runner.rank_imports"])
+        _FORKSERVER.set_forkserver_preload(RANK_PRELOAD)
         return _FORKSERVER
     return _SPAWN
+
+
+def import_server() -> Any:
+    """The forkserver context whose server has imported what every rank imports (`RANK_PRELOAD`), for processes a
+    case starts of its own (a resume's phases): they have run nothing. In a process forked from such a server (a
+    sweep's CPU rank) its children fork from that same server. CPython knows the server's address there but would
+    start one of its own, seconds of imports for every rank that starts processes."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server: Any = forkserver._forkserver  # its private state: what CPython offers no way to ask
+    if server._forkserver_pid is None and None not in (server._forkserver_address, server._forkserver_alive_fd):
+        # inherited: the server lives while a process holds the write end of its "alive" pipe, as this one does
+        server.ensure_running = resource_tracker.ensure_running
+    else:
+        _FORKSERVER.set_forkserver_preload(RANK_PRELOAD)
+    return _FORKSERVER
 
 
 def start_rank_server(device: str) -> None:

@@ -7,4 +7,4 @@ from generators import sequential  # noqa: F401  (registers kind "sequential")
 from generators import functional  # noqa: F401  (registers kinds "keras-dag", "keras-transformer")
 
 # what the generators import lazily in every rank, loaded once into the server CPU ranks fork from
-RANK_IMPORTS = ("torchrec", "onnx", "onnx2torch", "onnx2pytorch", "onnxruntime")
+RANK_IMPORTS = ("torchrec", "onnx", "onnx2torch", "onnx2pytorch", "onnxruntime", "generators._tf_preload")

@@ -269,7 +269,7 @@ def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, 
     (`Unsupported` when the program refused the model).
 
     The processes are forked from a fork server that has imported what a sweep's ranks import (torch, the plugins,
-    the libraries they name; TensorFlow never: it must come after torch) and nothing of any case, so each starts
+    the libraries they name, TensorFlow after torch) and nothing of any case, so each starts
     with no state of the run that saved the checkpoint, without paying the interpreter start and the imports
     again (seconds per process on 2 cores): `difftest.runner.pool.import_server`."""
     from difftest.runner.pool import import_server

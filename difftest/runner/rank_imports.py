@@ -7,6 +7,7 @@ in a tenth of a second instead of seconds. Nothing here may touch a GPU: a proce
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 
@@ -30,3 +31,7 @@ try:
     _import_all()
 except Exception:  # the server must start: each rank imports what is missing, and reports what fails
     pass
+# what every rank inherits is never garbage: out of every collection in every rank (`difftest.runner.worker`), and
+# untouched by the collector, so its pages stay shared with the server
+gc.collect()
+gc.freeze()

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 _CACHED_MODELS: dict[str, Any] = {}
-# The cyclic garbage collector's permanent generation (`gc.freeze`) holds what outlives every case: the imports (lazy
-# ones too). A full collection that walks them costs a rank 0.2-0.8 s; one that walks only the cached model and a
-# case's garbage, milliseconds. `_MODULES_FROZEN` is how many modules were imported at the last freeze, and
-# `_MODEL_FROZEN` whether the cached model went into the permanent generation with them (then letting it go takes
-# one full collection).
+# The cyclic garbage collector's permanent generation (`gc.freeze`) holds what outlives every case: the imports, frozen
+# by the server ranks fork from (`difftest.runner.rank_imports`), and those a case makes later, frozen when the rank
+# next lets its model go. A full collection that walks them all costs a rank 0.4-0.8 s; one that walks the cached
+# model, a case's garbage and the imports since the last freeze, milliseconds. The model itself never goes into the
+# permanent generation: letting it go would then take a full collection (it did, at most model switches of a
+# minimisation round: a third of the ranks' time in the garbage collector). `_MODULES_FROZEN`: how many modules
+# were imported at the last freeze.
 _MODULES_FROZEN = 0
-_MODEL_FROZEN = False
 
 
 @dataclass(frozen=True)
@@ -232,18 +233,7 @@ def _close_world(failed: bool, store_port: int) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     reset_world_state()
-    gc.collect()  # what is not frozen: the cached model and the case's garbage
-    if len(sys.modules) != _MODULES_FROZEN:  # the case imported something: a module's objects are never garbage
-        _freeze()
-
-
-def _freeze() -> None:
-    """Everything alive now into the permanent generation, noting whether the cached model went with it."""
-    import gc
-
-    global _MODULES_FROZEN, _MODEL_FROZEN
-    gc.freeze()
-    _MODULES_FROZEN, _MODEL_FROZEN = len(sys.modules), bool(_CACHED_MODELS)
+    gc.collect()  # what is not frozen: the cached model, the case's garbage, the imports since the last freeze
 
 
 _SOCKETS_BEFORE_WORLD: set[int] = set()
@@ -290,10 +280,11 @@ def _cached_model(model_dir: str, loader: Any) -> Any:
     if model_dir not in _CACHED_MODELS:
         import gc
 
+        global _MODULES_FROZEN
         _CACHED_MODELS.clear()
-        if _MODEL_FROZEN:  # frozen with an import: the model let go, and whatever else became garbage since, can go
-            gc.unfreeze()
-        gc.collect()
-        _freeze()  # what survived is not the model: the next one alone stays out of the permanent generation
+        gc.collect()  # the model let go and what the imports since the last freeze left behind
+        if len(sys.modules) != _MODULES_FROZEN or not gc.get_freeze_count():
+            gc.freeze()  # what survived is no model: the imports (a spawned rank's own, the first time)
+            _MODULES_FROZEN = len(sys.modules)
         _CACHED_MODELS[model_dir] = loader(Path(model_dir))
     return _CACHED_MODELS[model_dir]

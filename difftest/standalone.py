@@ -211,10 +211,10 @@ def _local_imports(sources: Iterable[str]) -> tuple[str, ...]:
                 found.update(dict.fromkeys(alias.name for alias in node.names))
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module != "__future__":
                 found[node.module] = None
-    return tuple(name for name in found if name.split(".")[0] not in _ALREADY_IMPORTED)
-
-
-_ALREADY_IMPORTED = frozenset({"os", "re", "sys", "tempfile", "traceback", "importlib", "pathlib", "typing", "numpy"})
+    first = {node.module if isinstance(node, ast.ImportFrom) else alias.name
+             for node in ast.walk(ast.parse("\n".join(RUNTIME_IMPORTS))) if isinstance(node, ast.Import | ast.ImportFrom)
+             for alias in node.names}  # what every script imports at its top
+    return tuple(name for name in found if name not in first)
 
 
 def _oracle_k() -> float:

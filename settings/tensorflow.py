@@ -104,11 +104,14 @@ class TensorFlowStrategy(Setting):
             optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
             return loss
 
-        @tf.function
+        # autograph only rewrites Python control flow on tensors, which neither function has: without it each case's
+        # trace skips converting these functions' source and leaving the converted copy in the temporary folder
+        # (deleted at exit by an atexit hook, which a rank leaving through os._exit never runs)
+        @tf.function(autograph=False)
         def train(x: Any, y: Any) -> Any:
             return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(x, y)), axis=None)
 
-        @tf.function
+        @tf.function(autograph=False)
         def predict(x: Any) -> Any:
             return strategy.run(lambda v: keras_model(v, training=False), args=(x,))
 

@@ -6,7 +6,9 @@ import functools
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -153,6 +155,7 @@ class WorkerGroup:
             local_world_size = simulated_local_size(world_size)
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
+        self.temp_dir = tempfile.mkdtemp(prefix=f"difftest-ws{world_size}-")
         start = rank_start(device)
         for rank in range(world_size):
             parent_end, child_end = start.Pipe()
@@ -166,6 +169,7 @@ class WorkerGroup:
                 collective_timeout_s=collective_timeout_s,
                 local_world_size=local_world_size,
                 environment=dict(os.environ),
+                temp_dir=self.temp_dir,
             )
             process = start.Process(target=worker.main, args=(config, child_end), daemon=True)
             process.start()
@@ -307,3 +311,4 @@ class WorkerGroup:
             process.join(5)
         for conn in self.conns:
             conn.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)  # kills happen on every way out, close included

@@ -39,6 +39,10 @@ class WorkerConfig:
     # the starting process's environment when the group started: a rank forked from the import server
     # (`difftest.runner.pool.rank_start`) would otherwise have the server's, from the sweep's first group
     environment: dict[str, str] | None = None
+    # the group's own temporary folder, removed by the parent once the group is gone: what libraries leave in the
+    # temporary folder for deletion at exit (TensorFlow's autograph writes a source file per converted function)
+    # is never deleted by a rank, which leaves through os._exit, and a killed rank cleans up nothing at all
+    temp_dir: str | None = None
 
 
 def _redirect_output(log_path: str) -> None:
@@ -93,6 +97,10 @@ def main(config: WorkerConfig, conn: Any) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)
     os.environ["LOCAL_RANK"] = str(config.rank % config.local_world_size)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if config.temp_dir is not None:  # tempfile's cached choice too: the server this rank forked from made one
+        import tempfile
+
+        os.environ["TMPDIR"] = tempfile.tempdir = config.temp_dir
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it, set before init
     print(f"[rank {config.rank}] starting, pid {os.getpid()}", flush=True)
     try:

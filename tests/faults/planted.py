@@ -435,6 +435,31 @@ register_settings([DeterminismModeProbe()])
 
 
 @dataclass(frozen=True)
+class LeavesTemporaryFile(Setting):
+    """Not a fault: leaves a file in the temporary folder, as TensorFlow's autograph does for each function it converts
+    (for deletion at exit), and answers its path, for the tests."""
+
+    world_size: int = 2
+    family: ClassVar[str] = "probes"
+
+    @property
+    def name(self) -> str:
+        return "probes/leaves_temp_file"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import tempfile
+
+        import numpy as np
+
+        with tempfile.NamedTemporaryFile(delete=False) as left:
+            left.write(b"left behind")
+        return {"path/utf8": np.frombuffer(left.name.encode(), dtype=np.uint8)}
+
+
+register_settings([LeavesTemporaryFile()])
+
+
+@dataclass(frozen=True)
 class LaterKernelScaled(Setting):
     """The reference with the weights of one layer before the logits 1 % too large (`scaled_layer`): every layer
     before it is exact, so the first divergence must name that layer's activation."""

@@ -92,12 +92,14 @@ def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             pass
 
     with tempfile.TemporaryDirectory() as folder:
-        result = str(Path(folder) / "rank0.npz")
+        result, tempfile.tempdir = str(Path(folder) / "rank0.npz"), folder  # torch leaves failed ranks' files there
         try:
             mp.start_processes(rank_main, args=(WORLD_SIZE, folder, data, result), nprocs=WORLD_SIZE,  # type: ignore[attr-defined,no-untyped-call]
                                start_method="fork" if sys.platform == "linux" else "spawn")
         except Exception as exc:  # it may be a peer's lost connection, the rank that failed first having exited
             raise RuntimeError("\n".join([str(exc), *(p.read_text() for p in Path(folder).glob("rank*.error"))])) from exc
+        finally:
+            tempfile.tempdir = None  # the default again
         return dict(np.load(result))
 
 

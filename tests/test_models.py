@@ -271,7 +271,7 @@ def _graph(proto: Any) -> tuple[Any, list[str]]:
 @pytest.mark.parametrize("kind", ("sequential", *KERAS_KINDS))
 def test_the_export_runs_tf2onnx_optimizers_in_place_and_gets_its_default_graph(kind: str) -> None:
     """`export_onnx` lets tf2onnx optimize the graph without copying it before each optimizer (half a transformer's
-    export): the same computations and outputs as tf2onnx's default way."""
+    export), and traces the model without autograph: the same computations and outputs as tf2onnx's default way."""
     import onnx
 
     from generators import _tf

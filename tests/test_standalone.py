@@ -85,6 +85,16 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
         assert "import difftest" not in text and "from settings" not in text and text.count("\n") <= MAX_LINES
         assert emitted.checked.reproduces == (verdicts[setting] != "ok"), (setting, emitted.checked.output[-3000:])
         assert emitted.checked.exit_code == (0 if verdicts[setting] == "ok" else 1), emitted.checked.output[-3000:]
+    # what its ranks leave in the temporary folder goes with the script: torch.multiprocessing leaves a failed rank's
+    # traceback file there (the fp16 shards' error)
+    import os
+
+    from difftest.standalone_findings import check_script
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    failed = check_script(fresh_run / "findings" / "Q2" / "standalone.py", timeout_s=120,
+                          env={**os.environ, "TMPDIR": str(temporary)})
+    assert failed.exit_code == 1 and list(temporary.iterdir()) == [], (failed.output[-3000:], list(temporary.iterdir()))
     # a failure script recognises its failure, and nothing else, by the exception or the signal
     from difftest.standalone import failure_pattern
     assert failure_pattern("crash", "rank 0 killed by SIGFPE (exit -8); log: ...") == r"signal SIGFPE\b"

@@ -33,10 +33,12 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     the setting's wrapper, each rank on its share of the batch; it compares the parameters after them.
     `setting_functions` are the setting's own, among them `distribute(module, group, device, setting)` (the
     module wrapped), `full_parameters(wrapped, read)` (every tensor `read(wrapped)` names, whole) and, where the steps
-    run inside a context, `stepping(module)`. `setting["data_parallel"]`: how many shares the batch is cut into
+    run inside a context, `stepping(module)`, or where a step takes its share's gradients otherwise than in one
+    backward pass, `backward_on_share(module, data, start, stop, dtype)`. `setting["data_parallel"]`: how many shares the batch is cut into
     (default: one per rank)."""
     from difftest.standalone import Script
 
+    own = {f.__name__ for f in setting_functions}  # a setting's own step or context replaces the plain one
     train = case.inputs["train"]
     model, steps, tensors = trained_parameters(case)
     shares = setting.get("data_parallel", world_size)
@@ -51,7 +53,7 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
         case={**model.case, "setting": setting, "device": "cpu", "lr": case.lr, "steps": steps,
               "batch": train.size},
         functions=(*model.functions, *setting_functions, to_numpy, sgd_on_share,
-                   *(() if any(f.__name__ == "stepping" for f in setting_functions) else (stepping,)),
+                   *(f for f in (backward_on_share, stepping) if f.__name__ not in own),
                    parameters_after, single_process, on_rank),
         tensors=tensors, data=model.data, world_size=world_size)
 
@@ -89,9 +91,14 @@ def sgd_on_share(module: Any, data: dict[str, Any], case: dict[str, Any], rank: 
     share, index = case["batch"] // shares, rank // (world_size // shares)
     for _ in range(case["steps"]):
         optimizer.zero_grad()
-        with stepping(module):
-            model_loss(module, data, index * share, (index + 1) * share, dtype).backward()
+        backward_on_share(module, data, index * share, (index + 1) * share, dtype)
         optimizer.step()
+
+
+def backward_on_share(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> None:
+    """The gradients of training samples start..stop: one backward pass of their mean loss."""
+    with stepping(module):
+        model_loss(module, data, start, stop, dtype).backward()
 
 
 def stepping(module: Any) -> Any:

@@ -5,8 +5,11 @@ reference's global-mean gradient because the shares are equal. `no-sync` accumul
 locally (`no_sync()` on the first) before the synchronising backward, each loss scaled by 1/2.
 """
 
+# ruff: noqa: F821 -- `backward_on_share` calls the model's `model_loss`, which a standalone script defines before it
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,6 +22,9 @@ from settings._training import build_for_training, canonical_parameters, full_pa
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
+
+# the model's loss, defined in a standalone script before `backward_on_share` (declared so that this module checks)
+model_loss: Callable[..., Any]
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -91,12 +97,12 @@ class DataParallel(Setting):
 
         from settings._training_script import training_script
 
+        options = ", ".join(f"{k}={v}" for k, v in VARIANTS[self.variant].items()) or "default options"
+        own: tuple[Any, ...] = (distribute, full_parameters)
         if self.variant == "no-sync":
-            raise Unsupported("the no-sync variant's step (two micro-batches, no_sync() on the first) is not the "
-                              "plain step a training script takes")
-        options = ", ".join(f"{k}={v}" for k, v in VARIANTS[self.variant].items())
-        return training_script(case, f"DistributedDataParallel ({options or 'default options'})", self.world_size,
-                               (distribute, full_parameters), {"options": VARIANTS[self.variant]})
+            options, own = "two micro-batches per step, no_sync() on the first", (*own, backward_on_share)
+        return training_script(case, f"DistributedDataParallel ({options})", self.world_size, own,
+                               {"options": VARIANTS[self.variant]})
 
 
 def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
@@ -106,6 +112,19 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
 
     device_ids = [torch.device(device)] if device.startswith("cuda") else None
     return DistributedDataParallel(module, device_ids=device_ids, process_group=group, **setting["options"])
+
+
+def backward_on_share(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> None:
+    """The no-sync step's gradients of training samples start..stop, as the setting takes them: two micro-batches, the
+    first's backward inside DDP's no_sync() (its gradients stay local, to be all-reduced with the second's), each loss
+    weighted by its part of the share. One process (no DDP) takes the share in one backward pass."""
+    if not hasattr(module, "no_sync"):
+        model_loss(module, data, start, stop, dtype).backward()
+        return
+    middle = start + (stop - start) // 2
+    with module.no_sync():
+        (model_loss(module, data, start, middle, dtype) * ((middle - start) / (stop - start))).backward()
+    (model_loss(module, data, middle, stop, dtype) * ((stop - middle) / (stop - start))).backward()
 
 
 register_settings(DataParallel(ws, variant) for variant in VARIANTS for ws in (2, 3, 4))

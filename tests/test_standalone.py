@@ -106,15 +106,15 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
 
 # the training settings' scripts: the model's own code (`Generator.standalone_model`) and the setting's wrapper
 TRAINING = ("fsdp2/per-layer/no-reshard/fp32/ws2", "fsdp1/full_shard/ws2", "ddp/bucket-tiny/ws2",
-            "tp/colwise-rowwise/ws2", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4")
+            "tp/colwise-rowwise/ws2", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4", "ddp/no-sync/ws2")
 
 
 def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) -> None:
-    """FSDP2, legacy FSDP, DDP, tensor parallel and FSDP2 over tensor parallel train this DLRM-like model as one
-    process does on this stack (on torch 2.7 and 2.8 FSDP2 did not: gloo's AVG reduce-scatter summed,
-    `gloo-reduce-scatter-avg-sums`); each script, judged by the envelope, says so too. The other verdict: the Keras
-    test in test_sequential.py (legacy FSDP's NO_SHARD bug) and the oldest release's (tensor parallel training a
-    frozen parameter)."""
+    """FSDP2, legacy FSDP, DDP (no_sync() on a first micro-batch too), tensor parallel and FSDP2 over tensor parallel
+    train this DLRM-like model as one process does on this stack (on torch 2.7 and 2.8 FSDP2 did not: gloo's AVG
+    reduce-scatter summed, `gloo-reduce-scatter-avg-sums`); each script, judged by the envelope, says so too. The other
+    verdict: the Keras test in test_sequential.py (legacy FSDP's NO_SHARD bug), the oldest release's (tensor parallel
+    training a frozen parameter) and the planted ones below."""
     run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in TRAINING), timeout_s=120))
     verdicts = analyze(fresh_run).cases.set_index(["model", "setting"])["verdict"]
     for number, setting in enumerate(TRAINING):
@@ -128,6 +128,14 @@ def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) 
         assert "what rounding explains" in emitted.checked.output  # the envelope judged, not allclose
         assert emitted.checked.exit_code == (0 if verdicts[(MODEL, setting)] == "ok" else 1), \
             emitted.checked.output[-3000:]
+        if setting == "ddp/no-sync/ws2":  # its agreement is the second micro-batch's all-reduce: skipped, ranks drift
+            from difftest.standalone_findings import check_script
+
+            synchronising = "    (model_loss(module, data, middle, stop, dtype)"
+            assert text.count(synchronising) == 1
+            emitted.path.write_text(text.replace(synchronising, "    with module.no_sync():\n    " + synchronising))
+            unsynchronised = check_script(emitted.path, timeout_s=120)
+            assert unsynchronised.exit_code == 1 and "BUG PRESENT" in unsynchronised.output, unsynchronised.output
     # a failure's script takes the run's steps through the setting and shows it failing as recorded, or, as here
     # where the setting does not fail so, running through: exit 0, and no judging in it
     emitted = emit(fresh_run, "D9", "a training failure", "error", fresh_run / "models" / MODEL, TRAINING[4], "", {},

@@ -15,11 +15,16 @@ Oracles:
 - with everyone in one group every step (`group` = W), plain SGD equals DDP (`ddp/default/ws<W>`).
 """
 
+# ruff: noqa: F821 -- the standalone script's functions call the model's (`build_model`, `model_loss`,
+# `model_parameters`), which the script defines before them
+
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -38,7 +43,14 @@ from settings._training import (
 )
 from settings.determinism import BITWISE
 
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
+
 TOTAL_STEPS = 4
+# the model's functions, defined in a standalone script before this module's (declared so that this module checks)
+build_model: Callable[..., Any]
+model_loss: Callable[..., Any]
+model_parameters: Callable[..., dict[str, Any]]
 
 
 def partner_groups(seed: int, step: int, world_size: int, group: int) -> list[list[int]]:
@@ -214,6 +226,115 @@ class PartialReduce(Setting):
                     outputs.update({f"replica{r}_after_step{step}/{name}": stack[r] for r in range(self.replicas)})
         record_eval(f"eval_after_step{steps}")
         return outputs if ctx.rank == 0 else None
+
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        from difftest.standalone import Script, refuse_changed_hooks
+
+        refuse_changed_hooks(self, PartialReduce, "average")
+        if self.simulate:
+            raise Unsupported("the simulator is the reference the distributed replicas are judged against")
+        if self.hetero:
+            raise Unsupported("its oracle is bitwise equality with the same run without delays, not the single "
+                              "process a script compares with")
+        model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
+        if model is None:
+            raise Unsupported(f"{case.spec.kind} models have no standalone form (Generator.standalone_model)")
+        after = re.search(r"_after_step(\d+)$", case.first_divergence.split("/")[0])
+        steps = int(after[1]) if after and not case.failure else TOTAL_STEPS if not self.everyone else case.steps
+        phases = ["param"] + ([] if self.everyone else [f"replica{r}" for r in range(self.world_size)])
+        tensors = [f"{phase}_after_step{steps}/{name}" for phase in phases for name in model.parameters]
+        schedule = ("everyone every step" if self.everyone else
+                    f"partners in seeded groups of {self.group}, everyone every {self.sync_every} steps")
+        return Script(
+            summary=f"SD-Pipe's partial reduce: {self.world_size} data-parallel replicas over CPU ranks (gloo), each "
+                    f"taking plain SGD steps (lr {case.lr:g}) on its contiguous share of the batch, then averaging "
+                    f"its parameters with {schedule} (all-gather; all-reduce), {steps} step(s)"
+                    + case.against("the same schedule simulated in one process: every replica's parameters and "
+                                   "their mean after the last step") + f". {model.summary}",
+            libraries=("torch", *model.libraries, "numpy"), preamble=model.preamble,
+            case={**model.case, "setting": {"replicas": self.world_size, "group": self.group,
+                                            "sync_every": self.sync_every, "seed": case.seed},
+                  "lr": case.lr, "steps": steps, "batch": case.inputs["train"].size},
+            functions=(*model.functions, to_numpy, partner_groups, group_average, _flat, _assign, train_replicas,
+                       replica_tensors, single_process, on_rank),
+            tensors={t: t for t in tensors}, data=model.data, world_size=self.world_size)
+
+
+def train_replicas(modules: list[Any], mine: list[int], data: dict[str, Any], case: dict[str, Any], dtype: Any,
+                   every_flat: Callable[[], list[Any]], global_sync: Callable[[list[Any]], None]) -> None:
+    """`case["steps"]` steps of the schedule on the replicas `mine` (`modules`, one each): plain SGD on each one's
+    contiguous share of the batch, then the average of its partner group, from every replica's flattened parameters
+    (`every_flat()`), or at a global sync everyone's (`global_sync(before)` assigns it)."""
+    import torch
+
+    setting = case["setting"]
+    replicas = setting["replicas"]
+    share = case["batch"] // replicas
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=case["lr"]) for m in modules]
+    for step in range(1, case["steps"] + 1):
+        for module, optimizer, r in zip(modules, optimizers, mine):
+            optimizer.zero_grad()
+            model_loss(module, data, r * share, (r + 1) * share, dtype).backward()
+            optimizer.step()
+        before = every_flat()
+        if setting["group"] < replicas and step % setting["sync_every"] == 0:
+            global_sync(before)
+            continue
+        for members in partner_groups(setting["seed"], step, replicas, setting["group"]):
+            average = group_average([before[r] for r in members])
+            for r in set(members) & set(mine):
+                _assign(modules[mine.index(r)], average)
+
+
+def replica_tensors(every: list[dict[str, np.ndarray]], case: dict[str, Any]) -> dict[str, np.ndarray]:
+    """What the setting records after the last step from every replica's parameters: each one's mean over the
+    replicas (summed in float64), and, unless everyone averages every step, each replica's own."""
+    setting, step, tensors = case["setting"], case["steps"], {}
+    for name in every[0]:
+        stack = np.stack([parameters[name] for parameters in every])
+        tensors[f"param_after_step{step}/{name}"] = stack.mean(0, dtype=np.float64).astype(stack.dtype)
+        if setting["group"] < setting["replicas"]:
+            tensors.update({f"replica{r}_after_step{step}/{name}": stack[r] for r in range(setting["replicas"])})
+    return tensors
+
+
+def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
+    """The reference: the same schedule simulated in one process, every replica's model side by side."""
+    modules = [build_model(data, case, dtype) for _ in range(case["setting"]["replicas"])]
+
+    def global_sync(before: list[Any]) -> None:
+        for module in modules:
+            _assign(module, group_average(before))
+
+    train_replicas(modules, list(range(len(modules))), data, case, dtype, lambda: [_flat(m) for m in modules],
+                   global_sync)
+    return replica_tensors([{n: to_numpy(p) for n, p in model_parameters(m).items()} for m in modules], case)
+
+
+def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The setting: a replica per rank; a group's average from an all-gather of every replica's parameters, a global
+    sync an all-reduce (SUM, then / W: gloo has no AVG); rank 0 gathers every replica's parameters."""
+    import torch
+    import torch.distributed as dist
+
+    module = build_model(data, case, torch.float32)
+
+    def every_flat() -> list[Any]:
+        local = _flat(module)
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
+        return gathered
+
+    def global_sync(before: list[Any]) -> None:
+        flat = _flat(module)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        _assign(module, flat / world_size)
+
+    train_replicas([module], [rank], data, case, torch.float32, every_flat, global_sync)
+    every: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object({n: to_numpy(p) for n, p in model_parameters(module).items()}, every, dst=0)
+    return replica_tensors(every, case) if every is not None else None
 
 
 def _family() -> list[Setting]:

@@ -43,12 +43,12 @@ def test_a_standalone_script_reaches_its_settings_verdict_where_difftest_does_no
 
 
 def test_a_finding_whose_family_has_no_emitter_gets_no_script_and_a_reason(fresh_run: Path) -> None:
-    partial = next(s for s in all_settings() if s.family == "partial-reduce" and s.world_size == 2)
-    emitted = emit(fresh_run, "T9", "a partial-reduce finding", "inconsistent", fresh_run / "models" / MODEL,
-                   partial.name, "eval_before/prediction", {}, Tolerance())
+    repartition = next(s for s in all_settings() if s.family == "repartition" and s.world_size == 2)
+    emitted = emit(fresh_run, "T9", "a repartition finding", "inconsistent", fresh_run / "models" / MODEL,
+                   repartition.name, "eval_before/prediction", {}, Tolerance())
     folder = fresh_run / "findings" / "T9"
     assert emitted.path is None and not (folder / STANDALONE_FILE).exists()
-    assert emitted.describe() == "no standalone script: the `partial-reduce` family has no emitter"
+    assert emitted.describe() == "no standalone script: the `repartition` family has no emitter"
     assert (folder / "standalone.txt").read_text().startswith(emitted.describe())
     # a planted fault overrides a hook of its family's setting: a script copied from the family's module would not
     # hold the fault, so it gets none (rather than a script that says the bug is gone)
@@ -233,3 +233,28 @@ time.sleep(600)
     else:
         os.kill(rank, 9)
         raise AssertionError(f"the script's rank {rank} outlived the script's timeout")
+
+
+PARTIAL = "partial-reduce/ws3/group2/sync2"  # partners in seeded groups of 2, everyone every 2nd of 4 steps
+
+
+def test_a_partial_reduce_script_averages_as_the_setting_does(fresh_run: Path) -> None:
+    """Three replicas averaging with partners and all together agree with the simulator on this stack; the script
+    says so too, and says BUG PRESENT once its global sync no longer all-reduces."""
+    from difftest.standalone_findings import check_script
+
+    run_sweep(fresh_run, SweepOptions(pairs=((MODEL, PARTIAL),), timeout_s=120))
+    assert analyze(fresh_run).cases.set_index(["model", "setting"]).loc[(MODEL, PARTIAL), "verdict"] == "ok"
+    emitted = emit(fresh_run, "R0", "a partial-reduce finding", "inconsistent", fresh_run / "models" / MODEL, PARTIAL,
+                   "replica1_after_step4/over.0.weight", envelope_spread(fresh_run, MODEL, PARTIAL), Tolerance(),
+                   check_timeout_s=120)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    text = emitted.path.read_text()
+    assert "import difftest" not in text and "from settings" not in text and text.count("\n") <= MAX_LINES
+    assert "'replica2_after_step4/over.0.weight'" in text  # every replica's parameters are compared, not only their mean
+    assert emitted.checked.exit_code == 0, emitted.checked.output[-3000:]
+    reduce = "        dist.all_reduce(flat, op=dist.ReduceOp.SUM)\n"
+    assert text.count(reduce) == 1
+    emitted.path.write_text(text.replace(reduce, "        flat = flat * world_size  # each replica alone\n"))
+    unsynchronised = check_script(emitted.path, timeout_s=120)
+    assert unsynchronised.exit_code == 1 and "BUG PRESENT" in unsynchronised.output, unsynchronised.output[-3000:]

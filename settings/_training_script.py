@@ -34,8 +34,8 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     `setting_functions` are the setting's own, among them `distribute(module, group, device, setting)` (the
     module wrapped), `full_parameters(wrapped, read)` (every tensor `read(wrapped)` names, whole) and, where the steps
     run inside a context, `stepping(module)`, or where a step takes its share's gradients otherwise than in one
-    backward pass, `backward_on_share(module, data, start, stop, dtype)`. `setting["data_parallel"]`: how many shares the batch is cut into
-    (default: one per rank)."""
+    backward pass, `backward_on_share(module, data, start, stop, dtype)`. `setting["data_parallel"]`: how many
+    shares the batch is cut into (default: one per rank)."""
     from difftest.standalone import Script
 
     own = {f.__name__ for f in setting_functions}  # a setting's own step or context replaces the plain one

@@ -227,7 +227,6 @@ class PartialReduce(Setting):
         record_eval(f"eval_after_step{steps}")
         return outputs if ctx.rank == 0 else None
 
-
     def standalone(self, case: StandaloneCase) -> Script:
         from difftest.standalone import Script, refuse_changed_hooks
 
@@ -241,7 +240,9 @@ class PartialReduce(Setting):
         if model is None:
             raise Unsupported(f"{case.spec.kind} models have no standalone form (Generator.standalone_model)")
         after = re.search(r"_after_step(\d+)$", case.first_divergence.split("/")[0])
-        steps = int(after[1]) if after and not case.failure else TOTAL_STEPS if not self.everyone else case.steps
+        if not case.failure and after is None:  # an invariant's break, or the loss: not what the script compares
+            raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not after a step")
+        steps = int(after[1]) if after else case.steps if self.everyone else TOTAL_STEPS  # a failure: the setting's
         phases = ["param"] + ([] if self.everyone else [f"replica{r}" for r in range(self.world_size)])
         tensors = [f"{phase}_after_step{steps}/{name}" for phase in phases for name in model.parameters]
         schedule = ("everyone every step" if self.everyone else

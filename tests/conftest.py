@@ -83,9 +83,10 @@ def committed_cases(run_dir: Path) -> dict[tuple[str, str], float]:
         return {}
 
 
-def sigkill_sweep_after(command: list[str], run_dir: Path, commits: int, deadline_s: float = 600) -> None:
+def sigkill_sweep_after(command: list[str], run_dir: Path, commits: int, deadline_s: float = 600,
+                        env: dict[str, str] | None = None) -> None:
     """Start a sweep command and kill -9 it once `commits` cases are committed (it must still be running)."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + deadline_s
     while len(committed_cases(run_dir)) < commits and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)

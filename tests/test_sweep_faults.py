@@ -93,11 +93,21 @@ def _outputs(run_dir: Path) -> dict[tuple[str, str], dict[str, np.ndarray]]:
 def test_sigkill_mid_sweep_then_rerun_resumes_to_the_same_results(fresh_run: Path, tmp_path: Path) -> None:
     selection = "reference,torchrec/ebc/*/ws2,torchrec/ebc/table_wise/ws3,torchrec/ebc/row_wise/ws3"
     command = [sys.executable, "-m", "difftest.cli", "sweep", str(fresh_run), "--settings", selection]
-    sigkill_sweep_after(command, fresh_run, 6, deadline_s=240)
+    temporary = tmp_path / "tmp"  # where the killed sweep's worker groups keep their temporary folders
+    temporary.mkdir()
+    sigkill_sweep_after(command, fresh_run, 6, deadline_s=240, env={**os.environ, "TMPDIR": str(temporary)})
     interrupted_at = len(committed_cases(fresh_run))
     total = 2 * (1 + 10 + 2 + REFERENCE_CALIBRATIONS)  # + the reference's calibration runs
     assert 6 <= interrupted_at < total
 
+    # the ranks of the killed sweep see its pipes close and remove their groups' folders, as it no longer can
+    import time
+
+    for _ in range(100):
+        if not list(temporary.glob("difftest-ws*")):
+            break
+        time.sleep(0.2)
+    assert not list(temporary.glob("difftest-ws*")), list(temporary.iterdir())
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600)
     with sqlite3.connect(fresh_run / "store.sqlite") as db:
         rows = db.execute("SELECT model, setting, status FROM cases").fetchall()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -105,8 +106,13 @@ def main(config: WorkerConfig, conn: Any) -> None:
     print(f"[rank {config.rank}] starting, pid {os.getpid()}", flush=True)
     try:
         _serve(config, conn)
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        pass  # parent went away: nothing left to report to
+    except (EOFError, ConnectionError, KeyboardInterrupt):
+        pass  # parent went away (its pipe closed or reset, as when it is killed): nothing left to report to
+    finally:
+        # the group is over once a rank leaves: its folder goes, whoever is first (the parent removes it too, unless
+        # it was killed)
+        if config.temp_dir is not None:
+            shutil.rmtree(config.temp_dir, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # leaving through os._exit avoids gloo's occasional abort in interpreter teardown

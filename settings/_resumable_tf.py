@@ -36,7 +36,7 @@ def run_phase(model: Any, inputs: Any, seed: int, lr: float, first: int, last: i
         state.restore(str(checkpoint / "ckpt-1")).assert_consumed()
     recorded = [w for w in keras_model.weights if not w.path.endswith(("moving_mean", "moving_variance"))]
 
-    @tf.function(autograph=False)  # no control flow on tensors to convert (see settings/tensorflow.py)
+    @tf.function
     def train_step(x: Any, y: Any) -> Any:
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(y, keras_model(x, training=False)))

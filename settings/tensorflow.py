@@ -104,14 +104,11 @@ class TensorFlowStrategy(Setting):
             optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
             return loss
 
-        # autograph only rewrites Python control flow on tensors, which neither function has: without it each case's
-        # trace skips converting these functions' source and leaving the converted copy in the temporary folder
-        # (deleted at exit by an atexit hook, which a rank leaving through os._exit never runs)
-        @tf.function(autograph=False)
+        @tf.function
         def train(x: Any, y: Any) -> Any:
             return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(x, y)), axis=None)
 
-        @tf.function(autograph=False)
+        @tf.function
         def predict(x: Any) -> Any:
             return strategy.run(lambda v: keras_model(v, training=False), args=(x,))
 

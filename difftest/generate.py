@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -86,6 +88,7 @@ class ModelBuilders:
         self._plugins = plugins
         self._processes = machine_ranks() - 1 if processes is None else processes
         self._pool: ProcessPoolExecutor | None = None
+        self._temp_dir = ""
         self._warming: list[Future[None]] = []
 
     def warm_up(self, examples: list[tuple[ModelSpec, int]]) -> None:
@@ -131,13 +134,22 @@ class ModelBuilders:
         if self._pool is None:
             from difftest.runner.pool import rank_start
 
-            self._pool = ProcessPoolExecutor(max_workers=self._processes, mp_context=rank_start("cpu"))
+            # the builders' own temporary folder, removed at close: they leave through os._exit, so what a library
+            # leaves for deletion at exit (TensorFlow's autograph, a source file per traced export) would stay behind
+            self._temp_dir = tempfile.mkdtemp(prefix="difftest-builders-")
+            self._pool = ProcessPoolExecutor(max_workers=self._processes, mp_context=rank_start("cpu"),
+                                             initializer=_use_temporary_folder, initargs=(self._temp_dir,))
         return self._pool
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool, self._warming = None, []
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+
+def _use_temporary_folder(folder: str) -> None:
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
 
 
 def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] | None = None) -> list[str]:

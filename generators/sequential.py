@@ -437,7 +437,7 @@ def export_onnx(model: Any, spec: ModelSpec) -> bytes:
     source = spec.params["input"]
     dtype = tf.int32 if source["form"] == "tokens" else tf.float32
     signature = (tf.TensorSpec((None, *source["shape"]), dtype, name="x"),)
-    function = tf.function(lambda x: model(x, training=False), autograph=False)  # no control flow on tensors
+    function = tf.function(lambda x: model(x, training=False))
     # tf2onnx logs at ERROR what it cannot map (exact gelu's Erfc) and exports it anyway: what that costs is
     # measured by the conversion settings, so its log would only print through the progress display
     # (its loggers are made and levelled inside the conversion, so only a global threshold holds them)

@@ -271,7 +271,7 @@ def _graph(proto: Any) -> tuple[Any, list[str]]:
 @pytest.mark.parametrize("kind", ("sequential", *KERAS_KINDS))
 def test_the_export_runs_tf2onnx_optimizers_in_place_and_gets_its_default_graph(kind: str) -> None:
     """`export_onnx` lets tf2onnx optimize the graph without copying it before each optimizer (half a transformer's
-    export), and traces the model without autograph: the same computations and outputs as tf2onnx's default way."""
+    export): the same computations and outputs as tf2onnx's default way."""
     import onnx
 
     from generators import _tf
@@ -290,3 +290,21 @@ def test_the_export_runs_tf2onnx_optimizers_in_place_and_gets_its_default_graph(
     default, _ = tf2onnx.convert.from_function(tf.function(lambda x: model(x, training=False)),
                                                input_signature=signature, opset=OPSET)
     assert _graph(in_place) == _graph(default)
+
+
+@pytest.mark.needs_tf
+def test_model_builders_keep_what_their_exports_leave_behind_and_remove_it_at_close(tmp_path: Path) -> None:
+    """A builder process leaves through os._exit, so TensorFlow's autograph never deleted the source file it writes
+    for each traced export (one in /tmp per Keras model a minimisation round built): it goes to the builders' folder."""
+    from difftest.generate import ModelBuilders
+
+    generator = get_generator("sequential")
+    builders = ModelBuilders(("generators",), processes=1)
+    try:
+        built = builders.build([(generator.spec(0, i), tmp_path / f"m{i}", 12) for i in range(2)])
+        assert built == [None, None], built
+        folder = Path(builders._temp_dir)
+        assert any(p.name.startswith("__autograph_generated_file") for p in folder.iterdir())  # the builder's export
+    finally:
+        builders.close()
+    assert not folder.exists()

@@ -40,9 +40,9 @@ class WorkerConfig:
     # the starting process's environment when the group started: a rank forked from the import server
     # (`difftest.runner.pool.rank_start`) would otherwise have the server's, from the sweep's first group
     environment: dict[str, str] | None = None
-    # the group's own temporary folder, removed by the parent once the group is gone: what libraries leave in the
-    # temporary folder for deletion at exit (TensorFlow's autograph writes a source file per converted function)
-    # is never deleted by a rank, which leaves through os._exit, and a killed rank cleans up nothing at all
+    # the group's own temporary folder, removed once the group is gone (by the parent, or by the ranks when the parent
+    # was killed): what libraries leave in the temporary folder for deletion at exit (TensorFlow's autograph writes a
+    # source file per converted function) is never deleted by a rank, which leaves through os._exit or is killed
     temp_dir: str | None = None
 
 

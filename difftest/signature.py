@@ -16,7 +16,8 @@ from difftest.registry import capabilities_of, get_setting
 from difftest.setting import without_sizes
 from difftest.status import DISAGREEMENTS, FAILURES
 
-_PHASE = re.compile(r"^(eval_before|train_step|param_after_step|eval_after_step)(\d*)$")
+# a replica's parameters after a step (partial reduce records each one's beside their mean) are parameters after it
+_PHASE = re.compile(r"^(eval_before|train_step|param_after_step|eval_after_step|replica\d+_after_step)(\d*)$")
 _PHASE_RANK = {"eval_before": 0, "train_step": 1, "param_after_step": 2, "eval_after_step": 3}
 
 
@@ -88,7 +89,7 @@ def computation_order(kind: str, phase: str, tensor: str) -> tuple[int, int, int
     """Sort key of a recorded tensor of a model of `kind`: its step and phase (the training loop's), then where the
     kind's generator places it in the model (`Generator.tensor_order`)."""
     match = _PHASE.match(phase or "")
-    name, step = (match.group(1), int(match.group(2) or 0)) if match else ("", 0)
+    name, step = (re.sub(r"^replica\d+_", "param_", match.group(1)), int(match.group(2) or 0)) if match else ("", 0)
     stage, position = capabilities_of(kind).tensor_order(tensor)
     return (step if name != "eval_before" else -1, _PHASE_RANK.get(name, 9), stage, position, tensor)
 

@@ -322,7 +322,7 @@ def _launched(module: str, request_path: str, rank: int, log_path: str) -> None:
 
     # the case's folder, removed after it: what a library leaves in the temporary folder for deletion at exit
     # (TensorFlow's autograph, a source file per traced function) goes with it, as a phase leaves through os._exit
-    tempfile.tempdir = os.path.dirname(request_path)
+    os.environ["TMPDIR"] = tempfile.tempdir = os.path.dirname(request_path)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

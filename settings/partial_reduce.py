@@ -239,9 +239,10 @@ class PartialReduce(Setting):
         model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
         if model is None:
             raise Unsupported(f"{case.spec.kind} models have no standalone form (Generator.standalone_model)")
-        after = re.search(r"_after_step(\d+)$", case.first_divergence.split("/")[0])
-        if not case.failure and after is None:  # an invariant's break, or the loss: not what the script compares
-            raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not after a step")
+        after = re.fullmatch(r"(?:param|replica\d+)_after_step(\d+)", case.first_divergence.split("/")[0])
+        if not case.failure and after is None:  # an invariant's break, the loss, a prediction: not what it compares
+            raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not at a parameter after "
+                              "a step")
         steps = int(after[1]) if after else case.steps if self.everyone else TOTAL_STEPS  # a failure: the setting's
         phases = ["param"] + ([] if self.everyone else [f"replica{r}" for r in range(self.world_size)])
         tensors = [f"{phase}_after_step{steps}/{name}" for phase in phases for name in model.parameters]
@@ -252,7 +253,10 @@ class PartialReduce(Setting):
                     f"taking plain SGD steps (lr {case.lr:g}) on its contiguous share of the batch, then averaging "
                     f"its parameters with {schedule} (all-gather; all-reduce), {steps} step(s)"
                     + case.against("the same schedule simulated in one process: every replica's parameters and "
-                                   "their mean after the last step") + f". {model.summary}",
+                                   "their mean after the last step" + (" (everyone averaging every step is plain data-"
+                                   "parallel SGD: what the DDP reference difftest judged it against computes)"
+                                   if self.everyone else ""))
+                    + f". {model.summary}",
             libraries=("torch", *model.libraries, "numpy"), preamble=model.preamble,
             case={**model.case, "setting": {"replicas": self.world_size, "group": self.group,
                                             "sync_every": self.sync_every, "seed": case.seed},

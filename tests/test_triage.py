@@ -72,6 +72,13 @@ def test_computation_order_puts_eval_before_training_and_embeddings_before_the_p
     assert sorted(blocks, key=lambda t: computation_order("transformer", "param_after_step1", t)) == [
         "tok_embeddings.weight", "layers.0.attention_norm.weight", "layers.1.ffn.w1.weight", "norm.weight",
         "output.weight"]
+    # a replica's parameters after a step (partial reduce) are parameters after that step, not before every step
+    replicas = [("eval_after_step4", "prediction"), ("replica1_after_step4", "over.0.weight"),
+                ("param_after_step2", "over.0.weight"), ("replica0_after_step2", "sparse.ebc.t0.weight"),
+                ("train_step4", "loss")]
+    assert sorted(replicas, key=lambda n: computation_order("dlrm", *n)) == [
+        ("replica0_after_step2", "sparse.ebc.t0.weight"), ("param_after_step2", "over.0.weight"),
+        ("train_step4", "loss"), ("replica1_after_step4", "over.0.weight"), ("eval_after_step4", "prediction")]
 
 
 def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reproducer(fresh_run: Path) -> None:

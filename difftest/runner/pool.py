@@ -311,4 +311,6 @@ class WorkerGroup:
             process.join(5)
         for conn in self.conns:
             conn.close()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)  # kills happen on every way out, close included
+        # every way a healthy or broken group goes passes here, close included; where its ranks outlive the parent,
+        # they remove it themselves (`worker.main`)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

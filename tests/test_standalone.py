@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from difftest.analysis import analyze, envelope_spread
 from difftest.oracle import Tolerance
 from difftest.registry import all_settings
@@ -238,7 +240,7 @@ time.sleep(600)
 PARTIAL = "partial-reduce/ws3/group2/sync2"  # partners in seeded groups of 2, everyone every 2nd of 4 steps
 
 
-def test_a_partial_reduce_script_averages_as_the_setting_does(fresh_run: Path) -> None:
+def test_a_partial_reduce_script_averages_as_the_setting_does(fresh_run: Path, tmp_path: Path) -> None:
     """Three replicas averaging with partners and all together agree with the simulator on this stack; the script
     says so too, and says BUG PRESENT once its global sync no longer all-reduces."""
     from difftest.standalone_findings import check_script
@@ -253,6 +255,19 @@ def test_a_partial_reduce_script_averages_as_the_setting_does(fresh_run: Path) -
     assert "import difftest" not in text and "from settings" not in text and text.count("\n") <= MAX_LINES
     assert "'replica2_after_step4/over.0.weight'" in text  # every replica's parameters are compared, not only their mean
     assert emitted.checked.exit_code == 0, emitted.checked.output[-3000:]
+    # the script's reference is the schedule the simulator difftest ran: its float32 tensors are the recorded ones
+    # (both sides of the script share the schedule's code, so a drift from the setting would not change its verdict)
+    single = tmp_path / "single.npz"
+    subprocess.run([sys.executable, "-c", f"import runpy, numpy, torch; ns = runpy.run_path({str(emitted.path)!r}); "
+                    f"numpy.savez({str(single)!r}, **ns['single_process'](ns['load_data'](), ns['CASE'], "
+                    "torch.float32))"], check=True, capture_output=True, timeout=120)
+    from safetensors.numpy import load_file
+
+    simulated = load_file(fresh_run / "outputs" / MODEL / "partial-reduce__simulator__ws3__group2__sync2.safetensors")
+    scripted = dict(np.load(single))
+    assert len(scripted) > 13 and scripted.keys() <= simulated.keys(), sorted(scripted)[:5]
+    for name, value in scripted.items():
+        np.testing.assert_allclose(value, simulated[name], rtol=1e-6, atol=1e-7, err_msg=name)
     reduce = "        dist.all_reduce(flat, op=dist.ReduceOp.SUM)\n"
     assert text.count(reduce) == 1
     emitted.path.write_text(text.replace(reduce, "        flat = flat * world_size  # each replica alone\n"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections import deque
@@ -133,12 +132,13 @@ class ModelBuilders:
     def _builders(self) -> ProcessPoolExecutor:
         if self._pool is None:
             from difftest.runner.pool import rank_start
+            from difftest.runner.worker import use_temporary_folder
 
             # the builders' own temporary folder, removed at close: they leave through os._exit, so what a library
             # leaves for deletion at exit (TensorFlow's autograph, a source file per traced export) would stay behind
             self._temp_dir = tempfile.mkdtemp(prefix="difftest-builders-")
             self._pool = ProcessPoolExecutor(max_workers=self._processes, mp_context=rank_start("cpu"),
-                                             initializer=_use_temporary_folder, initargs=(self._temp_dir,))
+                                             initializer=use_temporary_folder, initargs=(self._temp_dir,))
         return self._pool
 
     def close(self) -> None:
@@ -146,10 +146,6 @@ class ModelBuilders:
             self._pool.shutdown(cancel_futures=True)
             self._pool, self._warming = None, []
             shutil.rmtree(self._temp_dir, ignore_errors=True)
-
-
-def _use_temporary_folder(folder: str) -> None:
-    os.environ["TMPDIR"] = tempfile.tempdir = folder
 
 
 def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] | None = None) -> list[str]:

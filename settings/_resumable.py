@@ -318,11 +318,10 @@ def _launched(module: str, request_path: str, rank: int, log_path: str) -> None:
     import importlib
     import os
     import sys
-    import tempfile
 
-    # the case's folder, removed after it: what a library leaves in the temporary folder for deletion at exit
-    # (TensorFlow's autograph, a source file per traced function) goes with it, as a phase leaves through os._exit
-    os.environ["TMPDIR"] = tempfile.tempdir = os.path.dirname(request_path)
+    from difftest.runner.worker import use_temporary_folder
+
+    use_temporary_folder(os.path.dirname(request_path))  # the case's folder, removed after it
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

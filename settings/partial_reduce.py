@@ -82,6 +82,36 @@ def _assign(module: Any, flat: Any) -> None:
                 offset += p.numel()
 
 
+def average_partners(modules: list[Any], mine: list[int], before: list[Any], seed: int, step: int, group: int,
+                     average: Callable[[list[Any]], Any] = group_average) -> None:
+    """The replicas `mine` (`modules`, one each) take their partner group's `average` of every replica's flattened
+    parameters `before` the step's averaging."""
+    for members in partner_groups(seed, step, len(before), group):
+        averaged = average([before[r] for r in members])
+        for r in set(members) & set(mine):
+            _assign(modules[mine.index(r)], averaged)
+
+
+def all_flat(module: Any, replicas: int, group: Any = None) -> list[Any]:
+    """Every replica's flattened parameters, from an all-gather over the ranks (one replica each)."""
+    import torch
+    import torch.distributed as dist
+
+    local = _flat(module)
+    gathered = [torch.empty_like(local) for _ in range(replicas)]
+    dist.all_gather(gathered, local, group=group)
+    return gathered
+
+
+def all_average(module: Any, replicas: int, group: Any = None) -> None:
+    """A global sync over the ranks: the replicas' sum (an all-reduce; gloo has no AVG) over their count."""
+    import torch.distributed as dist
+
+    flat = _flat(module)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    _assign(module, flat / replicas)
+
+
 @dataclass(frozen=True)
 class PartialReduce(Setting):
     """Replicas with seeded partial averaging and periodic global syncs (SD-Pipe), plain SGD."""
@@ -157,12 +187,7 @@ class PartialReduce(Setting):
         def every_replica_flat() -> list[Any]:
             if self.simulate:
                 return [_flat(m) for m in modules]
-            import torch.distributed as dist
-
-            local = _flat(modules[0])
-            gathered = [torch.empty_like(local) for _ in range(self.replicas)]
-            dist.all_gather(gathered, local, group=ctx.group)
-            return gathered
+            return all_flat(modules[0], self.replicas, ctx.group)
 
         def global_sync(before: list[Any]) -> None:
             if self.simulate:
@@ -170,11 +195,7 @@ class PartialReduce(Setting):
                 for m in modules:
                     _assign(m, total)
                 return
-            import torch.distributed as dist
-
-            flat = _flat(modules[0])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)  # gloo has no AVG
-            _assign(modules[0], flat / self.replicas)
+            all_average(modules[0], self.replicas, ctx.group)
 
         def check(step: int, before: list[Any], after: list[Any], synced: bool) -> None:
             mean_before = torch.stack(before).double().mean(0)
@@ -204,10 +225,7 @@ class PartialReduce(Setting):
             if synced and not self.everyone:
                 global_sync(before)
             else:
-                for members in partner_groups(ctx.seed, step, self.replicas, self.group):
-                    average = self.average([before[r] for r in members])
-                    for r in set(members) & set(mine):
-                        _assign(modules[mine.index(r)], average)
+                average_partners(modules, mine, before, ctx.seed, step, self.group, self.average)
             after = every_replica_flat()
             check(step, before, after, synced)
             replica_params = [canonical_parameters(model, m) for m in modules]
@@ -261,8 +279,8 @@ class PartialReduce(Setting):
             case={**model.case, "setting": {"replicas": self.world_size, "group": self.group,
                                             "sync_every": self.sync_every, "seed": case.seed},
                   "lr": case.lr, "steps": steps, "batch": case.inputs["train"].size},
-            functions=(*model.functions, to_numpy, partner_groups, group_average, _flat, _assign, train_replicas,
-                       replica_tensors, single_process, on_rank),
+            functions=(*model.functions, to_numpy, partner_groups, group_average, _flat, _assign, average_partners,
+                       all_flat, all_average, train_replicas, replica_tensors, single_process, on_rank),
             tensors={t: t for t in tensors}, data=model.data, world_size=self.world_size)
 
 
@@ -286,10 +304,7 @@ def train_replicas(modules: list[Any], mine: list[int], data: dict[str, Any], ca
         if setting["group"] < replicas and step % setting["sync_every"] == 0:
             global_sync(before)
             continue
-        for members in partner_groups(setting["seed"], step, replicas, setting["group"]):
-            average = group_average([before[r] for r in members])
-            for r in set(members) & set(mine):
-                _assign(modules[mine.index(r)], average)
+        average_partners(modules, mine, before, setting["seed"], step, setting["group"])
 
 
 def replica_tensors(every: list[dict[str, np.ndarray]], case: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -324,19 +339,8 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     import torch.distributed as dist
 
     module = build_model(data, case, torch.float32)
-
-    def every_flat() -> list[Any]:
-        local = _flat(module)
-        gathered = [torch.empty_like(local) for _ in range(world_size)]
-        dist.all_gather(gathered, local)
-        return gathered
-
-    def global_sync(before: list[Any]) -> None:
-        flat = _flat(module)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        _assign(module, flat / world_size)
-
-    train_replicas([module], [rank], data, case, torch.float32, every_flat, global_sync)
+    train_replicas([module], [rank], data, case, torch.float32, lambda: all_flat(module, world_size),
+                   lambda before: all_average(module, world_size))
     every: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object({n: to_numpy(p) for n, p in model_parameters(module).items()}, every, dst=0)
     return replica_tensors(every, case) if every is not None else None

@@ -268,8 +268,8 @@ def test_a_partial_reduce_script_averages_as_the_setting_does(fresh_run: Path, t
     assert len(scripted) > 13 and scripted.keys() <= simulated.keys(), sorted(scripted)[:5]
     for name, value in scripted.items():
         np.testing.assert_allclose(value, simulated[name], rtol=1e-6, atol=1e-7, err_msg=name)
-    reduce = "        dist.all_reduce(flat, op=dist.ReduceOp.SUM)\n"
+    reduce = "    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)\n"
     assert text.count(reduce) == 1
-    emitted.path.write_text(text.replace(reduce, "        flat = flat * world_size  # each replica alone\n"))
+    emitted.path.write_text(text.replace(reduce, "    flat = flat * replicas  # each replica alone\n"))
     unsynchronised = check_script(emitted.path, timeout_s=120)
     assert unsynchronised.exit_code == 1 and "BUG PRESENT" in unsynchronised.output, unsynchronised.output[-3000:]

@@ -46,6 +46,15 @@ class WorkerConfig:
     temp_dir: str | None = None
 
 
+def use_temporary_folder(folder: str) -> None:
+    """This process's temporary files (and its children's, through TMPDIR) in `folder`, which someone else removes: a
+    process that leaves through os._exit never runs what a library registered to delete them at exit. tempfile's
+    cached choice is set too: a process forked from the import server inherits the server's."""
+    import tempfile
+
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
+
+
 def _redirect_output(log_path: str) -> None:
     # fd-level, so C++ aborts and gloo messages land in the log the parent quotes on a crash
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -98,10 +107,8 @@ def main(config: WorkerConfig, conn: Any) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)
     os.environ["LOCAL_RANK"] = str(config.rank % config.local_world_size)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if config.temp_dir is not None:  # tempfile's cached choice too: the server this rank forked from made one
-        import tempfile
-
-        os.environ["TMPDIR"] = tempfile.tempdir = config.temp_dir
+    if config.temp_dir is not None:
+        use_temporary_folder(config.temp_dir)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it, set before init
     print(f"[rank {config.rank}] starting, pid {os.getpid()}", flush=True)
     try:

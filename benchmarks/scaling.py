@@ -46,11 +46,13 @@ def main() -> None:
         print(f"{args.models} {args.kind} models, settings {args.settings}; this machine runs {ranks} ranks at once")
         # the ranks' import server starts once per sweep process: outside the rows, or the first would pay it alone
         # (it made --jobs 1 look 3.6 times slower than --jobs 2 on 2 cores, where 2 groups can only double the speed)
-        started = time.perf_counter()
-        warm = rank_start("cpu").Process(target=time.sleep, args=(0,))
+        # (where a GPU is in reach, ranks are spawned instead: each pays its imports, in every row alike)
+        started, start = time.perf_counter(), rank_start("cpu")
+        warm = start.Process(target=time.sleep, args=(0,))
         warm.start()
         warm.join()
-        print(f"the ranks' import server ready in {time.perf_counter() - started:.1f} s, before the rows")
+        print(f"the ranks' import server ready in {time.perf_counter() - started:.1f} s, before the rows"
+              if start.get_start_method() == "forkserver" else "ranks are spawned (a GPU is in reach): no import server")
         print(f"{'jobs':>4} {'cases':>6} {'wall s':>7} {'cases/min':>9} {'speed-up':>8} {'efficiency':>10} "
               f"{'groups':>6} {'compute/(wall×jobs)':>19}  statuses", flush=True)
         first_per_min = None

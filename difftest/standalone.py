@@ -40,9 +40,9 @@ STANDALONE_VERDICT_FILE = "standalone.txt"
 DATA_FILE = "standalone.npz"
 MAX_LINES = 480  # a script a maintainer reads through (the library code is copied whole, never condensed; a hybrid
 # pipeline's script on a whole DLRM-like model, the longest, has 480 lines, a plain pipeline's 445)
-RUNTIME_IMPORTS = ("from __future__ import annotations", "", "import os", "import re", "import sys",
-                   "import tempfile", "import traceback", "from importlib import metadata", "from pathlib import Path",
-                   "from typing import Any", "", "import numpy as np", "import torch")
+RUNTIME_IMPORTS = ("from __future__ import annotations", "", "import os, re, sys, tempfile, traceback",
+                   "from importlib import metadata", "from pathlib import Path", "from typing import Any", "",
+                   "import numpy as np", "import torch")
 
 
 @dataclass(frozen=True)
@@ -172,9 +172,8 @@ def render_script(case: StandaloneCase, script: Script) -> str:
     else:
         constants += [
             f"TENSORS = {tuple(script.tensors)!r}",
-            "# per tensor, the largest distance from the float64 result that legitimate float32 runs of the single-",
-            "# process program reached (difftest's calibration: other sample orders, thread counts); an element may be",
-            f"# K times it away. Read from {DATA_FILE} (spread.<tensor>): the script's length does not grow with the model",
+            "# per tensor: how far legitimate float32 runs of the single-process program (other sample orders, thread counts)",
+            f"# came from its float64 result, as difftest measured (spread.<tensor> in {DATA_FILE}); judge allows K times it",
             "SPREAD: dict[str, float] = {}",
             f"K = {_oracle_k()}",
             f"ATOL, RTOL = {tol.atol!r}, {tol.rtol!r}  # judges a tensor difftest did not calibrate"]

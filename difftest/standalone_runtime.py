@@ -41,19 +41,7 @@ on_rank: Callable[[int, int, dict[str, np.ndarray], dict[str, Any]], dict[str, n
 
 # copied in this order, less those the script never calls: a failure's script starts at `main_failing`, a
 # disagreement's at `main`
-RUNTIME_FUNCTIONS = ("versions", "rank_main", "run_distributed", "judge", "load_data", "main_failing",
-                     "main")
-
-
-def versions() -> str:
-    """The installed release of every library the script involves."""
-    found = [f"python {sys.version.split()[0]}"]
-    for name in LIBRARIES:
-        try:
-            found.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            pass
-    return ", ".join(found)
+RUNTIME_FUNCTIONS = ("rank_main", "run_distributed", "judge", "load_data", "main_failing", "main")
 
 
 def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarray], result: str) -> None:
@@ -106,6 +94,8 @@ def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def judge(name: str, x: np.ndarray, s: np.ndarray, c: np.ndarray) -> tuple[bool, str]:
     """Whether the setting's `x` is further from the float64 result `c` than float32 rounding explains (K times
     SPREAD[name] plus its own rounding); a tensor without a SPREAD, by allclose with the float32 one `s`."""
+    if x.shape != s.shape:
+        return True, f"{name}: the setting gives shape {x.shape}, not {s.shape}"
     x, s, c = x.astype(np.float64), s.astype(np.float64), c.astype(np.float64)
     if name in SPREAD:
         d, allowed = np.abs(x - c), K * (SPREAD[name] + 2.0**-24 * np.abs(c))
@@ -120,7 +110,14 @@ def judge(name: str, x: np.ndarray, s: np.ndarray, c: np.ndarray) -> tuple[bool,
 
 
 def load_data() -> dict[str, np.ndarray]:
-    print(versions())
+    """The case's tensors (the .npz beside the script), once the installed release of every library involved is shown."""
+    found = [f"python {sys.version.split()[0]}"]
+    for name in LIBRARIES:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:  # fbgemm-gpu is one of fbgemm-gpu and fbgemm-gpu-cpu
+            pass
+    print(", ".join(found))
     return dict(np.load(Path(__file__).resolve().with_suffix(".npz")))
 
 
@@ -154,11 +151,7 @@ def main() -> int:
         return 2
     exact, single = single_process(data, CASE, torch.float64), single_process(data, CASE, torch.float32)
     for name in TENSORS:
-        if actual.get(name, np.zeros(0)).shape != single[name].shape:
-            print(f"{name}: the setting gives shape {actual.get(name, np.zeros(0)).shape}, not {single[name].shape}")
-            present = True
-            continue
-        wrong, line = judge(name, actual[name], single[name], exact[name])
+        wrong, line = judge(name, actual.get(name, np.zeros(0)), single[name], exact[name])
         present |= wrong
         print(line)
     print("BUG PRESENT: the setting disagrees with the single-process program" if present else

@@ -6,6 +6,7 @@ import signal
 import sqlite3
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,12 +85,15 @@ def committed_cases(run_dir: Path) -> dict[tuple[str, str], float]:
 
 
 def sigkill_sweep_after(command: list[str], run_dir: Path, commits: int, deadline_s: float = 600,
-                        env: dict[str, str] | None = None) -> None:
-    """Start a sweep command and kill -9 it once `commits` cases are committed (it must still be running)."""
+                        env: dict[str, str] | None = None, before_kill: Callable[[], None] | None = None) -> None:
+    """Start a sweep command and kill -9 it once `commits` cases are committed (it must still be running);
+    `before_kill` looks at what the running sweep has made."""
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + deadline_s
     while len(committed_cases(run_dir)) < commits and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)
     assert process.poll() is None, "the sweep finished before it could be killed"
+    if before_kill is not None:
+        before_kill()
     os.kill(process.pid, signal.SIGKILL)
     process.wait()

@@ -95,7 +95,10 @@ def test_sigkill_mid_sweep_then_rerun_resumes_to_the_same_results(fresh_run: Pat
     command = [sys.executable, "-m", "difftest.cli", "sweep", str(fresh_run), "--settings", selection]
     temporary = tmp_path / "tmp"  # where the killed sweep's worker groups keep their temporary folders
     temporary.mkdir()
-    sigkill_sweep_after(command, fresh_run, 6, deadline_s=240, env={**os.environ, "TMPDIR": str(temporary)})
+    made: list[Path] = []  # the running sweep's group folders: the test below is empty-handed without them
+    sigkill_sweep_after(command, fresh_run, 6, deadline_s=240, env={**os.environ, "TMPDIR": str(temporary)},
+                        before_kill=lambda: made.extend(temporary.glob("difftest-ws*")))
+    assert made, "the sweep's worker groups made no folder in its TMPDIR"
     interrupted_at = len(committed_cases(fresh_run))
     total = 2 * (1 + 10 + 2 + REFERENCE_CALIBRATIONS)  # + the reference's calibration runs
     assert 6 <= interrupted_at < total
@@ -218,6 +221,17 @@ def test_what_ranks_leave_in_the_temporary_folder_goes_with_their_group_closed_o
         finally:
             group.close()
         assert not left.exists() and not Path(group.temp_dir).exists(), ending
+
+
+def test_a_plugin_raising_connection_error_in_a_rank_is_that_ranks_error_not_its_parent_leaving(tmp_path: Path) -> None:
+    """Only the pipe to the parent failing means the parent is gone (the rank leaves quietly, exit 0): any other
+    ConnectionError is the rank's own failure, with its traceback in the log the start error quotes."""
+    from difftest.runner.pool import GroupStartError
+
+    with pytest.raises(GroupStartError) as raised:
+        WorkerGroup(1, tmp_path / "logs", ("tests.faults.unreachable_in_ranks",), start_timeout_s=120)
+    assert "rank 0 exited with code 1 while starting" in str(raised.value), raised.value
+    assert "ConnectionRefusedError: the feature store at 127.0.0.1:9 refused the connection" in str(raised.value)
 
 
 def test_after_a_crash_the_next_case_runs_on_a_replacement_and_gives_a_fresh_groups_bytes(fresh_run: Path) -> None:

@@ -112,8 +112,8 @@ def main(config: WorkerConfig, conn: Any) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it, set before init
     print(f"[rank {config.rank}] starting, pid {os.getpid()}", flush=True)
     try:
-        _serve(config, conn)
-    except (EOFError, ConnectionError, KeyboardInterrupt):
+        _serve(config, _ParentPipe(conn))
+    except (_ParentGone, KeyboardInterrupt):
         pass  # parent went away (its pipe closed or reset, as when it is killed): nothing left to report to
     finally:
         # the group is over once a rank leaves: its folder goes, whoever is first (the parent removes it too, unless
@@ -126,7 +126,29 @@ def main(config: WorkerConfig, conn: Any) -> None:
     os._exit(0)
 
 
-def _serve(config: WorkerConfig, conn: Any) -> None:
+class _ParentGone(Exception):
+    """The pipe to the parent closed or reset: the one failure after which a rank leaves quietly (a plugin or setting
+    raising ConnectionError of its own is the rank's error, and its traceback goes to the log the parent quotes)."""
+
+
+class _ParentPipe:
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def send(self, message: Any) -> None:
+        try:
+            self._conn.send(message)
+        except (EOFError, ConnectionError) as exc:
+            raise _ParentGone from exc
+
+    def recv(self) -> Any:
+        try:
+            return self._conn.recv()
+        except (EOFError, ConnectionError) as exc:
+            raise _ParentGone from exc
+
+
+def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
     global _INITIAL_QENGINE
     from datetime import timedelta
 

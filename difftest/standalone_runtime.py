@@ -40,8 +40,8 @@ single_process: Callable[[dict[str, np.ndarray], dict[str, Any], Any], dict[str,
 on_rank: Callable[[int, int, dict[str, np.ndarray], dict[str, Any]], dict[str, np.ndarray] | None]
 
 # copied in this order, less those the script never calls: a failure's script starts at `main_failing`, a
-# disagreement's at `main`
-RUNTIME_FUNCTIONS = ("rank_main", "run_distributed", "judge", "load_data", "main_failing", "main")
+# disagreement's at `main`, a nondeterminism's at `main_twice`
+RUNTIME_FUNCTIONS = ("rank_main", "run_distributed", "judge", "load_data", "main_failing", "main", "main_twice")
 
 
 def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarray], result: str) -> None:
@@ -156,4 +156,36 @@ def main() -> int:
         print(line)
     print("BUG PRESENT: the setting disagrees with the single-process program" if present else
           "ok: the setting agrees with the single-process program (the bug is gone)")
+    return 1 if present else 0
+
+
+def main_twice() -> int:
+    """A nondeterminism: exit 1 while two runs of the setting, deterministic algorithms on, differ at all (zero
+    tolerance, as difftest judges a rerun)."""
+    import torch
+
+    data = load_data()
+    # the ranks fork from this process and keep the flag (difftest ran both runs so; an op without a deterministic
+    # kernel raises, which is not this bug)
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = run_distributed(data), run_distributed(data)
+    except Exception as exc:
+        print(f"COULD NOT RUN the setting: {type(exc).__name__}: {exc}")
+        return 2
+    present = False
+    for name in TENSORS:
+        a, b = first.get(name, np.zeros(0)), second.get(name, np.zeros(0))
+        if a.shape != b.shape:
+            differ, line = True, f"shape {a.shape} in the first run, {b.shape} in the second"
+        elif differ := bool((bad := ~np.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)).any()):
+            at = np.unravel_index(int(np.argmax(bad)), a.shape)
+            line = (f"{int(bad.sum())} of {a.size} elements differ; at {tuple(map(int, at))} first run "
+                    f"{float(a[at])!r}, second {float(b[at])!r}")
+        else:
+            line = "the same in both runs"
+        print(f"{name}: {line}")
+        present |= differ
+    print("BUG PRESENT: two runs of the setting differ" if present else
+          "ok: two runs of the setting agree exactly (the bug is gone)")
     return 1 if present else 0

@@ -9,12 +9,15 @@ difference is its own finding, `nondeterministic`, never noise to tolerate. Sele
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest.oracle import Tolerance
 from difftest.registry import register_derived
 from difftest.setting import Outputs, Repeat, RunContext, Setting
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
 
 BITWISE = Tolerance(atol=0.0, rtol=0.0)
 
@@ -43,6 +46,11 @@ class Rerun(Repeat):
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         return self.base.run(ctx, model, inputs)
+
+    def standalone(self, case: StandaloneCase) -> Script | None:
+        """The base's script, run twice and its runs compared with each other (the base's emitter, if it has one)."""
+        script = self.base.standalone(replace(case, twice=True))  # its summary says so
+        return None if script is None else replace(script, twice=True)
 
 
 register_derived("rerun", Rerun)

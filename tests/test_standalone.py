@@ -273,3 +273,28 @@ def test_a_partial_reduce_script_averages_as_the_setting_does(fresh_run: Path, t
     emitted.path.write_text(text.replace(reduce, "    flat = flat * replicas  # each replica alone\n"))
     unsynchronised = check_script(emitted.path, timeout_s=120)
     assert unsynchronised.exit_code == 1 and "BUG PRESENT" in unsynchronised.output, unsynchronised.output[-3000:]
+
+
+def test_a_rerun_script_runs_its_base_twice_and_says_when_the_runs_differ(fresh_run: Path) -> None:
+    """A nondeterminism finding (`rerun/…`) gets its base's script, run twice and judged run against run with no
+    tolerance, as difftest judges a rerun: DDP's two runs agree on this stack (exit 0, as the sweep's verdict says);
+    once each run draws its step size at random, the script says BUG PRESENT."""
+    from difftest.standalone_findings import check_script
+
+    rerun = "rerun/ddp/bucket-tiny/ws2"
+    run_sweep(fresh_run, SweepOptions(pairs=((MODEL, "ddp/bucket-tiny/ws2"), (MODEL, rerun)), timeout_s=120))
+    assert analyze(fresh_run).cases.set_index(["model", "setting"]).loc[(MODEL, rerun), "verdict"] == "ok"
+    emitted = emit(fresh_run, "N0", "a nondeterminism", "nondeterministic", fresh_run / "models" / MODEL, rerun,
+                   "param_after_step1/over.0.weight", {}, Tolerance(), check_timeout_s=120)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    text = emitted.path.read_text()
+    assert "import difftest" not in text and "def single_process" not in text and "def judge" not in text
+    assert "twice with torch.use_deterministic_algorithms(True)" in text and text.count("\n") <= MAX_LINES
+    assert emitted.checked.exit_code == 0 and "two runs of the setting agree exactly" in emitted.checked.output, \
+        emitted.checked.output[-3000:]
+    step = 'lr=case["lr"])'
+    assert text.count(step) == 1
+    emitted.path.write_text(text.replace(step, 'lr=case["lr"] * (1 + int.from_bytes(os.urandom(2), "little") / 2**16))'))
+    drawn = check_script(emitted.path, timeout_s=120)
+    assert drawn.exit_code == 1 and "BUG PRESENT: two runs of the setting differ" in drawn.output, drawn.output[-3000:]
+    assert "elements differ; at" in drawn.output

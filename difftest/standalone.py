@@ -190,7 +190,10 @@ def render_script(case: StandaloneCase, script: Script) -> str:
             f"K = {_oracle_k()}",
             f"ATOL, RTOL = {tol.atol!r}, {tol.rtol!r}  # judges a tensor difftest did not calibrate"]
     constants.append(f"CASE = {_literal(script.case)}")
-    parts = ["\n".join(doc), "\n".join(RUNTIME_IMPORTS + script.preamble), "\n".join(constants)]
+    preamble = script.preamble
+    if any(re.search(r"\bUnsupported\(", sources[name]) for name in called):  # difftest's refusal, by a name it has
+        preamble += ("", "Unsupported = NotImplementedError  # what cannot run here: the setting would be unsupported")
+    parts = ["\n".join(doc), "\n".join(RUNTIME_IMPORTS + preamble), "\n".join(constants)]
     parts += [text for name, text in sources.items() if name in called]
     # exit 1 means the bug and nothing else: the script failing on its own (a mistake of ours, a missing library) is 2
     parts.append(f'if __name__ == "__main__":\n    try:\n        sys.exit({entry}())\n    except Exception:  # the '

@@ -21,7 +21,7 @@ def fully_shard_for(device: str) -> Callable[..., Any]:
 
     if device.split(":")[0] == "cpu" and not hasattr(torch.cpu.Stream, "record_event"):
         raise Unsupported(f"FSDP2 on the CPU needs torch >= 2.7 (torch {torch.__version__}'s CPU stream has no "
-                          "record_event, which fully_shard calls); --device cuda runs it")
+                          "record_event, which fully_shard calls); it runs on CUDA (difftest: --device cuda)")
     return fully_shard
 
 

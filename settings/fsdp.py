@@ -19,6 +19,7 @@ from difftest.oracle import Tolerance
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
 from difftest.standalone import refuse_changed_hooks
+from settings._compat import fully_shard_for
 from settings._training import (
     build_for_training,
     full_parameters,
@@ -70,9 +71,7 @@ class FullyShard(Setting):
         return across(self.world_size, SHARDED)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        from settings._compat import fully_shard_for
-
-        fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device
+        fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device, before the model is built
         module = build_for_training(model, ctx.device)
         layout = self.layout(model, module)
         distribute(module, ctx.group, ctx.device, layout)
@@ -97,7 +96,7 @@ class FullyShard(Setting):
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         return training_script(case, f"FSDP2 fully_shard ({self.wrap} units, reshard_after_forward="
                                f"{self.reshard_after_forward}, {self.precision} compute)", self.world_size,
-                               (make_contiguous, mixed_precision, distribute, full_parameters),
+                               (fully_shard_for, make_contiguous, mixed_precision, distribute, full_parameters),
                                self.layout(model, model.build("cpu")))
 
     def sharded(self, ctx: RunContext, module: Any) -> None:
@@ -121,8 +120,8 @@ def distribute(module: Any, group: Any, device: str, layout: dict[str, Any]) -> 
     """FSDP2 over `group`, as `FullyShard.run` shards: each unit named in `layout`, innermost first (a unit owns what
     its wrapped children do not), then the root, on a 1-D mesh of the group."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
+    fully_shard = fully_shard_for(device)  # a script run on a torch too old says so, as the setting does
     make_contiguous(module)
     mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
     options = dict(mesh=mesh, reshard_after_forward=layout["reshard_after_forward"])

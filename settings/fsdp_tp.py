@@ -14,6 +14,7 @@ from difftest.errors import Unsupported
 from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from difftest.standalone import refuse_changed_hooks
+from settings._compat import fully_shard_for
 from settings._training import build_for_training, full_parameters, parameter_holders
 from settings.fsdp import make_contiguous
 from settings.tensor_parallel import (
@@ -56,9 +57,7 @@ class FsdpTensorParallel(Setting):
         return across(self.world_size, SHARDED | {"all_reduce"})
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        from settings._compat import fully_shard_for
-
-        fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device
+        fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device, before the mesh is made
         mesh = _mesh(ctx, self.data_parallel, self.tensor_parallel)
         tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
         module = build_for_training(model, ctx.device)
@@ -92,8 +91,8 @@ class FsdpTensorParallel(Setting):
         plan = tensor_parallel.derived_plan(model, module, Inputs(case.inputs["train"], case.inputs["eval"]), "cpu")
         return training_script(case, f"{self.describe()}: parallelize_module with column-/row-wise pairs "
                                f"({', '.join(plan)}), then fully_shard", self.world_size,
-                               (make_contiguous, parallel_style, whole_outputs_and_gradients, stepping, distribute,
-                                full_parameters), self.layout(model, module, plan))
+                               (fully_shard_for, make_contiguous, parallel_style, whole_outputs_and_gradients, stepping,
+                                distribute, full_parameters), self.layout(model, module, plan))
 
 
 def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> Any:
@@ -101,8 +100,9 @@ def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> A
     each unit, innermost first, then the root; as `FsdpTensorParallel.run` applies them. `mesh`: the (dp, tp)
     DeviceMesh, or the process group of all its ranks (a standalone script's world), laid out as one."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
+
+    fully_shard = fully_shard_for(device)  # a script run on a torch too old says so, as the setting does
 
     if not isinstance(mesh, DeviceMesh):
         mesh = init_device_mesh(device.split(":")[0], tuple(layout["mesh"]), mesh_dim_names=("dp", "tp"))

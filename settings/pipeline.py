@@ -272,8 +272,7 @@ class Pipeline(Setting):
                        stages_of, stage_examples, pipeline_schedule,
                        *((make_contiguous, fully_shard_for, pipeline_groups, wrap_stage) if hybrid else ()),
                        single_process, on_rank),
-            # the compatibility wrapper's refusal on a release without `eval`, by a name the script has
-            preamble=(*model.preamble, "import inspect", "", "Unsupported = NotImplementedError"),
+            preamble=(*model.preamble, "import inspect"),
             tensors=tensors,
             data={**model.data, **case.inputs["eval"].to_arrays("eval")}, world_size=self.world_size)
 

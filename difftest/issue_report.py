@@ -18,7 +18,7 @@ from difftest import stack
 from difftest.errors import UserError
 from difftest.render import render
 from difftest.standalone import STANDALONE_FILE
-from difftest.standalone_findings import recorded_run
+from difftest.standalone_findings import recorded_run, why_no_script
 
 if TYPE_CHECKING:
     from difftest.analysis import Analysis
@@ -115,6 +115,7 @@ def write_issue(run_dir: Path, analysis: Analysis, finding: Finding, minimised: 
                   worst_linf=float(finding.rows["worst_linf"].max()),
                   minimal=minimal, message=_readable(str(finding.example.get("message") or "")),
                   standalone=standalone.name if standalone.is_file() else None, ran=recorded_run(folder),
+                  no_script=why_no_script(folder),
                   settings=sorted(finding.rows["setting"].unique()), models=finding.rows["model"].nunique())
     path = folder / ISSUE_FILE
     path.write_text(text)

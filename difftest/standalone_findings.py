@@ -83,7 +83,7 @@ class Emitted:
 
     def describe(self) -> str:
         if self.path is None:
-            return f"no standalone script: {self.why_not}"
+            return f"{NO_SCRIPT}{self.why_not}"
         if self.checked is None:
             return f"{STANDALONE_FILE} written, not run"
         verdict = "reproduces (exit 1)" if self.checked.reproduces else {0: "does not reproduce (exit 0)"}.get(
@@ -150,10 +150,10 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
 # beside nice 0), above nothing
 BACKGROUND_NICENESS = 10
 # what a script prints of its own (`difftest.standalone_runtime`), among its libraries' warnings and its ranks' output
-_OWN_LINE = re.compile(r"^(python \d|\S+: (\d+ of \d+ elements off|the setting gives shape)|BUG PRESENT|ok: |COULD NOT RUN)")
-
-
-_AGREEING_LINE = re.compile(r": 0 of \d+ elements off")
+_OWN_LINE = re.compile(r"^(python \d|\S+: (\d+ of \d+ elements (off|differ)|the setting gives shape|shape .* in the first run|"
+                       r"the same in both runs)|BUG PRESENT|ok: |COULD NOT RUN)")
+_AGREEING_LINE = re.compile(r": (0 of \d+ elements off|the same in both runs)")
+NO_SCRIPT = "no standalone script: "  # how `standalone.txt` begins where the finding has none, then why
 
 
 def own_lines(output: str) -> list[str]:
@@ -177,6 +177,16 @@ def recorded_run(folder: Path) -> tuple[str, list[str], int] | None:
     lines = own_lines(output)
     telling = [line for line in lines if not _AGREEING_LINE.search(line)]
     return verdict.strip(), telling, len(lines) - len(telling)
+
+
+def why_no_script(folder: Path) -> str | None:
+    """Why the finding in `folder` has no script, as its emitter said (a family without one, a case it cannot
+    express); None where it has one or none was attempted."""
+    path = folder / STANDALONE_VERDICT_FILE
+    if (folder / STANDALONE_FILE).is_file() or not path.is_file():
+        return None
+    first = path.read_text().split("\n", 1)[0]
+    return first.removeprefix(NO_SCRIPT) if first.startswith(NO_SCRIPT) else None
 
 
 def _record(folder: Path, emitted: Emitted) -> None:

@@ -41,7 +41,8 @@ FAULTS = {
 def test_oracles_hold_on_clean_settings_and_catch_planted_faults(fresh_run: Path) -> None:
     selected = CLEAN + TWICE + list(FAULTS) + ["faults/unseeded_lr"]
     run_sweep(fresh_run, SweepOptions(settings=",".join(selected), plugins=(PLANTED,), timeout_s=120))
-    cases = analyze(fresh_run, plugins=(PLANTED,)).cases
+    analysis = analyze(fresh_run, plugins=(PLANTED,))
+    cases = analysis.cases
     verdict = {(c.model, c.setting): c.verdict for c in cases.itertuples()}
     models = sorted({m for m, _ in verdict})
     assert len(models) == 2
@@ -60,6 +61,16 @@ def test_oracles_hold_on_clean_settings_and_catch_planted_faults(fresh_run: Path
         store.close()
     params = [k for k in stash if k.startswith("param_after_step")]
     assert any(not np.array_equal(stash[k], vertical[k]) for k in params)
+    # a nondeterminism is filed as one: the setting against its own first run, not against one process
+    from difftest.issue_report import write_issues
+    from difftest.triage import triage
+
+    findings = triage(fresh_run, analysis)
+    write_issues(fresh_run, analysis, findings, [])
+    twice = next(f for f in findings if f.status == "nondeterministic")
+    prose = " ".join((fresh_run / "findings" / twice.id / "ISSUE.md").read_text().split())
+    assert "run a second time, deterministic algorithms on, computes different numbers from its first run" in prose
+    assert "At its worst element the first run gives `" in prose and "single process" not in prose, prose
 
 
 def test_pipedream_schedule_and_staleness_rule() -> None:

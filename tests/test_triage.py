@@ -127,7 +127,12 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     import torch
 
     from difftest.issue_report import write_issues
+    from difftest.oracle import Tolerance
+    from difftest.standalone_findings import emit
 
+    refused = emit(fresh_run, raised.id, raised.title, raised.status, fresh_run / "models" / raised.example["model"],
+                   raised.example["setting"], "", {}, Tolerance(), message=str(raised.example["message"]))
+    assert refused.path is None  # a planted fault's script would not run its fault
     write_issues(fresh_run, analysis, findings, [])
     issue = (fresh_run / "findings" / grid.id / "ISSUE.md").read_text()
     prose = " ".join(issue.split())  # the template wraps its lines
@@ -140,11 +145,12 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     assert (f"`{grid.first_divergence}` is L∞ {first:.6g} off (the worst tensor of these cases: L∞ "
             f"{grid.rows['worst_linf'].max():.6g})") in prose
     assert "At its worst element the single-process program gives `" in prose
-    assert "the `torchrec` family has no emitter" in prose and "python repro.py" in prose
+    assert "No standalone script yet: none was written for this finding" in prose and "python repro.py" in prose
     for reference in (grid.known.references if grid.known else ()):
         assert f"{reference.tracker}#{reference.number}" in issue
     failure = (fresh_run / "findings" / raised.id / "ISSUE.md").read_text()
     assert "ends in **error**" in failure and "planted failure" in failure and "refuse the configuration" in failure
+    assert f"No standalone script: {refused.why_not}. " in " ".join(failure.split()), failure  # its emitter's reason
     # a finding's reproducer runs its case alone through the public API and fails while the bug is there
     script = fresh_run / "findings" / grid.id / "repro.py"
     root = Path(__file__).resolve().parents[1]  # the run names the test plugin: it must be importable

@@ -191,7 +191,7 @@ def render_script(case: StandaloneCase, script: Script) -> str:
             f"ATOL, RTOL = {tol.atol!r}, {tol.rtol!r}  # judges a tensor difftest did not calibrate"]
     constants.append(f"CASE = {_literal(script.case)}")
     preamble = script.preamble
-    if any(re.search(r"\bUnsupported\(", sources[name]) for name in called):  # difftest's refusal, by a name it has
+    if any(re.search(r"\bUnsupported\b", sources[name]) for name in called):  # difftest's refusal, by a name it has
         preamble += ("", "Unsupported = NotImplementedError  # what cannot run here: the setting would be unsupported")
     parts = ["\n".join(doc), "\n".join(RUNTIME_IMPORTS + preamble), "\n".join(constants)]
     parts += [text for name, text in sources.items() if name in called]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from difftest.errors import Unsupported
 from difftest.oracle import Tolerance
 from difftest.registry import register_derived
 from difftest.setting import Outputs, Repeat, RunContext, Setting
@@ -50,7 +51,9 @@ class Rerun(Repeat):
     def standalone(self, case: StandaloneCase) -> Script | None:
         """The base's script, run twice and its runs compared with each other (the base's emitter, if it has one)."""
         script = self.base.standalone(replace(case, twice=True))  # its summary says so
-        return None if script is None else replace(script, twice=True)
+        if script is None:
+            raise Unsupported(f"the `{self.base.family}` family has no emitter")
+        return replace(script, twice=True)
 
 
 register_derived("rerun", Rerun)

@@ -52,6 +52,10 @@ def test_a_finding_whose_family_has_no_emitter_gets_no_script_and_a_reason(fresh
     assert emitted.path is None and not (folder / STANDALONE_FILE).exists()
     assert emitted.describe() == "no standalone script: the `repartition` family has no emitter"
     assert (folder / "standalone.txt").read_text().startswith(emitted.describe())
+    # its nondeterminism (a rerun of it) has none either, for the same reason: not for want of a `rerun` emitter
+    emitted = emit(fresh_run, "T9", "a repartition nondeterminism", "nondeterministic", fresh_run / "models" / MODEL,
+                   f"rerun/{repartition.name}", "eval_before/prediction", {}, Tolerance())
+    assert emitted.describe() == "no standalone script: the `repartition` family has no emitter"
     # a planted fault overrides a hook of its family's setting: a script copied from the family's module would not
     # hold the fault, so it gets none (rather than a script that says the bug is gone)
     emitted = emit(fresh_run, "T9", "a planted fault", "inconsistent", fresh_run / "models" / MODEL,

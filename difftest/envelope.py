@@ -58,10 +58,12 @@ class Envelope:
                 r = outputs.get(name)
                 if r is None or r.shape != c.shape:
                     continue  # an activation one run did not record; the others measure it
-                d = np.abs(r.astype(np.float64) - c64)
-                # a run that is not finite where the exact result is measured nothing there: it cannot widen the
-                # envelope to infinity (every verdict would pass) nor poison it with NaN (every verdict would fail)
-                d = np.where(np.isfinite(d) | ~np.isfinite(c64), d, 0.0)
+                with np.errstate(invalid="ignore"):  # inf - inf: told apart below
+                    d = np.abs(r.astype(np.float64) - c64)
+                # a run that is not finite where the exact result is (or the other way round, or another infinity)
+                # measured nothing there: it cannot widen the envelope to infinity (every verdict would pass) nor
+                # poison it with NaN (every verdict would fail); the exact result's own infinity is no distance
+                d = np.where(np.isfinite(d), d, 0.0)
                 spread[name] = d if name not in spread else np.maximum(spread[name], d)
         return cls({n: c.astype(np.float64) for n, c in centre.items() if n in spread}, spread, unit, tuple(runs))
 
@@ -72,9 +74,11 @@ class Envelope:
             return None
         e = self.spread[name]
         allowed = K * ((e.max() if e.size else 0.0) + self.unit * np.abs(c))
-        diff = np.abs(actual.astype(np.float64) - c)
-        nan_c, nan_a = np.isnan(c), np.isnan(diff)
-        diff = np.where(nan_c & np.isnan(actual), 0.0, np.where(nan_a, np.inf, diff))
+        with np.errstate(invalid="ignore"):  # inf - inf: told apart below
+            diff = np.abs(actual.astype(np.float64) - c)
+        # the exact value itself is 0 away, an infinity too (inf - inf is NaN), and NaN where the exact result has it
+        same = (actual == c) | (np.isnan(c) & np.isnan(actual))
+        diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
         with np.errstate(divide="ignore", invalid="ignore"):
             ratios = np.where(diff == 0, 0.0, diff / allowed)
         ratios = np.nan_to_num(ratios, nan=np.inf)

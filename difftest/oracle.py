@@ -67,9 +67,11 @@ def compare_tensor(
         )
     a = actual.astype(np.float64)
     r = reference.astype(np.float64)
-    diff = np.abs(a - r)
-    both_nan = np.isnan(a) & np.isnan(r)
-    diff = np.where(both_nan, 0.0, diff)
+    with np.errstate(invalid="ignore"):  # inf - inf: told apart below
+        diff = np.abs(a - r)
+    # equal values are 0 apart, an infinity and itself too (inf - inf is NaN, which would count as the farthest), and
+    # NaN where both have it
+    diff = np.where((a == r) | (np.isnan(a) & np.isnan(r)), 0.0, diff)
     diff = np.where(np.isnan(diff), np.inf, diff)  # NaN on one side only is as far as it gets
     bound = bound_ratio = math.nan
     if allowed is None:
@@ -83,7 +85,9 @@ def compare_tensor(
             worst = int(np.argmax(ratios))
             bound, bound_ratio = float(limit.flat[worst]), float(ratios.flat[worst])
     nonzero = r != 0
-    max_rel = float(np.max(diff[nonzero] / np.abs(r[nonzero]))) if np.any(nonzero) else (0.0 if not diff.any() else np.inf)
+    with np.errstate(invalid="ignore"):  # an infinity against the other: inf / inf, as far as it gets
+        relative = np.nan_to_num(diff[nonzero] / np.abs(r[nonzero]), nan=np.inf)
+    max_rel = float(np.max(relative)) if np.any(nonzero) else (0.0 if not diff.any() else np.inf)
     mismatches = int((~close).sum())
     linf = float(diff.max()) if diff.size else 0.0
     return Comparison(phase, tensor, linf, max_rel, mismatches, int(r.size), mismatches == 0, "", oracle, bound, bound_ratio)

@@ -77,8 +77,8 @@ class StandaloneCase:
         if self.failure:
             return ", alone: the script shows how it fails"
         if self.twice:
-            return (", twice with torch.use_deterministic_algorithms(True), the second run against the first with no "
-                    f"tolerance: {reference.partition(': ')[2] or reference}")
+            return (", twice with torch.use_deterministic_algorithms(True), the second run compared with the first "
+                    f"(equal, no tolerance): {reference.partition(': ')[2] or reference}")
         return f", against {reference}"
 
     @property
@@ -174,13 +174,16 @@ def render_script(case: StandaloneCase, script: Script) -> str:
     runtime = [getattr(standalone_runtime, name) for name in standalone_runtime.RUNTIME_FUNCTIONS]
     entry = "main_failing" if failure else "main_twice" if script.twice else "main"
     sources = {f.__name__: _source(f) for f in (*script.functions, *runtime)}
-    called = _called_from(entry, sources)
+    called, names = _called_from(entry, sources)
     constants = [f"LIBRARIES = {tuple(script.libraries)!r}", f"WORLD_SIZE = {script.world_size}",
                  f"RANK_IMPORTS = {_local_imports(sources[name] for name in called)!r}"]
     if failure:
         constants.append(f"FAILURE = {failure!r}  # how the setting fails (what its ranks raise, or the signal)")
     elif script.twice:
-        constants.append(f"TENSORS = {tuple(script.tensors)!r}")
+        constants += [f"TENSORS = {tuple(script.tensors)!r}",
+                      "# both runs as difftest ran them, in this process and in every rank (a spawned one runs this",
+                      "# module again); an op without a deterministic kernel raises, which is not this bug",
+                      "torch.use_deterministic_algorithms(True)"]
     else:
         constants += [
             f"TENSORS = {tuple(script.tensors)!r}",
@@ -191,7 +194,7 @@ def render_script(case: StandaloneCase, script: Script) -> str:
             f"ATOL, RTOL = {tol.atol!r}, {tol.rtol!r}  # judges a tensor difftest did not calibrate"]
     constants.append(f"CASE = {_literal(script.case)}")
     preamble = script.preamble
-    if any(re.search(r"\bUnsupported\b", sources[name]) for name in called):  # difftest's refusal, by a name it has
+    if "Unsupported" in names:  # difftest's refusal, by a name the script has
         preamble += ("", "Unsupported = NotImplementedError  # what cannot run here: the setting would be unsupported")
     parts = ["\n".join(doc), "\n".join(RUNTIME_IMPORTS + preamble), "\n".join(constants)]
     parts += [text for name, text in sources.items() if name in called]
@@ -202,9 +205,10 @@ def render_script(case: StandaloneCase, script: Script) -> str:
     return "\n\n".join(part.rstrip("\n") for part in parts) + "\n"
 
 
-def _called_from(entry: str, sources: dict[str, str]) -> set[str]:
+def _called_from(entry: str, sources: dict[str, str]) -> tuple[set[str], set[str]]:
     """The definitions among `sources` that `entry` uses, itself included, directly or through others (by the names
-    their code reads): a script holds what it runs, and the same code a finding of the other sort would not."""
+    their code reads): a script holds what it runs, and the same code a finding of the other sort would not. Also
+    every name those definitions read."""
     reads = {name: {n.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name)} for name, text in sources.items()}
     called: set[str] = set()
     pending = [entry]
@@ -212,7 +216,7 @@ def _called_from(entry: str, sources: dict[str, str]) -> set[str]:
         if (name := pending.pop()) in reads and name not in called:
             called.add(name)
             pending.extend(reads[name])
-    return called
+    return called, {n for name in called for n in reads[name]}
 
 
 def _local_imports(sources: Iterable[str]) -> tuple[str, ...]:

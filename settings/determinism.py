@@ -50,7 +50,10 @@ class Rerun(Repeat):
 
     def standalone(self, case: StandaloneCase) -> Script | None:
         """The base's script, run twice and its runs compared with each other (the base's emitter, if it has one)."""
-        script = self.base.standalone(replace(case, twice=True))  # its summary says so
+        try:
+            script = self.base.standalone(replace(case, twice=True))  # its summary says so
+        except Unsupported as exc:
+            raise Unsupported(f"the emitter of `{self.base.name}`, which this reruns, cannot express it: {exc}") from None
         if script is None:
             raise Unsupported(f"the `{self.base.family}` family has no emitter")
         return replace(script, twice=True)

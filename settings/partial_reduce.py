@@ -271,9 +271,9 @@ class PartialReduce(Setting):
                     f"taking plain SGD steps (lr {case.lr:g}) on its contiguous share of the batch, then averaging "
                     f"its parameters with {schedule} (all-gather; all-reduce), {steps} step(s)"
                     + case.against("the same schedule simulated in one process: every replica's parameters and "
-                                   "their mean after the last step" + (" (everyone averaging every step is plain data-"
-                                   "parallel SGD: what the DDP reference difftest judged it against computes)"
-                                   if self.everyone else ""))
+                                   "their mean after the last step")
+                    + (" (everyone averaging every step is plain data-parallel SGD: what the DDP reference difftest "
+                       "judged it against computes)" if self.everyone and not (case.twice or case.failure) else "")
                     + f". {model.summary}",
             libraries=("torch", *model.libraries, "numpy"), preamble=model.preamble,
             case={**model.case, "setting": {"replicas": self.world_size, "group": self.group,

@@ -169,8 +169,9 @@ class QuantizedEmbeddings(Setting):
         return Script(
             summary=f"TorchRec EmbeddingBagCollections quantized for inference ({self.weights} weights, {self.output} "
                     f"pooled output: QuantEmbeddingBagCollection), {how}"
-                    + case.against("the same quantized collections unsharded: the same quantized bytes, so only "
-                                   "the order of additions may differ") + ".",
+                    + case.against("the same quantized collections unsharded, which hold the same quantized bytes "
+                                   "(only the order of additions may differ): the pooled embeddings of one batch")
+                    + ".",
             libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
             preamble=("import contextlib", "import copy", "", f"WEIGHT_TYPES = {WEIGHT_TYPES!r}",
                       f"OUTPUT_TYPES = {OUTPUT_TYPES!r}"),

@@ -30,6 +30,11 @@ def test_envelope_rule_is_distance_to_float64_against_the_largest_legitimate_dev
     assert not judged.consistent and judged.mismatches == 1 and judged.ratio == pytest.approx(1.1)
     assert not envelope.judge("eval_before/prediction", np.array([1.0, 0.5, np.nan, -2.0])).consistent
     assert envelope.judge("eval_before/missing", inside) is None  # the D3 verdict stands there
+    # an exact result that overflows: the setting's same infinity is no distance, the other sign's is
+    overflowed = Envelope.measure({"a/b": np.array([np.inf, 1.0])},
+                                  {"reference": {"a/b": np.array([np.inf, 1.0], np.float32)}}, unit=2.0**-24)
+    assert overflowed.judge("a/b", np.array([np.inf, 1.0 + 2.0**-23], np.float32)).consistent  # its neighbour: rounding
+    assert not overflowed.judge("a/b", np.array([-np.inf, 1.0], np.float32)).consistent
     # a calibration run that broke (NaN where the exact result is finite) measures nothing there: the envelope is
     # the other runs', not NaN (every verdict inconsistent) nor infinite (every verdict ok)
     broken = {**runs, "calib-fp32-a/reference": {"eval_before/prediction": np.array([np.nan, 0.5, np.inf, -2.0])}}

@@ -105,6 +105,11 @@ def test_oracle_metrics() -> None:
     nan[0] = np.nan
     assert not compare_tensor("a/b", nan, ref, Tolerance()).consistent
     assert compare_tensor("a/b", nan, nan, Tolerance()).consistent  # NaN in both at the same place
+    # an infinity in both at the same place is equal (inf - inf is NaN, which counted as the farthest: a rerun that
+    # overflowed the same way twice was a nondeterminism), an infinity of the other sign is not
+    overflowed = np.array([np.inf, -np.inf, 1.0], np.float32)
+    assert compare_tensor("a/b", overflowed, overflowed.copy(), Tolerance(atol=0.0, rtol=0.0)).mismatches == 0
+    assert compare_tensor("a/b", -overflowed, overflowed, Tolerance()).mismatches == 3
     assert "shape" in compare_tensor("a/b", ref[:2], ref, Tolerance()).message
     missing = compare({}, {"a/b": ref}, Tolerance())
     assert len(missing) == 1 and not missing[0].consistent and "missing" in missing[0].message

@@ -111,10 +111,14 @@ def main(config: WorkerConfig, conn: Any) -> None:
         use_temporary_folder(config.temp_dir)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it, set before init
     print(f"[rank {config.rank}] starting, pid {os.getpid()}", flush=True)
+    code = 0
     try:
         _serve(config, _ParentPipe(conn))
     except (_ParentGone, KeyboardInterrupt):
         pass  # parent went away (its pipe closed or reset, as when it is killed): nothing left to report to
+    except BaseException:  # the rank's own failure: its traceback to the log the parent quotes, and exit 1
+        traceback.print_exc()
+        code = 1
     finally:
         # the group is over once a rank leaves: its folder goes, whoever is first (the parent removes it too, unless
         # it was killed)
@@ -123,7 +127,7 @@ def main(config: WorkerConfig, conn: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     # leaving through os._exit avoids gloo's occasional abort in interpreter teardown
-    os._exit(0)
+    os._exit(code)
 
 
 class _ParentGone(Exception):

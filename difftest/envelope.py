@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from difftest.oracle import BOUND_PREFIX
+from difftest.oracle import BOUND_PREFIX, distance
 
 K = 4.0
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-8}
@@ -58,11 +58,10 @@ class Envelope:
                 r = outputs.get(name)
                 if r is None or r.shape != c.shape:
                     continue  # an activation one run did not record; the others measure it
-                with np.errstate(invalid="ignore"):  # inf - inf: told apart below
-                    d = np.abs(r.astype(np.float64) - c64)
+                d = distance(r, c64)
                 # a run that is not finite where the exact result is (or the other way round, or another infinity)
                 # measured nothing there: it cannot widen the envelope to infinity (every verdict would pass) nor
-                # poison it with NaN (every verdict would fail); the exact result's own infinity is no distance
+                # poison it with NaN (every verdict would fail)
                 d = np.where(np.isfinite(d), d, 0.0)
                 spread[name] = d if name not in spread else np.maximum(spread[name], d)
         return cls({n: c.astype(np.float64) for n, c in centre.items() if n in spread}, spread, unit, tuple(runs))
@@ -74,11 +73,7 @@ class Envelope:
             return None
         e = self.spread[name]
         allowed = K * ((e.max() if e.size else 0.0) + self.unit * np.abs(c))
-        with np.errstate(invalid="ignore"):  # inf - inf: told apart below
-            diff = np.abs(actual.astype(np.float64) - c)
-        # the exact value itself is 0 away, an infinity too (inf - inf is NaN), and NaN where the exact result has it
-        same = (actual == c) | (np.isnan(c) & np.isnan(actual))
-        diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
+        diff = distance(actual, c)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratios = np.where(diff == 0, 0.0, diff / allowed)
         ratios = np.nan_to_num(ratios, nan=np.inf)

@@ -49,6 +49,16 @@ def split_name(name: str) -> tuple[str, str]:
     return phase, tensor
 
 
+def distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| in float64, element by element: equal values are 0 apart, an infinity and itself too (inf - inf is NaN)
+    and NaN where both have it; NaN on one side only is as far as it gets (inf)."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(a - b)
+    diff = np.where((a == b) | (np.isnan(a) & np.isnan(b)), 0.0, diff)
+    return np.where(np.isnan(diff), np.inf, diff)
+
+
 def compare_tensor(
     name: str, actual: np.ndarray | None, reference: np.ndarray | None, tol: Tolerance,
     allowed: np.ndarray | None = None,
@@ -65,14 +75,8 @@ def compare_tensor(
             f"shape {actual.shape} (bound {None if allowed is None else allowed.shape}) differs from the "
             f"reference's {reference.shape}", oracle,
         )
-    a = actual.astype(np.float64)
     r = reference.astype(np.float64)
-    with np.errstate(invalid="ignore"):  # inf - inf: told apart below
-        diff = np.abs(a - r)
-    # equal values are 0 apart, an infinity and itself too (inf - inf is NaN, which would count as the farthest), and
-    # NaN where both have it
-    diff = np.where((a == r) | (np.isnan(a) & np.isnan(r)), 0.0, diff)
-    diff = np.where(np.isnan(diff), np.inf, diff)  # NaN on one side only is as far as it gets
+    diff = distance(actual, r)
     bound = bound_ratio = math.nan
     if allowed is None:
         close = diff <= tol.atol + tol.rtol * np.abs(np.nan_to_num(r))

@@ -34,11 +34,11 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4)
     args = parser.parse_args()
     plugins = load_plugins()
-    forked = pool.rank_start("cpu")
+    forked = pool.rank_start("cpu", gpu_in_ranks=False)
     print("| method | start | wall s | CPU s (machine) |\n|---|---|---|---|")
     for method, context in (("spawn", multiprocessing.get_context("spawn")), ("fork server", forked)):
         for number in range(1, args.groups + 1):
-            pool_start, pool.rank_start = pool.rank_start, lambda device, c=context: c
+            pool_start, pool.rank_start = pool.rank_start, lambda *_, c=context: c
             cpu, wall = _machine_cpu_s(), time.perf_counter()
             try:
                 with tempfile.TemporaryDirectory() as logs:

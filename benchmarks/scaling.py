@@ -1,16 +1,21 @@
 """How the local executor scales with --jobs on this machine: cases per minute at 1, 2, … N worker groups.
 
-    python -m benchmarks.scaling [--kind transformer] [--models 8] [--settings GLOBS] [--jobs 1,2,4,8]
+    python -m benchmarks.scaling [--kind transformer] [--models 8] [--settings GLOBS] [--jobs 1,2,4,8] [--spawned]
 
 One run folder is generated once; each --jobs value sweeps a fresh copy of it (same models, same cases) and the
 table gives, per value: wall time, cases per minute, speed-up and efficiency against --jobs 1 times the jobs, the
 groups started, and where the wall time went — the cases' own compute (the sum of every case's time in its worker)
-against the wall time times the groups, the rest being start-up, rendezvous and idle groups waiting for work.
+against the wall time times the groups, the rest being start-up, rendezvous and idle groups waiting for work — and
+the sweep process's own CPU per case (queueing, storing and judging results), which no added group shares.
+`--spawned` starts every rank as a fresh process that imports torch and the plugins itself, as GPU machines started
+CPU ranks before 2026-11-26: the rows then show what the import server saves.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import resource
 import shutil
 import tempfile
 import time
@@ -23,7 +28,7 @@ DEFAULT_SETTINGS = "reference,accumulate/mb2,ddp/default/ws2,ddp/no-sync/ws2,fsd
 def main() -> None:
     from difftest.generate import generate
     from difftest.registry import load_plugins
-    from difftest.runner.pool import rank_start
+    from difftest.runner import pool
     from difftest.runner.scheduler import machine_ranks
     from difftest.runner.sweep import SweepOptions, run_sweep
     from difftest.spec import RunConfig
@@ -34,6 +39,7 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=8)
     parser.add_argument("--settings", default=DEFAULT_SETTINGS)
     parser.add_argument("--jobs", default="", help="comma-separated; default 1, 2, 4, … up to the machine's cores")
+    parser.add_argument("--spawned", action="store_true", help="every rank a fresh process paying its own imports")
     args = parser.parse_args()
     ranks = machine_ranks()
     # ascending: the first row is the unit of the speed-up and efficiency columns
@@ -46,22 +52,25 @@ def main() -> None:
         print(f"{args.models} {args.kind} models, settings {args.settings}; this machine runs {ranks} ranks at once")
         # the ranks' import server starts once per sweep process: outside the rows, or the first would pay it alone
         # (it made --jobs 1 look 3.6 times slower than --jobs 2 on 2 cores, where 2 groups can only double the speed)
-        # (where a GPU is in reach, ranks are spawned instead: each pays its imports, in every row alike)
-        started, start = time.perf_counter(), rank_start("cpu")
-        warm = start.Process(target=time.sleep, args=(0,))
-        warm.start()
-        warm.join()
-        print(f"the ranks' import server ready in {time.perf_counter() - started:.1f} s, before the rows"
-              if start.get_start_method() == "forkserver" else "ranks are spawned (a GPU is in reach): no import server")
+        if args.spawned:
+            spawn = multiprocessing.get_context("spawn")
+            pool.rank_start = lambda *_: spawn
+            print("ranks are spawned (--spawned): each pays its imports, in every row alike")
+        else:
+            started, start = time.perf_counter(), pool.rank_start("cpu", gpu_in_ranks=False)
+            warm = start.Process(target=time.sleep, args=(0,))
+            warm.start()
+            warm.join()
+            print(f"the ranks' import server ready in {time.perf_counter() - started:.1f} s, before the rows")
         print(f"{'jobs':>4} {'cases':>6} {'wall s':>7} {'cases/min':>9} {'speed-up':>8} {'efficiency':>10} "
-              f"{'groups':>6} {'compute/(wall×jobs)':>19}  statuses", flush=True)
+              f"{'groups':>6} {'compute/(wall×jobs)':>19} {'sweep CPU ms/case':>17}  statuses", flush=True)
         first_per_min = None
         for j in jobs:
             run = work / f"jobs{j}"
             shutil.copytree(generated, run)
-            started = time.perf_counter()
+            started, own_cpu = time.perf_counter(), _own_cpu_s()
             report = run_sweep(run, SweepOptions(settings=args.settings, jobs=j))
-            wall = time.perf_counter() - started
+            wall, own_cpu = time.perf_counter() - started, _own_cpu_s() - own_cpu
             store = Store(run)
             try:
                 compute = sum(r.wall_s or 0.0 for r in store.records())
@@ -72,9 +81,16 @@ def main() -> None:
             first_per_min = first_per_min or per_min / j  # the first row's rate per job is the ideal's unit
             print(f"{j:>4} {cases:>6} {wall:>7.1f} {per_min:>9.1f} {per_min / (first_per_min * jobs[0]):>8.2f} "
                   f"{per_min / (first_per_min * j):>10.2f} {report.groups_started:>6} {compute / (wall * j):>19.2f}"
-                  f"  {dict(report.statuses)}", flush=True)
+                  f" {1000 * own_cpu / cases:>17.1f}  {dict(report.statuses)}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process, the sweep's, all its threads: what it spends per case (queueing, storing and
+    judging results) is work no added group shares, and bounds the rate however many groups run."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ class ModelBuilders:
             # the builders' own temporary folder, removed at close: they leave through os._exit, so what a library
             # leaves for deletion at exit (TensorFlow's autograph, a source file per traced export) would stay behind
             self._temp_dir = tempfile.mkdtemp(prefix="difftest-builders-")
-            self._pool = ProcessPoolExecutor(max_workers=self._processes, mp_context=rank_start("cpu"),
+            self._pool = ProcessPoolExecutor(max_workers=self._processes, mp_context=rank_start("cpu", gpu_in_ranks=False),
                                              initializer=use_temporary_folder, initargs=(self._temp_dir,))
         return self._pool
 

@@ -145,6 +145,14 @@ class Setting(abc.ABC):
         """
         return ""
 
+    @property
+    def computes_on_gpu(self) -> bool:
+        """True for a setting whose ranks put tensors on a GPU whatever the sweep's device (CPU versus GPU): its
+        ranks start as fresh processes where a GPU is in reach, never forked from the import server (a process forked
+        from one that touched CUDA cannot use it). It names a process affinity of its own, so its cases never share
+        a bucket with settings whose ranks are forked."""
+        return False
+
     def judges(self, tensor_name: str) -> bool:
         """Whether a recorded tensor of the reference is expected from this setting too (default: all)."""
         return True
@@ -200,6 +208,10 @@ class Repeat(Setting):
     @property
     def process_affinity(self) -> str:
         return self.base.process_affinity
+
+    @property
+    def computes_on_gpu(self) -> bool:
+        return self.base.computes_on_gpu
 
     @property
     def family_label(self) -> str:

@@ -52,6 +52,15 @@ class OnCuda(Repeat):
     def precision(self) -> str:  # type: ignore[override]
         return "tf32" if self.tf32 and self.base.precision == "fp32" else self.base.precision
 
+    @property
+    def computes_on_gpu(self) -> bool:
+        return True
+
+    @property
+    def process_affinity(self) -> str:
+        # ranks of their own, spawned where the others are forked from the import server (`computes_on_gpu`)
+        return "cuda" + (f"+{self.base.process_affinity}" if self.base.process_affinity else "")
+
     def describe(self) -> str:
         return f"{self.base.name} on CUDA, TF32 {'on' if self.tf32 else 'off'}, judged against its CPU run"
 

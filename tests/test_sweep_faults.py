@@ -338,9 +338,7 @@ def test_a_rank_starts_its_processes_from_the_import_server_it_was_forked_from()
     import torch and the plugins again (3 s a rank on 2 cores), the old behaviour, which this test fails on."""
     from difftest.runner.pool import rank_start
 
-    context = rank_start("cpu")
-    if context.get_start_method() != "forkserver":
-        pytest.skip("where a GPU is in reach the ranks are spawned: no import server to share")
+    context = rank_start("cpu", gpu_in_ranks=False)
     answers = context.SimpleQueue()
     rank = context.Process(target=_start_through_import_server, args=(answers,))
     rank.start()
@@ -349,3 +347,24 @@ def test_a_rank_starts_its_processes_from_the_import_server_it_was_forked_from()
     assert rank.exitcode == 0 and exitcode == 0
     assert own_server is None  # CPython's own `ensure_running` would have started (and recorded) one
     assert child_parent == server != os.getpid()  # the rank's child is the server's, as the rank is
+
+
+def test_ranks_fork_from_the_import_server_unless_their_settings_may_use_a_gpu_in_reach(monkeypatch: Any) -> None:
+    """On a GPU machine a CPU sweep's ranks used to be spawned, each importing torch and the plugins itself (the
+    16-core machine's groups paid seconds each): only a setting that computes on the GPU needs that, and it has a
+    bucket of its own."""
+    import difftest.devices
+    from difftest.registry import get_setting, load_plugins
+    from difftest.runner.pool import forks_from_import_server
+
+    load_plugins()
+    plain, on_gpu, rerun_on_gpu = (get_setting(name) for name in ("reference", "cuda/reference",
+                                                                    "rerun/cuda/reference"))
+    assert not plain.computes_on_gpu and on_gpu.computes_on_gpu and rerun_on_gpu.computes_on_gpu
+    assert on_gpu.process_affinity != plain.process_affinity  # never one bucket, so never one group
+    assert rerun_on_gpu.process_affinity == on_gpu.process_affinity
+    for gpus in (0, 1):
+        monkeypatch.setattr(difftest.devices, "visible_gpus", lambda gpus=gpus: gpus)
+        assert forks_from_import_server("cpu", gpu_in_ranks=False)
+        assert forks_from_import_server("cpu", gpu_in_ranks=True) == (gpus == 0)
+        assert not forks_from_import_server("cuda", gpu_in_ranks=False)

@@ -88,11 +88,13 @@ class GroupRunner:
     untrustworthy. Both executors run cases through it: the local one on this machine, the Ray one inside a gang."""
 
     def __init__(self, world_size: int, log_dir: Path, plugins: tuple[str, ...], *, device: str, backend: str,
-                 timeout_s: float, recycle_after: int, group: WorkerGroup | None = None) -> None:
+                 timeout_s: float, recycle_after: int, group: WorkerGroup | None = None,
+                 gpu_in_ranks: bool = True) -> None:
         self.timeout_s = timeout_s
         self.recycle_after = recycle_after
         self.supply = _GroupSupply(lambda: WorkerGroup(world_size, log_dir, plugins, device=device, backend=backend,
-                                                       collective_timeout_s=timeout_s + HANG_MARGIN_S))
+                                                       collective_timeout_s=timeout_s + HANG_MARGIN_S,
+                                                       gpu_in_ranks=gpu_in_ranks))
         self.group = group
         self._served = 0  # cases the current group has run
         self._broken_before = False  # a group was replaced: the next one comes from the spare
@@ -166,7 +168,8 @@ class LocalExecutor:
 
             def run(key: BucketKey, case: Case) -> None:
                 if not held:
-                    held.append((key, self._runner(sweep, key)))
+                    gpu_in_ranks = any(waiting.setting.computes_on_gpu for waiting in work[key])
+                    held.append((key, self._runner(sweep, key, gpu_in_ranks)))
                 report(case, held[0][1].run(request_for(sweep, case), case.setting.process_affinity))
 
             def release() -> None:
@@ -207,12 +210,12 @@ class LocalExecutor:
         options = sweep.options
         return (*key, options.device, options.resolved_backend, sweep.plugins, options.timeout_s)
 
-    def _runner(self, sweep: SweepContext, key: BucketKey) -> GroupRunner:
+    def _runner(self, sweep: SweepContext, key: BucketKey, gpu_in_ranks: bool) -> GroupRunner:
         options = sweep.options
         warm = self.warm.take(self._warm_key(sweep, key)) if self.warm is not None else None
         return GroupRunner(key[0], sweep.run_dir / "logs", sweep.plugins, device=options.device,
                            backend=options.resolved_backend, timeout_s=options.timeout_s,
-                           recycle_after=options.recycle_after, group=warm)
+                           recycle_after=options.recycle_after, group=warm, gpu_in_ranks=gpu_in_ranks)
 
 
 def default_jobs(work: dict[BucketKey, list[Case]], capacity: int) -> int:

@@ -94,18 +94,29 @@ def _describe_exit(code: int | None, log_path: Path | None = None) -> str:
 
 
 @functools.cache  # decided once per process, not at every group start
-def rank_start(device: str) -> Any:
+def rank_start(device: str, gpu_in_ranks: bool = True) -> Any:
     """How a group's ranks start. On CPU, forked from one server per sweep process that has imported what every rank
     needs (`difftest.runner.rank_imports`): a group then starts in a tenth of a second rather than seconds of imports
     per rank (each bucket's group, a crash's replacement, each minimisation round's groups), and each rank is still a
-    process that has run nothing. Spawned where a GPU is in reach: a process forked from one that touched CUDA (an
-    import that asks for the device count can) cannot use it."""
-    from difftest.devices import visible_gpus
-
-    if device == "cpu" and visible_gpus() == 0:
+    process that has run nothing. Spawned where its ranks may use a GPU that is in reach: a process forked from one
+    that touched CUDA (an import that asks for the device count can) cannot use it. `gpu_in_ranks` False: the
+    group's settings compute on the CPU alone (`Setting.computes_on_gpu`), so a GPU machine forks them too."""
+    if forks_from_import_server(device, gpu_in_ranks):
         _FORKSERVER.set_forkserver_preload(RANK_PRELOAD)
         return _FORKSERVER
     return _SPAWN
+
+
+def forks_from_import_server(device: str, gpu_in_ranks: bool) -> bool:
+    """Whether ranks on `device` whose settings may (`gpu_in_ranks`) or may not put tensors on a GPU are forked from
+    the import server rather than spawned (`rank_start`)."""
+    if device != "cpu":
+        return False
+    if not gpu_in_ranks:
+        return True
+    from difftest.devices import visible_gpus
+
+    return visible_gpus() == 0
 
 
 def import_server() -> Any:
@@ -127,7 +138,7 @@ def import_server() -> Any:
 def start_rank_server(device: str) -> None:
     """Start the import server now, where ranks are forked from one: it imports in a process of its own (seconds on
     a small machine) while this one does other work (`difftest run` generates the models meanwhile)."""
-    if rank_start(device) is _FORKSERVER:
+    if rank_start(device, gpu_in_ranks=False) is _FORKSERVER:
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
@@ -146,6 +157,7 @@ class WorkerGroup:
         collective_timeout_s: float = 60.0,
         start_timeout_s: float = 180.0,
         local_world_size: int | None = None,
+        gpu_in_ranks: bool = True,
     ) -> None:
         self.world_size = world_size
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +168,7 @@ class WorkerGroup:
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
         self.temp_dir = tempfile.mkdtemp(prefix=f"difftest-ws{world_size}-")
-        start = rank_start(device)
+        start = rank_start(device, gpu_in_ranks)
         for rank in range(world_size):
             parent_end, child_end = start.Pipe()
             config = worker.WorkerConfig(

@@ -4,9 +4,11 @@
 
 One run folder is generated once; each --jobs value sweeps a fresh copy of it (same models, same cases) and the
 table gives, per value: wall time, cases per minute, speed-up and efficiency against --jobs 1 times the jobs, the
-groups started, and where the wall time went — the cases' own compute (the sum of every case's time in its worker)
-against the wall time times the groups, the rest being start-up, rendezvous and idle groups waiting for work — and
-the sweep process's own CPU per case (queueing, storing and judging results), which no added group shares.
+groups started, where the wall time went — the cases' own compute (the sum of every case's time in its worker)
+against the wall time times the groups, the rest being start-up, rendezvous and idle groups waiting for work —, the
+sweep process's own CPU per case (queueing, storing and judging results: work no added group shares), and when
+results came (the first, half, nine tenths and the last: before the first is the groups' start, after nine tenths the
+stragglers).
 `--spawned` starts every rank as a fresh process that imports torch and the plugins itself, as GPU machines started
 CPU ranks before 2026-11-26: the rows then show what the import server saves.
 """
@@ -63,13 +65,16 @@ def main() -> None:
             warm.join()
             print(f"the ranks' import server ready in {time.perf_counter() - started:.1f} s, before the rows")
         print(f"{'jobs':>4} {'cases':>6} {'wall s':>7} {'cases/min':>9} {'speed-up':>8} {'efficiency':>10} "
-              f"{'groups':>6} {'compute/(wall×jobs)':>19} {'sweep CPU ms/case':>17}  statuses", flush=True)
+              f"{'groups':>6} {'compute/(wall×jobs)':>19} {'sweep CPU ms/case':>17} {'results at s: first/50%/90%/last':>33}"
+              f"  statuses", flush=True)
         first_per_min = None
         for j in jobs:
             run = work / f"jobs{j}"
             shutil.copytree(generated, run)
             started, own_cpu = time.perf_counter(), _own_cpu_s()
-            report = run_sweep(run, SweepOptions(settings=args.settings, jobs=j))
+            arrivals: list[float] = []
+            report = run_sweep(run, SweepOptions(settings=args.settings, jobs=j),
+                               on_result=lambda case, record: arrivals.append(time.perf_counter() - started))
             wall, own_cpu = time.perf_counter() - started, _own_cpu_s() - own_cpu
             store = Store(run)
             try:
@@ -81,9 +86,17 @@ def main() -> None:
             first_per_min = first_per_min or per_min / j  # the first row's rate per job is the ideal's unit
             print(f"{j:>4} {cases:>6} {wall:>7.1f} {per_min:>9.1f} {per_min / (first_per_min * jobs[0]):>8.2f} "
                   f"{per_min / (first_per_min * j):>10.2f} {report.groups_started:>6} {compute / (wall * j):>19.2f}"
-                  f" {1000 * own_cpu / cases:>17.1f}  {dict(report.statuses)}", flush=True)
+                  f" {1000 * own_cpu / cases:>17.1f} {_timeline(arrivals):>33}  {dict(report.statuses)}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _timeline(arrivals: list[float]) -> str:
+    """When the first result, half, nine tenths and the last came, in seconds from the sweep's start."""
+    if not arrivals:
+        return "-"
+    ordered = sorted(arrivals)
+    return "/".join(f"{ordered[round(q * (len(ordered) - 1))]:.1f}" for q in (0, 0.5, 0.9, 1))
 
 
 def _own_cpu_s() -> float:

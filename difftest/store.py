@@ -73,7 +73,11 @@ class Store:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(run_dir / "store.sqlite", check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        # NORMAL: a commit is in the write-ahead log the moment it returns, so a killed sweep (kill -9 included)
+        # loses nothing; only the operating system's crash can roll back the last commits, and a rerun runs those
+        # cases again (their outputs were synced before their rows: never a row without its file). FULL synced the
+        # log at every commit, under the lock every worker group's results pass through: 1.2 ms a case here.
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
 
     def close(self) -> None:

@@ -223,6 +223,22 @@ def test_what_ranks_leave_in_the_temporary_folder_goes_with_their_group_closed_o
         assert not left.exists() and not Path(group.temp_dir).exists(), ending
 
 
+def test_a_cases_gloo_connections_are_on_the_loopback(fresh_run: Path) -> None:
+    """Ranks meet at 127.0.0.1, but gloo binds its connections to the address the host name resolves to: a network
+    interface where /etc/hosts does not name the host (after a DNS lookup). The ranks name the loopback for it."""
+    from difftest.registry import load_plugins
+
+    group = WorkerGroup(2, fresh_run / "logs", load_plugins((PLANTED,)))
+    try:
+        probe = group.run_case(_request(_model_dirs(fresh_run)[0], "probes/gloo_addresses"), 120)
+    finally:
+        group.close()
+    assert probe.status == "ok", probe.message
+    interface, addresses = probe.outputs["addresses/utf8"].tobytes().decode().split("|")
+    assert interface == "lo"
+    assert addresses and set(addresses.split(",")) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, addresses
+
+
 def test_a_plugin_raising_connection_error_in_a_rank_is_that_ranks_error_not_its_parent_leaving(tmp_path: Path) -> None:
     """Only the pipe to the parent failing means the parent is gone (the rank leaves quietly, exit 0): any other
     ConnectionError is the rank's own failure, with its traceback in the log the start error quotes."""

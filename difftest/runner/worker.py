@@ -66,6 +66,17 @@ def _redirect_output(log_path: str) -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a gloo thread has no Python frames
 
 
+def loopback_interface() -> str | None:
+    """The loopback network interface's name (`lo` on Linux, `lo0` on macOS), if this machine has one."""
+    import socket
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
 def _device_for(config: WorkerConfig) -> str:
     from difftest.devices import rank_device, visible_gpus
 
@@ -107,6 +118,11 @@ def main(config: WorkerConfig, conn: Any) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)
     os.environ["LOCAL_RANK"] = str(config.rank % config.local_world_size)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if loopback := loopback_interface():
+        # a case's ranks share this machine and meet at 127.0.0.1; without a name gloo binds its connections to the
+        # address the host name resolves to (a network interface, where the host name is not in /etc/hosts, after a
+        # lookup in DNS): the loopback unless the user names another
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     if config.temp_dir is not None:
         use_temporary_folder(config.temp_dir)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it, set before init
@@ -169,10 +185,7 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
     _INITIAL_QENGINE = torch.backends.quantized.engine
     timeout = timedelta(seconds=config.collective_timeout_s)
     if config.rank == 0:
-        # port 0: the OS picks a free loopback port, which rank 0 reports to the parent for the others
-        store = TCPStore(
-            "127.0.0.1", 0, config.world_size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
+        store = _loopback_store(config.world_size, timeout)
         conn.send(("port", store.port))
     else:
         port = conn.recv()
@@ -233,6 +246,28 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
             conn.send(("broken", f"{type(exc).__name__}: {exc}"[:1000]))
             return
         conn.send(("ready", os.getpid()))
+
+
+def _loopback_store(world_size: int, timeout: Any) -> Any:
+    """Rank 0's store, its server listening on 127.0.0.1 alone, at a free port the OS picks (reported to the parent
+    for the other ranks). TCPStore's server listens on every interface (`::`) whatever host it is given, so it is
+    handed a socket already bound to the loopback; torch 2.6's default server (libuv) cannot take one, its legacy
+    server can."""
+    import socket
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch re-exports it without __all__
+
+    for use_libuv in (True, False):
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port, fd = listener.getsockname()[1], listener.detach()
+        try:
+            return TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                            master_listen_fd=fd, use_libuv=use_libuv)
+        except NotImplementedError:
+            os.close(fd)
+    raise RuntimeError("TCPStore took no listening socket")  # unreachable: the legacy server always takes one
 
 
 def _open_world(config: WorkerConfig, store: Any, serial: int, timeout: Any) -> None:

@@ -460,6 +460,45 @@ register_settings([LeavesTemporaryFile()])
 
 
 @dataclass(frozen=True)
+class GlooAddresses(Setting):
+    """Reports the local address of every TCP socket of rank 0 after an all-reduce, and the interface gloo was told
+    to bind to: a case's connections belong on the loopback."""
+
+    world_size: int = 2
+    family: ClassVar[str] = "probes"
+
+    @property
+    def name(self) -> str:
+        return "probes/gloo_addresses"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import os
+        import socket
+
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.ones(4), group=ctx.group)
+        addresses = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                sock = socket.socket(fileno=os.dup(int(fd)))
+            except OSError:  # not a socket
+                continue
+            with sock:
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    addresses.add(str(sock.getsockname()[0]))
+        if ctx.rank:
+            return None
+        text = f"{os.environ.get('GLOO_SOCKET_IFNAME', '')}|{','.join(sorted(addresses))}"
+        return {"addresses/utf8": np.frombuffer(text.encode(), dtype=np.uint8)}
+
+
+register_settings([GlooAddresses()])
+
+
+@dataclass(frozen=True)
 class LaterKernelScaled(Setting):
     """The reference with the weights of one layer before the logits 1 % too large (`scaled_layer`): every layer
     before it is exact, so the first divergence must name that layer's activation."""

@@ -66,6 +66,19 @@ def _redirect_output(log_path: str) -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a gloo thread has no Python frames
 
 
+# from this torch release on, a case's ranks keep to the loopback (gloo's interface, the store's server): measured on
+# 2.11 and 2.14; on 2.6 a sweep with gloo on the loopback interface hung in `init_process_group` (a pipeline case of
+# the oldest release's test, twice) and the legacy store server, the one that takes a bound socket there, hung in
+# `destroy_process_group` after a failed case: those releases bind as torch does by default
+LOOPBACK_SINCE = (2, 11)
+
+
+def _torch_release() -> tuple[int, ...]:
+    import torch
+
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
 def loopback_interface() -> str | None:
     """The loopback network interface's name (`lo` on Linux, `lo0` on macOS), if this machine has one."""
     import socket
@@ -118,7 +131,7 @@ def main(config: WorkerConfig, conn: Any) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)
     os.environ["LOCAL_RANK"] = str(config.rank % config.local_world_size)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if loopback := loopback_interface():
+    if (loopback := loopback_interface()) and _torch_release() >= LOOPBACK_SINCE:
         # a case's ranks share this machine and meet at 127.0.0.1; without a name gloo binds its connections to the
         # address the host name resolves to (a network interface, where the host name is not in /etc/hosts, after a
         # lookup in DNS): the loopback unless the user names another
@@ -249,25 +262,21 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
 
 
 def _loopback_store(world_size: int, timeout: Any) -> Any:
-    """Rank 0's store, its server listening on 127.0.0.1 alone, at a free port the OS picks (reported to the parent
-    for the other ranks). TCPStore's server listens on every interface (`::`) whatever host it is given, so it is
-    handed a socket already bound to the loopback; torch 2.6's default server (libuv) cannot take one, its legacy
-    server can."""
+    """Rank 0's store, at a free port the OS picks (reported to the parent for the other ranks). TCPStore's server
+    listens on every interface (`::`) whatever host it is given, so it is handed a socket already bound to 127.0.0.1
+    (`LOOPBACK_SINCE`: torch 2.6's default server, libuv's, cannot take one, and says so in an error line of the
+    rank's log, which a crash record would quote)."""
     import socket
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch re-exports it without __all__
 
-    for use_libuv in (True, False):
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port, fd = listener.getsockname()[1], listener.detach()
-        try:
-            return TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                            master_listen_fd=fd, use_libuv=use_libuv)
-        except NotImplementedError:
-            os.close(fd)
-    raise RuntimeError("TCPStore took no listening socket")  # unreachable: the legacy server always takes one
+    if _torch_release() < LOOPBACK_SINCE:
+        return TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    return TCPStore("127.0.0.1", listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                    wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 def _open_world(config: WorkerConfig, store: Any, serial: int, timeout: Any) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import tempfile
 import traceback
@@ -52,6 +53,8 @@ def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarra
 
     local = CASE.get("local_world_size", world_size)  # ranks per (simulated) host, as torchrun would say
     os.environ.update(LOCAL_WORLD_SIZE=str(local), LOCAL_RANK=str(rank % local))
+    if "lo" in dict(socket.if_nameindex()).values():  # gloo binds to the host name's address unless told otherwise
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share this machine: they talk over its loopback
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
     try:
         if (outputs := on_rank(rank, world_size, data, CASE)) is not None:

@@ -66,11 +66,18 @@ def _redirect_output(log_path: str) -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a gloo thread has no Python frames
 
 
-# from this torch release on, a case's ranks keep to the loopback (gloo's interface, the store's server): measured on
-# 2.11 and 2.14; on 2.6 a sweep with gloo on the loopback interface hung in `init_process_group` (a pipeline case of
-# the oldest release's test, twice) and the legacy store server, the one that takes a bound socket there, hung in
-# `destroy_process_group` after a failed case: those releases bind as torch does by default
-LOOPBACK_SINCE = (2, 11)
+# the first torch release whose store server (libuv's, the default) takes a socket bound to the loopback: 2.6's raises
+# NotImplementedError and logs an error line to the rank's log, which a crash record quotes (measured: 2.6 no; 2.11,
+# 2.12, 2.13, 2.14 yes). The legacy server would take one, but is a server difftest runs nowhere else.
+LOOPBACK_STORE_SINCE = (2, 11)
+
+
+# Before this torch release, destroying a gloo group joins its threads while holding the GIL, and a thread still
+# freeing a finished work's tensors (an AsyncGatherWork) waits for the GIL: both wait for ever (seen on torch 2.6 in 3
+# of 4 runs of the oldest release's test, each costing the group and its 60 s wait for ready; fixed by pytorch PR
+# #154976, "Release GIL in PG destructor"). The threads have finished the case's work when its result is sent, so a
+# moment without the GIL lets them free it.
+GIL_FREE_GLOO_DESTRUCTOR_SINCE = (2, 8)
 
 
 def _torch_release() -> tuple[int, ...]:
@@ -131,7 +138,7 @@ def main(config: WorkerConfig, conn: Any) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)
     os.environ["LOCAL_RANK"] = str(config.rank % config.local_world_size)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if (loopback := loopback_interface()) and _torch_release() >= LOOPBACK_SINCE:
+    if loopback := loopback_interface():
         # a case's ranks share this machine and meet at 127.0.0.1; without a name gloo binds its connections to the
         # address the host name resolves to (a network interface, where the host name is not in /etc/hosts, after a
         # lookup in DNS): the loopback unless the user names another
@@ -264,13 +271,12 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
 def _loopback_store(world_size: int, timeout: Any) -> Any:
     """Rank 0's store, at a free port the OS picks (reported to the parent for the other ranks). TCPStore's server
     listens on every interface (`::`) whatever host it is given, so it is handed a socket already bound to 127.0.0.1
-    (`LOOPBACK_SINCE`: torch 2.6's default server, libuv's, cannot take one, and says so in an error line of the
-    rank's log, which a crash record would quote)."""
+    where the release can take one (`LOOPBACK_STORE_SINCE`); before, it listens as torch has it."""
     import socket
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch re-exports it without __all__
 
-    if _torch_release() < LOOPBACK_SINCE:
+    if _torch_release() < LOOPBACK_STORE_SINCE:
         return TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
@@ -322,6 +328,8 @@ def _close_world(failed: bool, store_port: int) -> None:
             dist.distributed_c10d._abort_process_group()
         _shut_down_sockets(_open_sockets() - _SOCKETS_BEFORE_WORLD, store_port)
     if dist.is_initialized():
+        if _torch_release() < GIL_FREE_GLOO_DESTRUCTOR_SINCE:
+            time.sleep(0.01)  # the GIL to gloo's threads, which may still be freeing the case's last work
         dist.destroy_process_group()
     reset_world_state()
     gc.collect()  # what is not frozen: the cached model, the case's garbage, the imports since the last freeze

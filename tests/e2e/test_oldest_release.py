@@ -51,7 +51,9 @@ def test_the_oldest_release_runs_or_says_which_release_it_needs(tmp_path: Path) 
     # on the older releases that found no pair until the probe held the nodes (TP was unsupported on every DLRM)
     dlrm = tmp_path / "dlrm"
     _difftest(python, "generate", "--out", str(dlrm), "--kind", "dlrm", "--models", "2")  # the second is frozen
-    _difftest(python, "sweep", str(dlrm), "--settings", "tp/colwise-rowwise/ws2")
+    # not minimised: the script of the finding as the sweep found it shows the bug as well (minimising took 80 of the
+    # sweep's 120 s here)
+    _difftest(python, "sweep", str(dlrm), "--settings", "tp/colwise-rowwise/ws2", "--minimize-budget", "0")
     cases = pd.read_csv(dlrm / "comparisons.csv", keep_default_na=False)
     tp = cases[(cases.setting == "tp/colwise-rowwise/ws2") & (cases.model == "dlrm-s0-i0")]
     assert len(tp) and set(tp.status) == {"ok"}, tp[["status", "message"]].drop_duplicates().to_dict("records")

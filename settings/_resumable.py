@@ -342,6 +342,7 @@ def main(request_path: str, rank: int) -> None:
 
     from difftest.artifacts import load_model
     from difftest.registry import load_plugins
+    from difftest.runner.worker import destroy_process_group
 
     request = json.loads(Path(request_path).read_text())
     placement = Placement(**request["placement"])
@@ -374,7 +375,7 @@ def main(request_path: str, rank: int) -> None:
         # interpreter finalization aborting this way. Free what DDP/FSDP hold (cycles included) while Python lives.
         model = inputs = outputs = None
         gc.collect()
-        dist.destroy_process_group()
+        destroy_process_group()  # torch < 2.8 could deadlock in gloo's destructor: difftest.runner.worker
 
 
 if __name__ == "__main__":

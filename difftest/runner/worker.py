@@ -80,6 +80,15 @@ LOOPBACK_STORE_SINCE = (2, 11)
 GIL_FREE_GLOO_DESTRUCTOR_SINCE = (2, 8)
 
 
+def destroy_process_group() -> None:
+    """`torch.distributed.destroy_process_group`, after a moment without the GIL on the releases that need it (above)."""
+    import torch.distributed as dist
+
+    if _torch_release() < GIL_FREE_GLOO_DESTRUCTOR_SINCE:
+        time.sleep(0.01)  # the GIL to gloo's threads, which may still be freeing the last work
+    dist.destroy_process_group()
+
+
 def _torch_release() -> tuple[int, ...]:
     import torch
 
@@ -328,9 +337,7 @@ def _close_world(failed: bool, store_port: int) -> None:
             dist.distributed_c10d._abort_process_group()
         _shut_down_sockets(_open_sockets() - _SOCKETS_BEFORE_WORLD, store_port)
     if dist.is_initialized():
-        if _torch_release() < GIL_FREE_GLOO_DESTRUCTOR_SINCE:
-            time.sleep(0.01)  # the GIL to gloo's threads, which may still be freeing the case's last work
-        dist.destroy_process_group()
+        destroy_process_group()
     reset_world_state()
     gc.collect()  # what is not frozen: the cached model, the case's garbage, the imports since the last freeze
 

@@ -53,8 +53,10 @@ def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarra
 
     local = CASE.get("local_world_size", world_size)  # ranks per (simulated) host, as torchrun would say
     os.environ.update(LOCAL_WORLD_SIZE=str(local), LOCAL_RANK=str(rank % local))
-    if "lo" in dict(socket.if_nameindex()).values():  # gloo binds to the host name's address unless told otherwise
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share this machine: they talk over its loopback
+    try:  # gloo binds to the host name's address unless told otherwise: the ranks share this machine's loopback
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", next(n for _, n in socket.if_nameindex() if n in ("lo", "lo0")))
+    except (AttributeError, OSError, StopIteration):  # no interface list, or no loopback: gloo's own choice
+        pass
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
     try:
         if (outputs := on_rank(rank, world_size, data, CASE)) is not None:

@@ -75,8 +75,8 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL: a commit is in the write-ahead log the moment it returns, so a killed sweep (kill -9 included)
         # loses nothing; only the operating system's crash can roll back the last commits, and a rerun runs those
-        # cases again (their outputs were synced before their rows: never a row without its file). FULL synced the
-        # log at every commit, under the lock every worker group's results pass through: 1.2 ms a case here.
+        # cases again. FULL synced the log at every commit, under the lock every worker group's results pass
+        # through: 1.2 ms a case here.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
 

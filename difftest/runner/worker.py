@@ -290,8 +290,13 @@ def _loopback_store(world_size: int, timeout: Any) -> Any:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
-    return TCPStore("127.0.0.1", listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
-                    wait_for_workers=False, master_listen_fd=listener.detach())
+    port, fd = listener.getsockname()[1], listener.detach()
+    try:
+        return TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                        master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _open_world(config: WorkerConfig, store: Any, serial: int, timeout: Any) -> None:

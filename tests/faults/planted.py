@@ -483,8 +483,10 @@ class GlooAddresses(Setting):
         addresses = set()
         for fd in os.listdir("/proc/self/fd"):
             try:
+                if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                    continue
                 sock = socket.socket(fileno=os.dup(int(fd)))
-            except OSError:  # not a socket
+            except OSError:  # closed meanwhile
                 continue
             with sock:
                 if sock.family in (socket.AF_INET, socket.AF_INET6):

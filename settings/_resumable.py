@@ -319,7 +319,7 @@ def _launched(module: str, request_path: str, rank: int, log_path: str) -> None:
     import os
     import sys
 
-    from difftest.runner.worker import loopback_interface, use_temporary_folder
+    from difftest.runner.worker import gloo_on_loopback, use_temporary_folder
 
     use_temporary_folder(os.path.dirname(request_path))  # the case's folder, removed after it
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -330,8 +330,7 @@ def _launched(module: str, request_path: str, rank: int, log_path: str) -> None:
     # a phase killed by a signal writes the frames it died in, and the case's message quotes them
     faulthandler.enable(file=sys.stderr, all_threads=True)
     os.environ["OMP_NUM_THREADS"] = "1"
-    if loopback := loopback_interface():  # as a sweep's rank sets it: this process has the import server's environment
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    gloo_on_loopback()
     importlib.import_module(module).main(request_path, rank)
 
 

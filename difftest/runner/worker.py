@@ -7,6 +7,7 @@ parent sends until told to stop (or until its pipe closes, e.g. when the parent 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import shutil
 import sys
@@ -89,21 +90,27 @@ def destroy_process_group() -> None:
     dist.destroy_process_group()
 
 
+@functools.cache  # asked at every case's end: parsed once per process
 def _torch_release() -> tuple[int, ...]:
     import torch
 
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def loopback_interface() -> str | None:
-    """The loopback network interface's name (`lo` on Linux, `lo0` on macOS), if this machine has one."""
+def gloo_on_loopback() -> None:
+    """Name the loopback interface (`lo` on Linux, `lo0` on macOS) for gloo, unless the user named one: a case's
+    ranks share this machine and meet at 127.0.0.1, but without a name gloo binds its connections to the address the
+    host name resolves to (a network interface, where the host name is not in /etc/hosts, after a lookup in DNS).
+    Every process that joins a case's group calls it: a sweep's rank, a resume's phase (which has the import server's
+    environment, not the rank's)."""
     import socket
 
     try:
         names = [name for _, name in socket.if_nameindex()]
     except (AttributeError, OSError):
-        return None
-    return next((name for name in ("lo", "lo0") if name in names), None)
+        return
+    if loopback := next((name for name in ("lo", "lo0") if name in names), None):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
 
 
 def _device_for(config: WorkerConfig) -> str:
@@ -147,11 +154,7 @@ def main(config: WorkerConfig, conn: Any) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)
     os.environ["LOCAL_RANK"] = str(config.rank % config.local_world_size)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if loopback := loopback_interface():
-        # a case's ranks share this machine and meet at 127.0.0.1; without a name gloo binds its connections to the
-        # address the host name resolves to (a network interface, where the host name is not in /etc/hosts, after a
-        # lookup in DNS): the loopback unless the user names another
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    gloo_on_loopback()
     if config.temp_dir is not None:
         use_temporary_folder(config.temp_dir)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it, set before init

@@ -31,7 +31,7 @@ def main() -> None:
     from difftest.generate import generate
     from difftest.registry import load_plugins
     from difftest.runner import pool
-    from difftest.runner.scheduler import machine_ranks
+    from difftest.runner.scheduler import machine_ranks, ranks_at_once
     from difftest.runner.sweep import SweepOptions, run_sweep
     from difftest.spec import RunConfig
     from difftest.store import Store
@@ -51,7 +51,8 @@ def main() -> None:
     try:
         generated = work / "generated"
         generate(generated, RunConfig(seed=0, models=args.models, kinds=(args.kind,)))
-        print(f"{args.models} {args.kind} models, settings {args.settings}; this machine runs {ranks} ranks at once")
+        print(f"{args.models} {args.kind} models, settings {args.settings}; this machine has {ranks} cores and runs "
+              f"{ranks_at_once()} ranks at once")
         # the ranks' import server starts once per sweep process: outside the rows, or the first would pay it alone
         # (it made --jobs 1 look 3.6 times slower than --jobs 2 on 2 cores, where 2 groups can only double the speed)
         if args.spawned:

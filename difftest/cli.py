@@ -169,11 +169,12 @@ def _check_devices(device: str, backend: str | None, executor: object = None) ->
 
 
 def _check_jobs(jobs: int | None, executor: object = None) -> None:
-    from difftest.runner.scheduler import machine_ranks
+    from difftest.runner.scheduler import RANKS_BEYOND_CORES, ranks_at_once
 
-    if jobs is not None and getattr(executor, "kind", "local") == "local" and jobs > (ranks := machine_ranks()):
-        raise UserError(f"--jobs {jobs}: this machine runs {ranks} ranks at once (one per core), so at most {ranks} "
-                        "worker groups; leave --jobs out to use them all")
+    if jobs is not None and getattr(executor, "kind", "local") == "local" and jobs > (ranks := ranks_at_once()):
+        raise UserError(f"--jobs {jobs}: this machine runs {ranks} ranks at once (one per core, {RANKS_BEYOND_CORES} "
+                        f"more for the time ranks wait on their peers), so at most {ranks} worker groups; leave --jobs "
+                        "out to use them all")
 
 
 def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int | None, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: str | None = None, executor: ExecutorConfig | None = None, backend: str | None = None, judging: PipelineOptions | None = None) -> None:

@@ -308,7 +308,7 @@ def test_unreadable_tensor_file_is_a_user_error(tmp_path: Path) -> None:
         (["run", "--out", "{tmp}", "--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["run", "--out", "{tmp}", "--backend", "mpi"], "use gloo or nccl"),
         (["run", "--out", "{tmp}", "--device", "cuda"], "sees no CUDA device"),
-        (["run", "--out", "{tmp}", "--jobs", "4096"], "ranks at once (one per core)"),
+        (["run", "--out", "{tmp}", "--jobs", "4096"], "ranks at once (one per core, 1 more"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], needle: str) -> None:

@@ -1,5 +1,5 @@
-"""The local executor: warm worker groups on this machine, as many at once as its cores hold ranks, fed by one queue
-of cases (`difftest.runner.scheduler`)."""
+"""The local executor: warm worker groups on this machine, as many at once as it runs ranks (`ranks_at_once`: one per
+core and one more), fed by one queue of cases (`difftest.runner.scheduler`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from difftest.runner.executor import BucketKey, ExecutorReport, SweepContext
 from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
-from difftest.runner.scheduler import WorkQueue, machine_ranks
+from difftest.runner.scheduler import WorkQueue, ranks_at_once
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -149,7 +149,7 @@ def request_for(sweep: SweepContext, case: Case) -> CaseRequest:
 
 
 class LocalExecutor:
-    """`jobs` worker groups at once (default: as many as the machine's cores hold ranks), each running the cases of
+    """`jobs` worker groups at once (default: as many as `ranks_at_once` holds ranks), each running the cases of
     its bucket and then taking over the bucket with the most work left (`difftest.runner.scheduler`)."""
 
     def __init__(self, warm: WarmGroups | None = None) -> None:
@@ -157,7 +157,7 @@ class LocalExecutor:
 
     def run(self, sweep: SweepContext, work: dict[BucketKey, list[Case]],
             report: Callable[[Case, CaseResult], None]) -> ExecutorReport:
-        capacity = machine_ranks()
+        capacity = ranks_at_once()
         queue: WorkQueue[BucketKey, Case] = WorkQueue(work.items(), capacity, model_of=lambda case: case.model_id)
         lock = threading.Lock()
         started = [0]
@@ -219,8 +219,8 @@ class LocalExecutor:
 
 
 def default_jobs(work: dict[BucketKey, list[Case]], capacity: int) -> int:
-    """As many groups as the machine's cores hold ranks of the smallest world waiting (the queue keeps the ranks
-    running at once within the cores), and no more than there are cases."""
+    """As many groups as `capacity` (ranks at once) holds ranks of the smallest world waiting (the queue keeps the
+    ranks running at once within it), and no more than there are cases."""
     waiting = [key[0] for key, cases in work.items() if cases]
     if not waiting:
         return 1

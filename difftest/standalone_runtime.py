@@ -43,7 +43,16 @@ on_rank: Callable[[int, int, dict[str, np.ndarray], dict[str, Any]], dict[str, n
 
 # copied in this order, less those the script never calls: a failure's script starts at `main_failing`, a
 # disagreement's at `main`, a nondeterminism's at `main_twice`
-RUNTIME_FUNCTIONS = ("rank_main", "run_distributed", "judge", "load_data", "main_failing", "main", "main_twice")
+RUNTIME_FUNCTIONS = ("gloo_on_loopback", "rank_main", "run_distributed", "judge", "load_data", "main_failing", "main",
+                     "main_twice")
+
+
+def gloo_on_loopback() -> None:
+    """Gloo binds to the host name's address unless told otherwise: ranks on one machine meet on its loopback."""
+    try:  # the user's own choice stays (difftest's ranks and resume phases call this too)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", next(n for _, n in socket.if_nameindex() if n in ("lo", "lo0")))
+    except (AttributeError, OSError, StopIteration):  # no interface list, or no loopback: gloo's own choice
+        pass
 
 
 def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarray], result: str) -> None:
@@ -53,10 +62,7 @@ def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarra
 
     local = CASE.get("local_world_size", world_size)  # ranks per (simulated) host, as torchrun would say
     os.environ.update(LOCAL_WORLD_SIZE=str(local), LOCAL_RANK=str(rank % local))
-    try:  # gloo binds to the host name's address unless told otherwise: the ranks share this machine's loopback
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", next(n for _, n in socket.if_nameindex() if n in ("lo", "lo0")))
-    except (AttributeError, OSError, StopIteration):  # no interface list, or no loopback: gloo's own choice
-        pass
+    gloo_on_loopback()
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
     try:
         if (outputs := on_rank(rank, world_size, data, CASE)) is not None:

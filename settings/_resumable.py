@@ -319,7 +319,8 @@ def _launched(module: str, request_path: str, rank: int, log_path: str) -> None:
     import os
     import sys
 
-    from difftest.runner.worker import gloo_on_loopback, use_temporary_folder
+    from difftest.runner.worker import use_temporary_folder
+    from difftest.standalone_runtime import gloo_on_loopback
 
     use_temporary_folder(os.path.dirname(request_path))  # the case's folder, removed after it
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

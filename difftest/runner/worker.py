@@ -99,22 +99,6 @@ def _torch_release() -> tuple[int, ...]:
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def gloo_on_loopback() -> None:
-    """Name the loopback interface (`lo` on Linux, `lo0` on macOS) for gloo, unless the user named one: a case's
-    ranks share this machine and meet at 127.0.0.1, but without a name gloo binds its connections to the address the
-    host name resolves to (a network interface, where the host name is not in /etc/hosts, after a lookup in DNS).
-    Every process that joins a case's group calls it: a sweep's rank, a resume's phase (which has the import server's
-    environment, not the rank's)."""
-    import socket
-
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (AttributeError, OSError):
-        return
-    if loopback := next((name for name in ("lo", "lo0") if name in names), None):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-
-
 def _device_for(config: WorkerConfig) -> str:
     from difftest.devices import rank_device, visible_gpus
 
@@ -151,6 +135,8 @@ def main(config: WorkerConfig, conn: Any) -> None:
     # daemonic so the parent's exit takes the ranks along; but a setting may start processes of its own (a resume's
     # new process group) and multiprocessing refuses children to a daemon: this process waits for its children itself
     import multiprocessing
+
+    from difftest.standalone_runtime import gloo_on_loopback  # the scripts' ranks call the same
 
     multiprocessing.current_process().daemon = False
     os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)

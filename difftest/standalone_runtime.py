@@ -14,6 +14,7 @@ the setting failing that way rather than by its tensors.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -49,10 +50,9 @@ RUNTIME_FUNCTIONS = ("gloo_on_loopback", "rank_main", "run_distributed", "judge"
 
 def gloo_on_loopback() -> None:
     """Gloo binds to the host name's address unless told otherwise: ranks on one machine meet on its loopback."""
-    try:  # the user's own choice stays (difftest's ranks and resume phases call this too)
+    # the user's own choice stays; without an interface list or a loopback in it, gloo's own choice
+    with contextlib.suppress(AttributeError, OSError, StopIteration):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", next(n for _, n in socket.if_nameindex() if n in ("lo", "lo0")))
-    except (AttributeError, OSError, StopIteration):  # no interface list, or no loopback: gloo's own choice
-        pass
 
 
 def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarray], result: str) -> None:
@@ -87,10 +87,8 @@ def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     import torch.multiprocessing as mp
 
     for name in RANK_IMPORTS:  # imported once here, not once per rank (TorchRec: seconds each on a small machine)
-        try:
+        with contextlib.suppress(ImportError):  # a release without it: the code that imports it says what it does then
             importlib.import_module(name)
-        except ImportError:  # a release without it: the code that imports it says what it does then
-            pass
 
     with tempfile.TemporaryDirectory() as folder:
         result, tempfile.tempdir = str(Path(folder) / "rank0.npz"), folder  # torch leaves failed ranks' files there
@@ -126,10 +124,8 @@ def load_data() -> dict[str, np.ndarray]:
     """The case's tensors (the .npz beside the script), once the installed release of every library involved is shown."""
     found = [f"python {sys.version.split()[0]}"]
     for name in LIBRARIES:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):  # fbgemm-gpu is one of fbgemm-gpu and fbgemm-gpu-cpu
             found.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:  # fbgemm-gpu is one of fbgemm-gpu and fbgemm-gpu-cpu
-            pass
     print(", ".join(found))
     return dict(np.load(Path(__file__).resolve().with_suffix(".npz")))
 

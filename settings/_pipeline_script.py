@@ -34,7 +34,8 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
     """The reference (`accumulate`): each step accumulates the gradients of every pipeline's micro-batches."""
     layout = case["setting"]
     module, count = build_model(data, case, dtype), layout["microbatches"] * layout.get("data_parallel", 1)
-    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=case["lr"])
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=case["lr"],
+                                momentum=layout.get("momentum", 0.0))
     size = case["batch"] // count
     for _ in range(case["steps"]):
         optimizer.zero_grad()
@@ -45,28 +46,30 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
 
 
 def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """The setting: the chain's stages on their ranks under the schedule (a hybrid: `data_parallel` such pipelines,
-    each on its share of the batches), evaluated, trained, evaluated again; rank 0 gathers every stage's parameters."""
-    import torch.distributed as dist
-
+    """The setting: this rank's stages (of one of `data_parallel` pipelines) evaluated, trained, evaluated again."""
     layout, fed = case["setting"], {"split": "train"}
     dp = layout.get("data_parallel", 1)
     replica, pp_rank = divmod(rank, pp := world_size // dp)
-    module = build_model(data, case, torch.float32)
-    bounds = [*layout["starts"], len(units := model_chain(module, data, fed, torch.float32))]
-    every = [ChainStage(units[a:b]) for a, b in zip(bounds, bounds[1:])]
-    modules = {s: every[s] for s in stages_of(pp_rank, pp, layout)}
     share = case["batch"] // dp
-    examples = stage_examples(every, share // layout["microbatches"], replica * share)
-    groups, wrapped = {"pp": dist.group.WORLD}, modules
-    if dp > 1:  # a hybrid (only its script defines these): the (dp, pp) mesh, DDP or FSDP2 over each stage's replicas
-        groups = pipeline_groups("cpu", dp, pp)
-        wrapped = {s: wrap_stage(m, layout["inner"], groups, "cpu") for s, m in modules.items()}
-    schedule = pipeline_schedule(wrapped, layout, groups["pp"], "cpu", examples, prediction_loss)
-    trainable = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=case["lr"]) if trainable else None
+    groups = pipeline_groups("cpu", dp, pp) if dp > 1 else {"pp": torch.distributed.group.WORLD}
 
-    def run(split: str) -> None:  # the schedule on this replica's share of a batch: evaluating it, or a step
+    def place(starts: list[int]) -> tuple[Any, dict[int, Any], dict[int, Any], Any, Any]:  # the model cut at `starts`
+        module, fed["split"] = build_model(data, case, torch.float32), "train"
+        bounds = [*starts, len(units := model_chain(module, data, fed, torch.float32))]
+        every = [ChainStage(units[a:b]) for a, b in zip(bounds, bounds[1:])]
+        modules = {s: every[s] for s in stages_of(pp_rank, pp, layout)}
+        examples = stage_examples(every, share // layout["microbatches"], replica * share)
+        wrapped = {s: wrap_stage(m, layout["inner"], groups, "cpu") for s, m in modules.items()} if dp > 1 else modules
+        schedule = pipeline_schedule(wrapped, layout, groups["pp"], "cpu", examples, prediction_loss)
+        trainable = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
+        return module, modules, wrapped, schedule, torch.optim.SGD(
+            trainable, lr=case["lr"], momentum=layout.get("momentum", 0.0)) if trainable else None
+
+    def held() -> dict[str, Any]:  # this rank's parameters, by the names the whole model gives them
+        mine = {p.untyped_storage().data_ptr() for m in modules.values() for p in m.parameters()}
+        return {n: t for n, t in model_parameters(module).items() if t.untyped_storage().data_ptr() in mine}
+
+    def run(split: str) -> None:  # on this replica's share of the batch `split`: evaluating it, or a step
         size = len(data[f"{split}.labels"]) // dp
         fed["split"], positions = split, torch.arange(replica * size, (replica + 1) * size)
         target = torch.from_numpy(data[f"{split}.labels"][replica * size:(replica + 1) * size])
@@ -76,18 +79,41 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
         else:
             schedule.step(positions, target=target, losses=[])
 
+    module, modules, wrapped, schedule, optimizer = place(layout["starts"])
     run("eval")  # before the first step and after the last, as the setting does
-    for _ in range(case["steps"]):
-        if optimizer is not None:
-            optimizer.zero_grad()
+    for step in range(case["steps"]):
+        if step == layout.get("move_after"):  # a re-partitioning (only its script defines these): cut anew, reloaded
+            handed = gather_state(held(), optimizer, world_size)
+            module, modules, wrapped, schedule, optimizer = place(layout["moved_starts"])
+            load_state(held(), optimizer, handed)
         run("train")
-        if optimizer is not None:
+        if optimizer is not None:  # a step, and the gradients gone before the next
             optimizer.step()
+            optimizer.zero_grad()
     run("eval")
     for stage in wrapped.values():  # FSDP2 holds a shard of each parameter: the whole of it, to read
         getattr(stage, "unshard", lambda: None)()
-    held = {p.untyped_storage().data_ptr() for m in modules.values() for p in m.parameters()}
-    mine = {n: t for n, t in model_parameters(module).items() if t.untyped_storage().data_ptr() in held}
     pieces = [None] * world_size if rank == 0 else None
-    dist.gather_object(parameters_after(mine, case) if replica == 0 else {}, pieces, dst=0)
+    torch.distributed.gather_object(parameters_after(held(), case) if replica == 0 else {}, pieces, dst=0)
     return {k: v for piece in pieces for k, v in piece.items()} if pieces else None
+
+
+def gather_state(parameters: dict[str, Any], optimizer: Any, world_size: int) -> dict[str, tuple[Any, Any]]:
+    """A re-partitioning's hand-over: every rank's trainable parameters and their momentum buffers, on every rank,
+    by the names every split shares."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, {n: (p.detach().clone(), optimizer.state.get(p, {}).get("momentum_buffer"))
+                                      for n, p in parameters.items() if p.requires_grad})
+    return {n: value for piece in everyone for n, value in piece.items()}
+
+
+def load_state(parameters: dict[str, Any], optimizer: Any, handed: dict[str, tuple[Any, Any]]) -> None:
+    """The stages cut anew take every trainable parameter and momentum buffer they hold from the hand-over."""
+    with torch.no_grad():
+        for n, p in parameters.items():
+            if p.requires_grad:
+                p.copy_(handed[n][0])
+                if handed[n][1] is not None:
+                    optimizer.state[p]["momentum_buffer"] = handed[n][1].clone()

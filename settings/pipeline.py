@@ -243,38 +243,12 @@ class Pipeline(Setting):
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, Pipeline, "after_backward")
-        from difftest.standalone import Script
-        from generators.chain import ChainStage
-        from settings._pipeline_script import on_rank, single_process
-        from settings._training_script import parameters_after, trained_parameters
-
         if type(self).scale_grads is not Pipeline.scale_grads:
             raise Unsupported("a changed scale_grads has no emitter")
-        model, steps, tensors = trained_parameters(case)
-        if not model.chain:
-            raise Unsupported(f"{case.spec.kind} models have no standalone layer chain (ModelCode.chain)")
-        try:
-            chain = case.generator.chain(case.spec, case.init_state, "cpu", case.model_dir)
-        except ConversionFailed as exc:
-            raise Unsupported(f"no layer chain: {exc}") from None
-        layout, hybrid = self.layout(chain, case.seed), self.data_parallel > 1
-        replicas = f", each of {self.data_parallel} pipelines on its share of the batch" if hybrid else ""
-        return Script(
-            summary=f"{self.describe()}: the model's layer chain cut into stages (torch.distributed.pipelining), "
-                    f"evaluated once, then {steps} step(s) of plain SGD (lr {case.lr:g}) over {self.world_size} CPU "
-                    f"ranks (gloo){replicas}" + case.against("the same steps accumulating the micro-batches' "
-                                                             "gradients in one process: the parameters after them")
-                    + f". {model.summary}",
-            libraries=("torch", *model.libraries, "numpy"),
-            case={**model.case, "lr": case.lr, "steps": steps, "batch": case.inputs["train"].size,
-                  "setting": {**layout, "data_parallel": self.data_parallel, "inner": self.inner} if hybrid else layout},
-            functions=(*model.functions, *model.chain, to_numpy, parameters_after, ChainStage, PipelineSchedule,
-                       stages_of, stage_examples, pipeline_schedule,
-                       *((make_contiguous, fully_shard_for, pipeline_groups, wrap_stage) if hybrid else ()),
-                       single_process, on_rank),
-            preamble=(*model.preamble, "import inspect"),
-            tensors=tensors,
-            data={**model.data, **case.inputs["eval"].to_arrays("eval")}, world_size=self.world_size)
+        replicas = f", each of {self.data_parallel} pipelines on its share of the batch" if self.data_parallel > 1 else ""
+        hybrid = {"data_parallel": self.data_parallel, "inner": self.inner} if self.data_parallel > 1 else {}
+        return pipeline_script(case, self.describe(), lambda chain: {**self.layout(chain, case.seed), **hybrid},
+                               self.world_size, "plain SGD", replicas)
 
     # hooks for planted faults
     scale_grads: ClassVar[bool] = True
@@ -377,6 +351,43 @@ def _stage_parameters(chain: Any, modules: dict[int, Any], wrapped: dict[int, An
             for m in wrapped.values():
                 if hasattr(m, "reshard"):
                     m.reshard()
+
+
+def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_size: int, optimizer: str,
+                    placed: str = "", steps: int | None = None) -> Script:
+    """The script of a pipeline (`settings._pipeline_script`): the model's layer chain cut into stages as
+    `layout_of(chain)` says (the keys `stages_of` and `pipeline_schedule` read; a hybrid's `data_parallel` and `inner`,
+    a re-partitioning's `momentum`, `move_after` and `moved_starts`), evaluated once, then the steps under the schedule,
+    compared with one process accumulating the same micro-batches' gradients."""
+    from difftest.standalone import Script
+    from generators.chain import ChainStage
+    from settings._pipeline_script import gather_state, load_state, on_rank, single_process
+    from settings._training_script import parameters_after, trained_parameters
+
+    model, diverged_at, tensors = trained_parameters(case)
+    steps = steps or diverged_at
+    if not model.chain:
+        raise Unsupported(f"{case.spec.kind} models have no standalone layer chain (ModelCode.chain)")
+    try:
+        chain = case.generator.chain(case.spec, case.init_state, "cpu", case.model_dir)
+    except ConversionFailed as exc:
+        raise Unsupported(f"no layer chain: {exc}") from None
+    layout = layout_of(chain)
+    hybrid = layout.get("data_parallel", 1) > 1
+    return Script(
+        summary=f"{described}: the model's layer chain cut into stages (torch.distributed.pipelining), evaluated once, "
+                f"then {steps} step(s) of {optimizer} (lr {case.lr:g}) over {world_size} CPU ranks (gloo){placed}"
+                + case.against("the same steps accumulating the micro-batches' gradients in one process: the "
+                               "parameters after them") + f". {model.summary}",
+        libraries=("torch", *model.libraries, "numpy"),
+        case={**model.case, "lr": case.lr, "steps": steps, "batch": case.inputs["train"].size, "setting": layout},
+        functions=(*model.functions, *model.chain, to_numpy, parameters_after, ChainStage, PipelineSchedule,
+                   stages_of, stage_examples, pipeline_schedule,
+                   *((make_contiguous, fully_shard_for, pipeline_groups, wrap_stage) if hybrid else ()),
+                   *((gather_state, load_state) if "move_after" in layout else ()), single_process, on_rank),
+        preamble=(*model.preamble, "import inspect"),
+        tensors=tensors,
+        data={**model.data, **case.inputs["eval"].to_arrays("eval")}, world_size=world_size)
 
 
 def _pipeline_settings() -> list[Setting]:

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest.devices import POINT_TO_POINT, across
 from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting, variant_of
+from difftest.standalone import refuse_changed_hooks
 from generators.inputs import Batch
 from settings._compat import PipelineSchedule
 from settings._training import gather_to_rank0, record_training, to_numpy
-from settings.pipeline import SCHEDULES, Accumulation, balanced_split, chain_examples
+from settings.pipeline import SCHEDULES, Accumulation, balanced_split, chain_examples, pipeline_script
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
 
 TOTAL_STEPS = 4
 MOVE_AFTER = 2
@@ -136,6 +140,30 @@ class Repartition(Setting):
     def collectives(self) -> frozenset[str]:
         return across(self.world_size, POINT_TO_POINT)
 
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, Repartition, "load_moved")
+        if "InvariantViolated" in case.failure:
+            raise Unsupported("it fails difftest's own check of the move (every parameter and momentum buffer "
+                              "unchanged across it), which the script does not make")
+
+        def layout(chain: Any) -> dict[str, Any]:  # the splits and the move as `run` makes them
+            first = self.first_split(chain)
+            moved = {"move_after": MOVE_AFTER, "moved_starts": moved_split(first, len(chain.units))} if self.moved else {}
+            return {"schedule_class": SCHEDULES[self.schedule][0], "stages": self.world_size, "starts": first,
+                    "per_rank": 1, "placement": "loop", "microbatches": self.microbatches, "momentum": MOMENTUM,
+                    **moved}
+
+        moved = (f", every parameter and momentum buffer handed over after step {MOVE_AFTER} to the stages cut anew "
+                 "(one boundary moved by one layer)") if self.moved else ""
+        return pipeline_script(case, self.describe(), layout, self.world_size, f"SGD with momentum {MOMENTUM}", moved,
+                               steps=TOTAL_STEPS if case.failure else None)
+
+    def first_split(self, chain: Any) -> list[int]:
+        """P1: the balanced split of the chain, which needs a unit per stage, and one more to move."""
+        if len(chain.units) < self.world_size + (1 if self.moved else 0):
+            raise Unsupported(f"{len(chain.units)} layer units for {self.world_size} stages and a move")
+        return balanced_split(chain.parameter_counts(), self.world_size)
+
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch
         import torch.distributed as dist
@@ -144,9 +172,7 @@ class Repartition(Setting):
             chain = model.chain(ctx.device)
         except ConversionFailed as exc:
             raise Unsupported(f"no layer chain: {exc}") from None
-        if len(chain.units) < ctx.world_size + (1 if self.moved else 0):
-            raise Unsupported(f"{len(chain.units)} layer units for {ctx.world_size} stages and a move")
-        first = balanced_split(chain.parameter_counts(), ctx.world_size)
+        first = self.first_split(chain)
         current = _Stages(ctx, model, chain, inputs, self.schedule, self.microbatches, first)
         ctx.notes["stage starts"] = str(first)
         steps_done = 0

@@ -45,17 +45,17 @@ def test_a_standalone_script_reaches_its_settings_verdict_where_difftest_does_no
 
 
 def test_a_finding_whose_family_has_no_emitter_gets_no_script_and_a_reason(fresh_run: Path) -> None:
-    repartition = next(s for s in all_settings() if s.family == "repartition" and s.world_size == 2)
-    emitted = emit(fresh_run, "T9", "a repartition finding", "inconsistent", fresh_run / "models" / MODEL,
-                   repartition.name, "eval_before/prediction", {}, Tolerance())
+    pipelined = next(s for s in all_settings() if s.family == "async-pipeline" and s.world_size == 2)
+    emitted = emit(fresh_run, "T9", "an async-pipeline finding", "inconsistent", fresh_run / "models" / MODEL,
+                   pipelined.name, "eval_before/prediction", {}, Tolerance())
     folder = fresh_run / "findings" / "T9"
     assert emitted.path is None and not (folder / STANDALONE_FILE).exists()
-    assert emitted.describe() == "no standalone script: the `repartition` family has no emitter"
+    assert emitted.describe() == "no standalone script: the `async-pipeline` family has no emitter"
     assert (folder / "standalone.txt").read_text().startswith(emitted.describe())
     # its nondeterminism (a rerun of it) has none either, for the same reason: not for want of a `rerun` emitter
-    emitted = emit(fresh_run, "T9", "a repartition nondeterminism", "nondeterministic", fresh_run / "models" / MODEL,
-                   f"rerun/{repartition.name}", "eval_before/prediction", {}, Tolerance())
-    assert emitted.describe() == "no standalone script: the `repartition` family has no emitter"
+    emitted = emit(fresh_run, "T9", "an async-pipeline nondeterminism", "nondeterministic",
+                   fresh_run / "models" / MODEL, f"rerun/{pipelined.name}", "eval_before/prediction", {}, Tolerance())
+    assert emitted.describe() == "no standalone script: the `async-pipeline` family has no emitter"
     # a planted fault overrides a hook of its family's setting: a script copied from the family's module would not
     # hold the fault, so it gets none (rather than a script that says the bug is gone)
     emitted = emit(fresh_run, "T9", "a planted fault", "inconsistent", fresh_run / "models" / MODEL,
@@ -188,6 +188,39 @@ def test_a_pipeline_script_trains_or_fails_as_the_setting_does(fresh_run: Path) 
             emitted.path.write_text(text.replace(wrap, "wrapped = modules"))
             unsynchronised = check_script(emitted.path, timeout_s=120)
             assert unsynchronised.exit_code == 1 and "BUG PRESENT" in unsynchronised.output, unsynchronised.output
+
+
+REPARTITION = ("repartition/gpipe/ws2/mb2/moved", "repartition/1f1b/ws2/mb4/uninterrupted")
+
+
+def test_a_repartition_script_hands_the_state_over_as_the_setting_does(fresh_run: Path) -> None:
+    """Re-splitting a GPipe pipeline after two steps, and 1F1B never re-split, train this DLRM-like model with momentum
+    as one process does on this stack; their scripts say so too, and say BUG PRESENT once the move leaves the momentum
+    buffers behind. A failure of difftest's own check of the move gets no script."""
+    from difftest.standalone_findings import check_script
+
+    run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in REPARTITION), timeout_s=120))
+    verdicts = analyze(fresh_run).cases.set_index(["model", "setting"])["verdict"]
+    assert {str(verdicts[(MODEL, s)]) for s in REPARTITION} == {"ok"}, verdicts
+    for number, setting in enumerate(REPARTITION):
+        emitted = emit(fresh_run, f"M{number}", "a repartition finding", "inconsistent", fresh_run / "models" / MODEL,
+                       setting, "param_after_step4/over.0.weight", envelope_spread(fresh_run, MODEL, setting),
+                       Tolerance(), check_timeout_s=120)
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        text = emitted.path.read_text()
+        assert "import difftest" not in text and "from settings" not in text and text.count("\n") <= MAX_LINES
+        assert ("def gather_state(" in text) == setting.endswith("/moved") and "momentum 0.9" in text
+        assert emitted.checked.exit_code == 0 and "what rounding explains" in emitted.checked.output, \
+            emitted.checked.output[-3000:]
+    handed = '                    optimizer.state[p]["momentum_buffer"] = handed[n][1].clone()\n'
+    moved = fresh_run / "findings" / "M0" / STANDALONE_FILE
+    assert text.count(handed) == 0 and moved.read_text().count(handed) == 1
+    moved.write_text(moved.read_text().replace(handed, "                    pass\n"))
+    forgetful = check_script(moved, timeout_s=120)
+    assert forgetful.exit_code == 1 and "BUG PRESENT" in forgetful.output, forgetful.output[-3000:]
+    emitted = emit(fresh_run, "M9", "a failed move", "error", fresh_run / "models" / MODEL, REPARTITION[0], "", {},
+                   Tolerance(), message="InvariantViolated: moving [0, 1] -> [0, 2]: lost ['param/1.over.0.weight']")
+    assert emitted.path is None and "own check of the move" in emitted.why_not, emitted.why_not
 
 
 def test_a_findings_report_quotes_the_lines_its_script_printed_itself_not_its_libraries() -> None:

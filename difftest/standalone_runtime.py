@@ -7,7 +7,9 @@ library, numpy and torch: a script must run where difftest is not installed. A s
 constants `CASE`, `WORLD_SIZE`, `LIBRARIES`, and either `TENSORS`, `SPREAD`, `K`, `ATOL`, `RTOL` (a disagreement),
 `TENSORS` alone (a nondeterminism: the setting run twice, compared with itself) or `FAILURE`: for a finding that is a
 failure (an exception, a rank killed by a signal), a regex of how the setting fails, and the script shows the bug by
-the setting failing that way rather than by its tensors.
+the setting failing that way rather than by its tensors. A setting that runs in several groups of processes one after
+another (a resume's phases) defines its own `run_distributed(data)`, which replaces this one and starts each group with
+`start_ranks`.
 """
 
 # ruff: noqa: F821 -- pyflakes does not count a bare annotation as a definition; the script gives each a value
@@ -44,8 +46,8 @@ on_rank: Callable[[int, int, dict[str, np.ndarray], dict[str, Any]], dict[str, n
 
 # copied in this order, less those the script never calls: a failure's script starts at `main_failing`, a
 # disagreement's at `main`, a nondeterminism's at `main_twice`
-RUNTIME_FUNCTIONS = ("gloo_on_loopback", "rank_main", "run_distributed", "judge", "load_data", "main_failing", "main",
-                     "main_twice")
+RUNTIME_FUNCTIONS = ("gloo_on_loopback", "rank_main", "run_distributed", "start_ranks", "judge", "load_data",
+                     "main_failing", "main", "main_twice")
 
 
 def gloo_on_loopback() -> None:
@@ -55,17 +57,17 @@ def gloo_on_loopback() -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", next(n for _, n in socket.if_nameindex() if n in ("lo", "lo0")))
 
 
-def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarray], result: str) -> None:
+def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarray], result: str, case: Any) -> None:
     """One rank: a gloo process group that meets through a file in `folder` (no port to race for), the setting,
     rank 0's tensors to `result`."""
     import torch.distributed as dist
 
-    local = CASE.get("local_world_size", world_size)  # ranks per (simulated) host, as torchrun would say
+    local = case.get("local_world_size", world_size)  # ranks per (simulated) host, as torchrun would say
     os.environ.update(LOCAL_WORLD_SIZE=str(local), LOCAL_RANK=str(rank % local))
     gloo_on_loopback()
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
     try:
-        if (outputs := on_rank(rank, world_size, data, CASE)) is not None:
+        if (outputs := on_rank(rank, world_size, data, case)) is not None:
             np.savez(result, **outputs)  # type: ignore[arg-type]
         dist.barrier()  # leave together: a rank torn down while a peer still talks to it aborts
     except BaseException:  # every rank's error is reported, not only the one torch.multiprocessing notices first
@@ -80,7 +82,11 @@ def rank_main(rank: int, world_size: int, folder: str, data: dict[str, np.ndarra
 
 
 def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The setting on WORLD_SIZE processes forked from this one before it has computed anything, after it has imported
+    return start_ranks(data, CASE, WORLD_SIZE)  # the setting, on WORLD_SIZE ranks
+
+
+def start_ranks(data: dict[str, np.ndarray], case: dict[str, Any], world_size: int) -> dict[str, np.ndarray]:
+    """`on_rank` on `world_size` processes forked from this one before it has computed anything, after it has imported
     what they import (so each starts in a fraction of a second); torch.multiprocessing ends them all when one fails."""
     import importlib
 
@@ -93,7 +99,7 @@ def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     with tempfile.TemporaryDirectory() as folder:
         result, tempfile.tempdir = str(Path(folder) / "rank0.npz"), folder  # torch leaves failed ranks' files there
         try:
-            mp.start_processes(rank_main, args=(WORLD_SIZE, folder, data, result), nprocs=WORLD_SIZE,  # type: ignore[attr-defined,no-untyped-call]
+            mp.start_processes(rank_main, args=(world_size, folder, data, result, case), nprocs=world_size,  # type: ignore[attr-defined,no-untyped-call]
                                start_method="fork" if sys.platform == "linux" else "spawn")
         except Exception as exc:  # it may be a peer's lost connection, the rank that failed first having exited
             raise RuntimeError("\n".join([str(exc), *(p.read_text() for p in Path(folder).glob("rank*.error"))])) from exc

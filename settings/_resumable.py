@@ -31,6 +31,7 @@ from difftest.logs import log_tail
 from difftest.setting import Outputs, RunContext
 from generators.inputs import Batch
 from settings._training import build_for_training, canonical_parameters, gather_to_rank0, loss_record, to_numpy
+from settings.fsdp import distribute
 
 TOTAL_STEPS = 5
 RENDEZVOUS_S = 30  # how long a phase's rank waits for its peers to join
@@ -67,24 +68,25 @@ class Phase:
 
 
 class EpochLoader:
-    """Serves `batch_size` samples a step from a per-epoch permutation drawn from torch's global RNG."""
+    """Serves `batch_size` sample positions a step from a per-epoch permutation of `samples` drawn from torch's global
+    RNG (`take_samples` gives their data)."""
 
-    def __init__(self, source: Batch, batch_size: int) -> None:
+    def __init__(self, samples: int, batch_size: int) -> None:
         import torch
 
-        self.source, self.batch_size = source, batch_size
+        self.samples, self.batch_size = samples, batch_size
         # an exhausted epoch 0, so the first batch draws a permutation and the state has one fixed shape
-        self.order = torch.arange(source.size)
-        self.epoch, self.position = 0, source.size
+        self.order = torch.arange(samples)
+        self.epoch, self.position = 0, samples
 
-    def next(self) -> Batch:
+    def next(self) -> np.ndarray:
         import torch
 
         if self.position >= len(self.order):
-            self.order, self.position, self.epoch = torch.randperm(self.source.size), 0, self.epoch + 1
+            self.order, self.position, self.epoch = torch.randperm(self.samples), 0, self.epoch + 1
         picked = self.order[self.position:self.position + self.batch_size]
         self.position += self.batch_size
-        return self.source.take(picked.numpy())
+        return picked.numpy()
 
     def state(self) -> dict[str, Any]:
         import torch
@@ -94,6 +96,67 @@ class EpochLoader:
     def load(self, state: dict[str, Any]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.order = state["order"].clone()
+
+
+def take_samples(data: dict[str, Any], split: str, samples: np.ndarray) -> dict[str, Any]:
+    """`data` with its batch `split` (arrays named as difftest stores a batch: `<split>.labels`, `<split>.dense`, a
+    sparse feature's `<split>.sparse.<name>.lengths`, `.values`, `.weights`) holding the samples at positions `samples`,
+    in that order, every bag with its own ids and weights: the batch a shuffling loader serves."""
+    taken = {}
+    for name, array in data.items():
+        if name.startswith(f"{split}.sparse.") and name.endswith(".lengths"):
+            offsets = np.concatenate([[0], np.cumsum(array)]).astype(np.int64)
+            picked = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in samples] + [np.zeros(0, np.int64)])
+            taken[name] = array[samples]
+            for part in ("values", "weights"):
+                if (bags := f"{name[:-len('lengths')]}{part}") in data:
+                    taken[bags] = data[bags][picked]
+        elif name.startswith(f"{split}.") and not name.startswith(f"{split}.sparse."):
+            taken[name] = array[samples]
+    return {**data, **taken}
+
+
+def place(module: Any, strategy: str, group: Any, device: str, layout: dict[str, Any]) -> Any:
+    """The model as a placement trains it: as it is in one process, in DistributedDataParallel, or in FSDP2 with a
+    unit per layer (`distribute` of settings/fsdp.py, `layout` its units and options)."""
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, process_group=group)
+    return distribute(module, group, device, layout) if strategy == "fsdp2" else module
+
+
+def checkpoint_state(module: Any, optimizer: Any, scheduler: Any, loader: Any) -> dict[str, Any]:
+    """What a checkpoint holds: the model's and optimizer's state dicts (torch.distributed.checkpoint's, whole or
+    sharded as the placement holds them), the LR schedule, every RNG and the loader's position."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(module, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+            "rng": rng_state(), "loader": loader.state()}
+
+
+def load_checkpoint(folder: str, module: Any, optimizer: Any, scheduler: Any, loader: Any, carried: Any,
+                    group: Any) -> None:
+    """The `carried` parts of the checkpoint in `folder`, resharded by torch.distributed.checkpoint to this placement."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = checkpoint_state(module, optimizer, scheduler, loader)  # the structure DCP fills in place
+    state = {k: v for k, v in state.items() if k in carried}
+    dcp.load(state, checkpoint_id=folder, process_group=group)
+    if "model" in carried:
+        set_model_state_dict(module, state["model"])
+    if "optimizer" in carried:
+        set_optimizer_state_dict(module, optimizer, state["optimizer"])
+    else:
+        optimizer.state.clear()  # get_state_dict made empty momentum buffers; a fresh run has none
+    if "scheduler" in carried:
+        scheduler.load_state_dict(state["scheduler"])
+    if "rng" in carried:
+        set_rng_state(state["rng"])
+    if "loader" in carried:
+        loader.load(state["loader"])
 
 
 def rng_state() -> dict[str, Any]:
@@ -136,38 +199,27 @@ class Trainer:
     def __init__(self, ctx: RunContext, model: Any, inputs: Any, placement: Placement) -> None:
         import torch
 
+        from settings.fsdp import FullyShard
+
         self.ctx, self.model, self.inputs, self.placement = ctx, model, inputs, placement
         module = build_for_training(model, ctx.device)
-        if placement.strategy == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            module = DistributedDataParallel(module, process_group=ctx.group)
-        elif placement.strategy == "fsdp2":
-            from settings._compat import fully_shard_for
-            from settings._training import device_mesh
-            from settings.fsdp import fsdp2_units, make_contiguous
-
-            fully_shard = fully_shard_for(ctx.device)
-            make_contiguous(module)
-            mesh = device_mesh(ctx)
-            for _, unit in reversed(fsdp2_units(model, module)):  # as settings/fsdp.py shards per layer
-                fully_shard(unit, mesh=mesh)
-            fully_shard(module, mesh=mesh)
-        self.module = module
-        trainable = [p for p in module.parameters() if p.requires_grad]
+        # FSDP2 as `fsdp2/per-layer/reshard/fp32` shards: a unit per layer
+        layout = FullyShard(placement.world_size).layout(model, module) if placement.strategy == "fsdp2" else {}
+        self.module = place(module, placement.strategy, ctx.group, ctx.device, layout)
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
         if not trainable:
-            from difftest.errors import Unsupported
-
             raise Unsupported("every parameter is frozen: nothing for a checkpoint's optimizer state to carry")
         self.optimizer = torch.optim.SGD(trainable, lr=ctx.lr, momentum=MOMENTUM)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, LR_HALVING_EVERY, gamma=0.5)
-        self.loader = EpochLoader(inputs.train, inputs.train.size // 2)
+        self.train = inputs.train.to_arrays("train")
+        self.loader = EpochLoader(inputs.train.size, inputs.train.size // 2)
         # the program seeds once its model is built (building draws initialisers), so the stream the loader
         # draws from is the same in every process whatever it built
         seed_everything(ctx.seed)
 
     def step(self) -> float:
-        batch = self.loader.next().shard(self.ctx.rank, self.ctx.world_size)
+        batch = Batch.from_arrays(take_samples(self.train, "train", self.loader.next()), "train")
+        batch = batch.shard(self.ctx.rank, self.ctx.world_size)
         self.optimizer.zero_grad()
         loss = self.model.loss(self.model.forward(self.module, batch, self.ctx.device), batch)
         loss.backward()
@@ -183,37 +235,14 @@ class Trainer:
         pieces = gather_to_rank0(self.ctx, {k: to_numpy(v) for k, v in local.items()})
         return None if pieces is None else {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
-                "rng": rng_state(), "loader": self.loader.state()}
-
     def save(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self.checkpoint_state(), checkpoint_id=str(folder), process_group=self.ctx.group)
+        dcp.save(checkpoint_state(self.module, self.optimizer, self.scheduler, self.loader),
+                 checkpoint_id=str(folder), process_group=self.ctx.group)
 
     def load(self, folder: Path, carried: frozenset[str]) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        state = self.checkpoint_state()  # the structure DCP fills in place, resharded to this placement
-        state = {k: v for k, v in state.items() if k in carried}
-        dcp.load(state, checkpoint_id=str(folder), process_group=self.ctx.group)
-        if "model" in carried:
-            set_model_state_dict(self.module, state["model"])
-        if "optimizer" in carried:
-            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
-        else:
-            self.optimizer.state.clear()  # get_state_dict made empty momentum buffers; a fresh run has none
-        if "scheduler" in carried:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if "rng" in carried:
-            set_rng_state(state["rng"])
-        if "loader" in carried:
-            self.loader.load(state["loader"])
+        load_checkpoint(str(folder), self.module, self.optimizer, self.scheduler, self.loader, carried, self.ctx.group)
 
 
 def run_phase(ctx: RunContext, model: Any, inputs: Any, phase: Phase, checkpoint: Path | None) -> Outputs | None:

@@ -17,14 +17,18 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest.errors import Unsupported
 from difftest.oracle import Tolerance
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import refuse_changed_hooks
 from settings._resumable import CARRIED, TOTAL_STEPS, Phase, Placement, run_in_new_processes, run_phase
 from settings.determinism import BITWISE
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
 
 RESUME_REFERENCE = "resume/single/uninterrupted"
 
@@ -55,8 +59,17 @@ class Uninterrupted(Setting):
     def collectives(self) -> frozenset[str]:
         return self.placement.collectives
 
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        return (Phase(self.placement, 0, TOTAL_STEPS),)
+
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        return run_phase(ctx, model, inputs, Phase(self.placement, 0, TOTAL_STEPS), None)
+        return run_phase(ctx, model, inputs, self.phases[0], None)
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, Uninterrupted, "phases")
+        return resume_script(case, f"The resumable program under {self.placement.label}, never interrupted",
+                             self.phases, CARRIED)
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,19 @@ class Resume(Setting):
         """What the checkpoint carries across the restart (a planted fault leaves something out)."""
         return CARRIED
 
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        """k steps saving a checkpoint, then the rest loading it, each in new processes."""
+        return (Phase(self.before, 0, self.at_step, save=True),
+                Phase(self.after, self.at_step, TOTAL_STEPS, load=self.mode, carried=self.carried))
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, Resume, "carried", "phases")
+        how = ("model, optimizer and LR schedule restored, the loader replayed from the seed" if self.mode ==
+               "fast-forward" else "model, optimizer, LR schedule, RNG states and loader position restored")
+        return resume_script(case, f"{self.at_step} steps under {self.before.label}, a torch.distributed.checkpoint, "
+                             f"new processes resuming under {self.after.label} ({how})", self.phases, self.carried)
+
     def tolerance(self, default: Tolerance) -> Tolerance:
         single = self.before.strategy == self.after.strategy == "single"
         return BITWISE if single else default
@@ -101,15 +127,54 @@ class Resume(Setting):
         workdir = Path(tempfile.mkdtemp(prefix="difftest-resume-"))  # private (0700), removed below
         checkpoint = workdir / "checkpoint"
         try:
-            first = run_in_new_processes(ctx, model.model_dir, Phase(self.before, 0, self.at_step, save=True),
-                                         checkpoint, workdir)
-            second = run_in_new_processes(
-                ctx, model.model_dir,
-                Phase(self.after, self.at_step, TOTAL_STEPS, load=self.mode, carried=self.carried), checkpoint, workdir)
+            first, second = (run_in_new_processes(ctx, model.model_dir, phase, checkpoint, workdir)
+                             for phase in self.phases)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         ctx.notes["resume"] = f"DCP checkpoint after step {self.at_step}: {self.before.label} -> {self.after.label}"
         return {**first, **second}
+
+
+def resume_script(case: StandaloneCase, described: str, phases: tuple[Phase, ...], carried: frozenset[str]) -> Script:
+    """The script of the resumable program in `phases` (settings/_resume_script.py): the steps the case took to diverge
+    (a failure: all of them), each phase in a new group of processes, against the program uninterrupted in one
+    process; it compares the parameters after those steps."""
+    from difftest.artifacts import LoadedModel
+    from difftest.standalone import Script
+    from settings import _resumable as program
+    from settings._compat import fully_shard_for
+    from settings._resume_script import on_rank, run_distributed, single_process, train_phase
+    from settings._training import full_parameters, to_numpy
+    from settings._training_script import parameters_after, trained_parameters
+    from settings.fsdp import FullyShard, distribute, make_contiguous, mixed_precision
+
+    model, diverged_at, tensors = trained_parameters(case)
+    steps = TOTAL_STEPS if case.failure else diverged_at
+    sharded = any(p.placement.strategy == "fsdp2" for p in phases)
+    loaded = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
+    ran = [{"strategy": p.placement.strategy, "world_size": p.placement.world_size, "first": p.first_step,
+            "last": min(p.last_step, steps), "load": p.load, "save": p.save and p.last_step < steps}
+           for p in phases if p.first_step < steps]
+    resumed = f", the checkpoint after step {ran[0]['last']}" if len(ran) > 1 else \
+        f" (it diverges at step {steps}, before the interruption)" if len(phases) > 1 else ""
+    return Script(
+        summary=f"{described}: {steps} step(s) of SGD with momentum {program.MOMENTUM} and a step LR schedule (lr "
+                f"{case.lr:g}, halved every {program.LR_HALVING_EVERY}), a loader reshuffling every epoch from torch's "
+                f"RNG, each CPU rank (gloo) on its share of the batch{resumed}"
+                + case.against("the same program uninterrupted in one process: the parameters after the steps")
+                + f". {model.summary}",
+        libraries=("torch", *model.libraries, "numpy"),
+        preamble=(*model.preamble, "import random"),
+        case={**model.case, "lr": case.lr, "steps": steps, "batch": case.inputs["train"].size, "seed": case.seed,
+              "momentum": program.MOMENTUM, "lr_halving_every": program.LR_HALVING_EVERY,
+              "carried": sorted(carried), "phases": ran,
+              "layout": FullyShard(2).layout(loaded, loaded.build("cpu")) if sharded else {}},
+        functions=(*model.functions, *((fully_shard_for, make_contiguous, mixed_precision, distribute) if sharded else ()),
+                   full_parameters, to_numpy, parameters_after, program.EpochLoader, program.take_samples,
+                   program.rng_state, program.set_rng_state, program.seed_everything, program.place,
+                   program.checkpoint_state, program.load_checkpoint, train_phase, single_process, on_rank,
+                   run_distributed),
+        tensors=tensors, data=model.data, world_size=max(p["world_size"] for p in ran))
 
 
 # each resume case starts two fresh process groups (~10 s on 2 cores): a few that cover the promises

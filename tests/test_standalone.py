@@ -223,6 +223,42 @@ def test_a_repartition_script_hands_the_state_over_as_the_setting_does(fresh_run
     assert emitted.path is None and "own check of the move" in emitted.why_not, emitted.why_not
 
 
+RESUME = ("resume/ddp-ws2/fsdp2-ws2/k3", "resume/single/single/k3/fast-forward", "resume/fsdp2-ws2/uninterrupted")
+
+
+def test_a_resume_script_resumes_in_new_processes_as_the_setting_does(fresh_run: Path) -> None:
+    """DDP's checkpoint resumed under FSDP2, a single process's fast-forwarded, and FSDP2 never interrupted train this
+    DLRM-like model as one process does on this stack; their scripts, each phase in new processes, say so too (the
+    single-process resume bit for bit, as difftest judges it), and say BUG PRESENT once the checkpoint leaves the
+    optimizer's momentum behind. A planted fault that changes what the checkpoint carries gets no script."""
+    from difftest.registry import get_setting
+    from difftest.standalone_findings import check_script
+
+    run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in ("resume/single/uninterrupted", *RESUME)),
+                                      timeout_s=180))
+    verdicts = analyze(fresh_run).cases.set_index(["model", "setting"])["verdict"]
+    assert {str(verdicts[(MODEL, s)]) for s in RESUME} == {"ok"}, verdicts
+    for number, setting in enumerate(RESUME):
+        emitted = emit(fresh_run, f"C{number}", "a resume finding", "inconsistent", fresh_run / "models" / MODEL,
+                       setting, "param_after_step5/over.0.weight", envelope_spread(fresh_run, MODEL, setting),
+                       get_setting(setting).tolerance(Tolerance()), check_timeout_s=180)
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        text = emitted.path.read_text()
+        assert "import difftest" not in text and "from settings" not in text and text.count("\n") <= MAX_LINES
+        assert ("def distribute(" in text) == ("fsdp2" in setting) and ("dcp.save(" in text)
+        assert emitted.checked.exit_code == 0, emitted.checked.output[-3000:]
+        assert ("allclose(atol=0.0, rtol=0.0)" in emitted.checked.output) == ("single" in setting)
+    resumed = fresh_run / "findings" / "C0" / STANDALONE_FILE
+    carried = "'carried': ['loader', 'model', 'optimizer', 'rng', 'scheduler']"
+    assert resumed.read_text().count(carried) == 1
+    resumed.write_text(resumed.read_text().replace(carried, "'carried': ['loader', 'model', 'rng', 'scheduler']"))
+    forgetful = check_script(resumed, timeout_s=180)
+    assert forgetful.exit_code == 1 and "BUG PRESENT" in forgetful.output, forgetful.output[-3000:]
+    emitted = emit(fresh_run, "C9", "a planted fault", "inconsistent", fresh_run / "models" / MODEL,
+                   "faults/resume_forgets_optimizer", "param_after_step5/over.0.weight", {}, Tolerance())
+    assert emitted.path is None and "overrides carried of Resume" in emitted.why_not, emitted.why_not
+
+
 def test_a_findings_report_quotes_the_lines_its_script_printed_itself_not_its_libraries() -> None:
     from difftest.standalone_findings import own_lines
 

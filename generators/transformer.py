@@ -159,17 +159,7 @@ class TransformerGenerator(Generator):
 
     # --- torch side (workers only) ----------------------------------------------------------------
     def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
-        import torch
-
-        module = _build_module(spec.params, device)
-        missing, unexpected = module.load_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()},
-                                                     strict=False)
-        if unexpected or set(missing) - ({"output.weight"} if spec.params["tied"] else set()):
-            raise ValueError(f"initial state does not fit the module: missing {missing}, unexpected {unexpected}")
-        for name, param in module.named_parameters():
-            if name in spec.frozen:
-                param.requires_grad_(False)
-        return module
+        return with_state(_build_module(spec.params, device), init_state, spec.frozen)
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         import torch
@@ -177,11 +167,9 @@ class TransformerGenerator(Generator):
         return module(torch.from_numpy(batch.dense).to(device))
 
     def loss(self, prediction: Any, batch: Batch) -> Any:
-        """Mean next-token cross-entropy; `prediction` may be a vocabulary-sharded DTensor (loss parallel)."""
         import torch
 
-        labels = torch.from_numpy(batch.labels).to(prediction.device)
-        return torch.nn.functional.cross_entropy(prediction.flatten(0, 1), labels.flatten(0, 1))
+        return next_token_loss(prediction, torch.from_numpy(batch.labels).to(prediction.device))
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         """The logits and each block's output (`layers.<i>/act`), the latter only where a rank holds all positions
@@ -211,56 +199,25 @@ class TransformerGenerator(Generator):
         return [(f"layers.{i}", block) for i, block in enumerate(_unwrap(module).layers)]
 
     def tp_plan(self, module: Any, world_size: int, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
-        """torchtitan's Llama plan: attention and feed-forward column- then row-wise; with sequence parallel the
-        norms and the residual stream between blocks sharded over positions; with loss parallel the logits sharded
-        over the vocabulary. Tied embeddings stay replicated (one tensor cannot be sharded row-wise as the embedding
-        and column-wise as the output projection)."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            PrepareModuleOutput,
-            RowwiseParallel,
-            SequenceParallel,
-        )
+        return model_tp_plan(module, world_size, sequence_parallel, loss_parallel)
 
-        p = _unwrap(module).params
-        if p["kv_heads"] % world_size:
-            raise Unsupported(f"{p['kv_heads']} key/value heads do not split over {world_size} ranks")
-        if sequence_parallel and p["seq_len"] % world_size:
-            raise Unsupported(f"{p['seq_len']} positions do not split over {world_size} ranks")
-        residual = Shard(1) if sequence_parallel else Replicate()
-        plan: dict[str, Any] = {}
-        if p["tied"]:
-            if loss_parallel:
-                raise Unsupported("tied embeddings keep the output projection replicated: no vocabulary-sharded logits "
-                                  "for loss parallel")
-            if sequence_parallel:
-                plan["tok_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-                plan["norm"] = SequenceParallel()
-                plan["output"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-        else:
-            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-            if sequence_parallel:
-                plan["norm"] = SequenceParallel()
-            plan["output"] = ColwiseParallel(input_layouts=residual,
-                                             output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                             use_local_output=not loss_parallel)
-        for i, _block in enumerate(_unwrap(module).layers):
-            prefix = f"layers.{i}"
-            if sequence_parallel:
-                plan[f"{prefix}.attention_norm"] = SequenceParallel()
-                plan[f"{prefix}.ffn_norm"] = SequenceParallel()
-                plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                                 desired_input_layouts=(Replicate(),))
-                plan[f"{prefix}.feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                                    desired_input_layouts=(Replicate(),))
-            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
-                if name != "feed_forward.w3" or p["ffn"] == "swiglu":
-                    plan[f"{prefix}.{name}"] = ColwiseParallel()
-            for name in ("attention.wo", "feed_forward.w2"):
-                plan[f"{prefix}.{name}"] = RowwiseParallel(output_layouts=residual)
-        return plan
+    def standalone_model(self, spec: ModelSpec, init_state: dict[str, np.ndarray], model_dir: Any,
+                         train: Batch) -> Any:
+        from difftest.generator import ModelCode
+        from generators.dlrm import build_model, model_parameters  # they call this kind's functions by their names
+
+        p = spec.params
+        return ModelCode(
+            summary=f"The model is a decoder-only transformer in plain PyTorch ({p['layers']} block(s) named as "
+                    f"torchtitan's Llama: {p['heads']} query and {p['kv_heads']} key/value heads of {p['head_dim']}, "
+                    f"{p['norm']}, {p['ffn']} feed-forward {p['hidden']} wide, rotary positions, "
+                    f"{'tied' if p['tied'] else 'untied'} embeddings), next-token cross-entropy.",
+            libraries=(), preamble=(),
+            functions=(_unwrap, _rotate, _build_module, with_state, build_model, next_token_loss, model_loss,
+                       model_parameters, model_tp_plan),
+            case={"model": p, "frozen": list(spec.frozen)},
+            data={**{f"state.{k}": v for k, v in init_state.items()}, **train.to_arrays("train")},
+            parameters=tuple(init_state))
 
     def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
         """[token embedding, one unit per block, final norm + output projection]."""
@@ -272,6 +229,88 @@ class TransformerGenerator(Generator):
         module = self.build(spec, init_state, device)
         source = BatchSource()
         return LayerChain(_chain_units(module, source, device), source, lambda: dict(module.named_parameters()), "logits")
+
+
+def model_tp_plan(module: Any, world_size: int, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+    """torchtitan's Llama plan: attention and feed-forward column- then row-wise; with sequence parallel the
+    norms and the residual stream between blocks sharded over positions; with loss parallel the logits sharded
+    over the vocabulary. Tied embeddings stay replicated (one tensor cannot be sharded row-wise as the embedding
+    and column-wise as the output projection)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    p = _unwrap(module).params
+    if p["kv_heads"] % world_size:
+        raise Unsupported(f"{p['kv_heads']} key/value heads do not split over {world_size} ranks")
+    if sequence_parallel and p["seq_len"] % world_size:
+        raise Unsupported(f"{p['seq_len']} positions do not split over {world_size} ranks")
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {}
+    if p["tied"]:
+        if loss_parallel:
+            raise Unsupported("tied embeddings keep the output projection replicated: no vocabulary-sharded logits "
+                              "for loss parallel")
+        if sequence_parallel:
+            plan["tok_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+            plan["norm"] = SequenceParallel()
+            plan["output"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    else:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(input_layouts=residual,
+                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                         use_local_output=not loss_parallel)
+    for i, _block in enumerate(_unwrap(module).layers):
+        prefix = f"layers.{i}"
+        if sequence_parallel:
+            plan[f"{prefix}.attention_norm"] = SequenceParallel()
+            plan[f"{prefix}.ffn_norm"] = SequenceParallel()
+            plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                             desired_input_layouts=(Replicate(),))
+            plan[f"{prefix}.feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                desired_input_layouts=(Replicate(),))
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            if name != "feed_forward.w3" or p["ffn"] == "swiglu":
+                plan[f"{prefix}.{name}"] = ColwiseParallel()
+        for name in ("attention.wo", "feed_forward.w2"):
+            plan[f"{prefix}.{name}"] = RowwiseParallel(output_layouts=residual)
+    return plan
+
+
+def with_state(module: Any, state: dict[str, np.ndarray], frozen: Any) -> Any:
+    """`module` with the weights `state` (a tied output projection is the embedding's) and `frozen` frozen."""
+    import torch
+
+    missing, unexpected = module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    if unexpected or set(missing) - ({"output.weight"} if module.params["tied"] else set()):
+        raise ValueError(f"initial state does not fit the module: missing {missing}, unexpected {unexpected}")
+    for name, param in module.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return module
+
+
+def next_token_loss(prediction: Any, labels: Any) -> Any:
+    """Mean next-token cross-entropy; `prediction` may be a vocabulary-sharded DTensor (loss parallel)."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(prediction.flatten(0, 1), labels.flatten(0, 1))
+
+
+# --- the model in a standalone script (difftest.standalone): its data holds the weights and the training batch -------
+def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> Any:
+    """The loss on training samples start..stop of the script's data, as `forward` and `loss` compute it."""
+    import torch
+
+    tokens, labels = (torch.from_numpy(data[f"train.{part}"][start:stop]) for part in ("dense", "labels"))
+    return next_token_loss(module(tokens), labels)
 
 
 def _unwrap(module: Any) -> Any:

@@ -4,13 +4,15 @@ groups split the batch. The model's own tensor-parallel plan runs where it has o
 column-/row-wise pairs elsewhere; FSDP2 then wraps per block (or per parameter-holding layer) and the root.
 """
 
+# ruff: noqa: F821 -- `distribute` calls a kind's own `model_tp_plan`, which a standalone script of its model defines
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest.devices import SHARDED, across
-from difftest.errors import Unsupported
 from difftest.registry import register_settings, register_world_reset
 from difftest.setting import Outputs, RunContext, Setting
 from difftest.standalone import refuse_changed_hooks
@@ -20,6 +22,7 @@ from settings.fsdp import make_contiguous
 from settings.tensor_parallel import (
     TensorParallel,
     _describe,
+    own_plan,
     parallel_style,
     stepping,
     whole_outputs_and_gradients,
@@ -27,6 +30,9 @@ from settings.tensor_parallel import (
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
+
+# a kind's own plan, which a standalone script of its model defines (declared here so that this module checks on its own)
+model_tp_plan: Callable[..., dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -86,13 +92,15 @@ class FsdpTensorParallel(Setting):
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         module = model.build("cpu")
         tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
-        if model.tp_plan(module, self.tensor_parallel, self.sequence_parallel, False) is not None:
-            raise Unsupported(f"{case.spec.kind} models run their own tensor-parallel plan, which is code, not data")
-        plan = tensor_parallel.derived_plan(model, module, Inputs(case.inputs["train"], case.inputs["eval"]), "cpu")
-        return training_script(case, f"{self.describe()}: parallelize_module with column-/row-wise pairs "
-                               f"({', '.join(plan)}), then fully_shard", self.world_size,
-                               (fully_shard_for, make_contiguous, parallel_style, whole_outputs_and_gradients, stepping,
-                                distribute, full_parameters), self.layout(model, module, plan))
+        own = own_plan(case, model, module, self.tensor_parallel, self.sequence_parallel, False)
+        plan = {} if own else tensor_parallel.derived_plan(model, module, Inputs(case.inputs["train"],
+                                                                                  case.inputs["eval"]), "cpu")
+        return training_script(case, f"{self.describe()}: parallelize_module with "
+                               f"{own or 'column-/row-wise pairs (' + ', '.join(plan) + ')'}, then fully_shard",
+                               self.world_size, (fully_shard_for, make_contiguous, parallel_style,
+                                                 whole_outputs_and_gradients, stepping, distribute, full_parameters),
+                               {**self.layout(model, module, plan),
+                                **({"own_plan": [self.tensor_parallel, self.sequence_parallel, False]} if own else {})})
 
 
 def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> Any:
@@ -107,7 +115,8 @@ def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> A
     if not isinstance(mesh, DeviceMesh):
         mesh = init_device_mesh(device.split(":")[0], tuple(layout["mesh"]), mesh_dim_names=("dp", "tp"))
     make_contiguous(module)  # FSDP2 refuses the transposed views a converted graph holds
-    plan = {name: parallel_style(s) if isinstance(s, dict) else s for name, s in layout["plan"].items()}
+    styles = model_tp_plan(module, *layout["own_plan"]) if "own_plan" in layout else layout["plan"]
+    plan = {name: parallel_style(s) if isinstance(s, dict) else s for name, s in styles.items()}
     parallelize_module(module, mesh["tp"], plan)
     for name in reversed(layout["units"]):
         fully_shard(module.get_submodule(name), mesh=mesh["dp"])

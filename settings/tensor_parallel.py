@@ -14,8 +14,11 @@ apply it (torchtitan's Llama plan). Loss parallel keeps the logits sharded over 
 computed under `loss_parallel()`; it applies to those plans only (a derived plan has no vocabulary projection).
 """
 
+# ruff: noqa: F821 -- `distribute` calls a kind's own `model_tp_plan`, which a standalone script of its model defines
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,6 +31,9 @@ from settings._training import build_for_training, device_mesh, full_parameters,
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
+
+# a kind's own plan, which a standalone script of its model defines (declared here so that this module checks on its own)
+model_tp_plan: Callable[..., dict[str, Any]]
 
 
 def linear_pairs(module: Any) -> list[tuple[str, str]]:
@@ -167,13 +173,29 @@ class TensorParallel(Setting):
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         module = model.build("cpu")
-        if model.tp_plan(module, self.world_size, self.sequence_parallel, self.loss_parallel) is not None:
-            raise Unsupported(f"{case.spec.kind} models run their own tensor-parallel plan, which is code, not data")
-        plan = self.derived_plan(model, module, Inputs(case.inputs["train"], case.inputs["eval"]), "cpu")
-        described = ", ".join(f"{name}: {_describe(parallel_style(spec))}" for name, spec in plan.items())
+        own = own_plan(case, model, module, self.world_size, self.sequence_parallel, self.loss_parallel)
+        plan = {} if own else self.derived_plan(model, module, Inputs(case.inputs["train"], case.inputs["eval"]), "cpu")
+        described = own or ", ".join(f"{name}: {_describe(parallel_style(spec))}" for name, spec in plan.items())
         return training_script(case, f"Tensor parallel (parallelize_module; {described})", self.world_size,
                                (parallel_style, whole_outputs_and_gradients, stepping, distribute, full_parameters),
-                               {"plan": plan, "data_parallel": 1})
+                               {"plan": plan, "data_parallel": 1,
+                                **({"own_plan": [self.world_size, self.sequence_parallel, False]} if own else {})})
+
+
+def own_plan(case: StandaloneCase, model: Any, module: Any, world_size: int, sequence_parallel: bool,
+             loss_parallel: bool) -> str:
+    """How a script describes the plan of a kind that ships its own (`model_tp_plan`, copied from the kind's module with
+    its model); "" where the kind has none (the script derives it as the setting does). Loss parallel's script is not
+    written yet: its loss runs on vocabulary-sharded logits under `loss_parallel()`."""
+    if model.tp_plan(module, world_size, sequence_parallel, loss_parallel) is None:
+        return ""
+    code = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
+    if code is None or "model_tp_plan" not in {f.__name__ for f in code.functions}:
+        raise Unsupported(f"{case.spec.kind} models run their own tensor-parallel plan, and their standalone form has "
+                          "no model_tp_plan")
+    if loss_parallel:
+        raise Unsupported("loss parallel (a cross-entropy on vocabulary-sharded logits) has no emitter yet")
+    return f"the model's own plan, model_tp_plan, over {len(model.tp_plan(module, world_size, sequence_parallel, False))} modules"
 
 
 def parallel_style(spec: dict[str, Any]) -> Any:
@@ -219,7 +241,8 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("tp",))
-    parallelize_module(module, mesh, {name: parallel_style(spec) for name, spec in setting["plan"].items()})
+    parallelize_module(module, mesh, model_tp_plan(module, *setting["own_plan"]) if "own_plan" in setting else
+                       {name: parallel_style(spec) for name, spec in setting["plan"].items()})
     whole_outputs_and_gradients(module)
     return module
 

@@ -7,6 +7,7 @@ exposed (SequenceParallel unfreezes a frozen norm weight) is reported.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,39 @@ def test_transformers_run_under_tensor_sequence_loss_parallel_fsdp_and_pipelines
     if issue.reproduces_on(known.installed_versions([issue.library])):
         assert status == "inconsistent" and known.match("tp/sequence-parallel/ws2", status, message,
                                                         traits_of("transformer")) == issue
+
+
+def test_a_transformers_script_runs_its_own_tensor_parallel_plan_as_the_setting_does(transformer_run: Path) -> None:
+    """The transformer's standalone form carries torchtitan's plan (`model_tp_plan`): the scripts of tensor parallel and
+    FSDP2 over it reach the setting's verdict on the same case, where difftest does not import: the untied model
+    trains as one process does, and SequenceParallel trains the tied model's frozen norm wherever the installed torch
+    has that bug (the script then says BUG PRESENT, and the frozen norm's name)."""
+    from difftest.analysis import envelope_spread
+    from difftest.oracle import Tolerance
+    from difftest.standalone import MAX_LINES
+    from difftest.standalone_findings import emit
+
+    cases = [("transformer-s0-i0", "tp/sequence-parallel/ws2"), ("transformer-s0-i0", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4"),
+             ("transformer-s0-i1-frozen", "tp/sequence-parallel/ws2")]
+    run_sweep(transformer_run, SweepOptions(pairs=tuple(cases), timeout_s=120))
+    verdicts = analyze(transformer_run).cases.set_index(["model", "setting"])["verdict"]
+    for number, (model, setting) in enumerate(cases):
+        emitted = emit(transformer_run, f"T{number}", "a transformer finding", "inconsistent",
+                       transformer_run / "models" / model, setting, "param_after_step1/norm.weight",
+                       envelope_spread(transformer_run, model, setting), Tolerance(), check_timeout_s=180)
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        text = emitted.path.read_text()
+        assert "import difftest" not in text and "def model_tp_plan(" in text and text.count("\n") <= MAX_LINES
+        assert emitted.checked.exit_code == (0 if verdicts[(model, setting)] == "ok" else 1), \
+            (setting, emitted.checked.output[-3000:])
+        if verdicts[(model, setting)] != "ok":
+            assert "BUG PRESENT" in emitted.checked.output
+            assert re.search(r"attention_norm\.weight: [1-9]\d* of ", emitted.checked.output), emitted.checked.output
+    # loss parallel's script is not written yet: said, not written wrong
+    emitted = emit(transformer_run, "T9", "a loss-parallel finding", "inconsistent",
+                   transformer_run / "models" / "transformer-s0-i0", "tp/colwise-rowwise/loss-parallel/ws2",
+                   "param_after_step1/norm.weight", {}, Tolerance())
+    assert emitted.path is None and "loss parallel" in emitted.why_not, emitted.why_not
 
 
 def test_a_distributed_resume_shards_a_tied_embedding_in_one_fsdp2_group(transformer_run: Path) -> None:

@@ -199,7 +199,11 @@ def render_script(case: StandaloneCase, script: Script) -> str:
     if "Unsupported" in names:  # difftest's refusal, by a name the script has
         preamble += ("", "Unsupported = NotImplementedError  # what cannot run here: the setting would be unsupported")
     parts = ["\n".join(doc), "\n".join(RUNTIME_IMPORTS + preamble), "\n".join(constants)]
-    parts += [text for name, text in sources.items() if name in called]
+    shared = {f.__name__ for f in runtime} - own
+    parts += [text for name, text in sources.items() if name in called and name not in shared]
+    # a reader after the bug stops here: what follows is the same in every script difftest writes
+    parts += ["# --- the rest is what every difftest script shares: start the ranks, judge, report ---\n" +
+              "\n\n".join(text.rstrip("\n") for name, text in sources.items() if name in called and name in shared)]
     # exit 1 means the bug and nothing else: the script failing on its own (a mistake of ours, a missing library) is 2
     parts.append(f'if __name__ == "__main__":\n    try:\n        sys.exit({entry}())\n    except Exception:  # the '
                  'script failing on its own, not the bug\n        sys.exit(traceback.print_exc() or 2)\n')

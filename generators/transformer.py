@@ -169,7 +169,7 @@ class TransformerGenerator(Generator):
     def loss(self, prediction: Any, batch: Batch) -> Any:
         import torch
 
-        return next_token_loss(prediction, torch.from_numpy(batch.labels).to(prediction.device))
+        return prediction_loss(prediction, torch.from_numpy(batch.labels).to(prediction.device))
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         """The logits and each block's output (`layers.<i>/act`), the latter only where a rank holds all positions
@@ -213,8 +213,9 @@ class TransformerGenerator(Generator):
                     f"{p['norm']}, {p['ffn']} feed-forward {p['hidden']} wide, rotary positions, "
                     f"{'tied' if p['tied'] else 'untied'} embeddings), next-token cross-entropy.",
             libraries=(), preamble=(),
-            functions=(_unwrap, _rotate, _build_module, with_state, build_model, next_token_loss, model_loss,
+            functions=(_unwrap, _rotate, _build_module, with_state, build_model, prediction_loss, model_loss,
                        model_parameters, model_tp_plan),
+            chain=(_chain_units, model_chain),
             case={"model": p, "frozen": list(spec.frozen)},
             data={**{f"state.{k}": v for k, v in init_state.items()}, **train.to_arrays("train")},
             parameters=tuple(init_state))
@@ -226,9 +227,12 @@ class TransformerGenerator(Generator):
         if spec.params["tied"]:
             raise Unsupported("tied input/output embeddings: the first and the last stage would train two copies of "
                               "one tensor (torchtitan refuses pipelines over tied embeddings too)")
+        import torch
+
         module = self.build(spec, init_state, device)
         source = BatchSource()
-        return LayerChain(_chain_units(module, source, device), source, lambda: dict(module.named_parameters()), "logits")
+        units = _chain_units(module, lambda positions: torch.from_numpy(source.samples(positions).dense).to(device))
+        return LayerChain(units, source, lambda: dict(module.named_parameters()), "logits")
 
 
 def model_tp_plan(module: Any, world_size: int, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
@@ -297,7 +301,7 @@ def with_state(module: Any, state: dict[str, np.ndarray], frozen: Any) -> Any:
     return module
 
 
-def next_token_loss(prediction: Any, labels: Any) -> Any:
+def prediction_loss(prediction: Any, labels: Any) -> Any:
     """Mean next-token cross-entropy; `prediction` may be a vocabulary-sharded DTensor (loss parallel)."""
     import torch
 
@@ -310,7 +314,16 @@ def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: 
     import torch
 
     tokens, labels = (torch.from_numpy(data[f"train.{part}"][start:stop]) for part in ("dense", "labels"))
-    return next_token_loss(module(tokens), labels)
+    return prediction_loss(module(tokens), labels)
+
+
+def model_chain(module: Any, data: dict[str, Any], fed: dict[str, str], dtype: Any) -> list[Any]:
+    """The model as the chain of units a pipeline splits into stages (`_chain_units`), reading the tokens of the
+    script's batch `fed["split"]` at the positions its first unit is given."""
+    import torch
+
+    return _chain_units(module, lambda positions: torch.from_numpy(
+        data[f"{fed['split']}.dense"][int(positions[0]):int(positions[0]) + len(positions)]))
 
 
 def _unwrap(module: Any) -> Any:
@@ -408,8 +421,9 @@ def _build_module(params: dict[str, Any], device: str) -> Any:
     return Transformer()
 
 
-def _chain_units(module: Any, source: Any, device: str) -> list[Any]:
-    """[token embedding (reads the samples at the given positions), the blocks, final norm + output projection]."""
+def _chain_units(module: Any, tokens_at: Any) -> list[Any]:
+    """[token embedding (of `tokens_at(positions)`: the tokens of the samples at those positions of the batch being
+    fed), the blocks, final norm + output projection]."""
     import torch
 
     class Embed(torch.nn.Module):
@@ -418,7 +432,7 @@ def _chain_units(module: Any, source: Any, device: str) -> list[Any]:
             self.tok_embeddings = module.tok_embeddings
 
         def forward(self, positions: torch.Tensor) -> torch.Tensor:
-            return self.tok_embeddings(torch.from_numpy(source.samples(positions).dense).to(device))
+            return self.tok_embeddings(tokens_at(positions))
 
     class Head(torch.nn.Module):
         def __init__(self) -> None:

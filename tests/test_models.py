@@ -63,7 +63,7 @@ def test_the_chain_of_units_computes_the_forward_bit_for_bit(kind: str) -> None:
         assert len(chain.units) >= 3
 
 
-@pytest.mark.parametrize("kind", ["dlrm", "torchrec-dlrm", "torchrec-deepfm"])
+@pytest.mark.parametrize("kind", ["dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer"])
 def test_a_standalone_scripts_model_computes_what_the_kind_does(kind: str) -> None:
     """The model code a standalone script holds (`Generator.standalone_model`), run from its data alone, gives the
     kind's forward through its layer chain and its loss, bit for bit: a script shows the model difftest ran."""
@@ -155,17 +155,18 @@ def test_transformers_run_under_tensor_sequence_loss_parallel_fsdp_and_pipelines
 
 
 def test_a_transformers_script_runs_its_own_tensor_parallel_plan_as_the_setting_does(transformer_run: Path) -> None:
-    """The transformer's standalone form carries torchtitan's plan (`model_tp_plan`): the scripts of tensor parallel and
-    FSDP2 over it reach the setting's verdict on the same case, where difftest does not import: the untied model
-    trains as one process does, and SequenceParallel trains the tied model's frozen norm wherever the installed torch
-    has that bug (the script then says BUG PRESENT, and the frozen norm's name)."""
+    """The transformer's standalone form carries torchtitan's plan (`model_tp_plan`) and its layer chain: the scripts of
+    tensor parallel, FSDP2 over it and a pipeline reach the setting's verdict on the same case, where difftest does not
+    import: the untied model trains as one process does, and SequenceParallel trains the tied model's frozen norm
+    wherever the installed torch has that bug (the script then says BUG PRESENT, and the frozen norm's name)."""
     from difftest.analysis import envelope_spread
     from difftest.oracle import Tolerance
     from difftest.standalone import MAX_LINES
     from difftest.standalone_findings import emit
 
     cases = [("transformer-s0-i0", "tp/sequence-parallel/ws2"), ("transformer-s0-i0", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4"),
-             ("transformer-s0-i1-frozen", "tp/sequence-parallel/ws2")]
+             ("transformer-s0-i1-frozen", "tp/sequence-parallel/ws2"),
+             ("transformer-s0-i0", "pipeline/1f1b/ws2/stages2/mb2/balanced")]  # its layer chain, `model_chain`
     run_sweep(transformer_run, SweepOptions(pairs=tuple(cases), timeout_s=120))
     verdicts = analyze(transformer_run).cases.set_index(["model", "setting"])["verdict"]
     for number, (model, setting) in enumerate(cases):
@@ -174,7 +175,8 @@ def test_a_transformers_script_runs_its_own_tensor_parallel_plan_as_the_setting_
                        envelope_spread(transformer_run, model, setting), Tolerance(), check_timeout_s=180)
         assert emitted.path is not None and emitted.checked is not None, emitted.why_not
         text = emitted.path.read_text()
-        assert "import difftest" not in text and "def model_tp_plan(" in text and text.count("\n") <= MAX_LINES
+        assert "import difftest" not in text and text.count("\n") <= MAX_LINES
+        assert ("def model_tp_plan(" in text) == ("tp/" in setting) and ("def model_chain(" in text) == ("pipeline" in setting)
         assert emitted.checked.exit_code == (0 if verdicts[(model, setting)] == "ok" else 1), \
             (setting, emitted.checked.output[-3000:])
         if verdicts[(model, setting)] != "ok":

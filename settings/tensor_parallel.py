@@ -14,7 +14,8 @@ apply it (torchtitan's Llama plan). Loss parallel keeps the logits sharded over 
 computed under `loss_parallel()`; it applies to those plans only (a derived plan has no vocabulary projection).
 """
 
-# ruff: noqa: F821 -- `distribute` calls a kind's own `model_tp_plan`, which a standalone script of its model defines
+# ruff: noqa: F821 -- `distribute` and `backward_on_share` call a kind's own `model_tp_plan` and `model_loss`, which a
+# standalone script of its model defines
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 # a kind's own plan, which a standalone script of its model defines (declared here so that this module checks on its own)
 model_tp_plan: Callable[..., dict[str, Any]]
+model_loss: Callable[..., Any]
 
 
 def linear_pairs(module: Any) -> list[tuple[str, str]]:
@@ -176,26 +178,27 @@ class TensorParallel(Setting):
         own = own_plan(case, model, module, self.world_size, self.sequence_parallel, self.loss_parallel)
         plan = {} if own else self.derived_plan(model, module, Inputs(case.inputs["train"], case.inputs["eval"]), "cpu")
         described = own or ", ".join(f"{name}: {_describe(parallel_style(spec))}" for name, spec in plan.items())
+        if self.loss_parallel:
+            described += "; the cross-entropy on the vocabulary-sharded logits under loss_parallel()"
         return training_script(case, f"Tensor parallel (parallelize_module; {described})", self.world_size,
-                               (parallel_style, whole_outputs_and_gradients, stepping, distribute, full_parameters),
-                               {"plan": plan, "data_parallel": 1,
-                                **({"own_plan": [self.world_size, self.sequence_parallel, False]} if own else {})})
+                               (parallel_style, whole_outputs_and_gradients, stepping, distribute, full_parameters,
+                                *((backward_on_share,) if self.loss_parallel else ())),
+                               {"plan": plan, "data_parallel": 1, "loss_parallel": self.loss_parallel,
+                                **({"own_plan": [self.world_size, self.sequence_parallel, self.loss_parallel]}
+                                   if own else {})})
 
 
 def own_plan(case: StandaloneCase, model: Any, module: Any, world_size: int, sequence_parallel: bool,
              loss_parallel: bool) -> str:
     """How a script describes the plan of a kind that ships its own (`model_tp_plan`, copied from the kind's module with
-    its model); "" where the kind has none (the script derives it as the setting does). Loss parallel's script is not
-    written yet: its loss runs on vocabulary-sharded logits under `loss_parallel()`."""
-    if model.tp_plan(module, world_size, sequence_parallel, loss_parallel) is None:
+    its model); "" where the kind has none (the script derives it as the setting does)."""
+    if (plan := model.tp_plan(module, world_size, sequence_parallel, loss_parallel)) is None:
         return ""
     code = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
     if code is None or "model_tp_plan" not in {f.__name__ for f in code.functions}:
         raise Unsupported(f"{case.spec.kind} models run their own tensor-parallel plan, and their standalone form has "
                           "no model_tp_plan")
-    if loss_parallel:
-        raise Unsupported("loss parallel (a cross-entropy on vocabulary-sharded logits) has no emitter yet")
-    return f"the model's own plan, model_tp_plan, over {len(model.tp_plan(module, world_size, sequence_parallel, False))} modules"
+    return f"the model's own plan, model_tp_plan, over {len(plan)} modules"
 
 
 def parallel_style(spec: dict[str, Any]) -> Any:
@@ -243,8 +246,18 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
     mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("tp",))
     parallelize_module(module, mesh, model_tp_plan(module, *setting["own_plan"]) if "own_plan" in setting else
                        {name: parallel_style(spec) for name, spec in setting["plan"].items()})
-    whole_outputs_and_gradients(module)
+    # a script only trains: a loss-parallel model hands its loss the logits sharded, as the setting's training does
+    whole_outputs_and_gradients(module, keep_sharded=lambda: setting.get("loss_parallel", False))
     return module
+
+
+def backward_on_share(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> None:
+    """Loss parallel's gradients of training samples start..stop: the cross-entropy on the vocabulary-sharded logits
+    under `loss_parallel()`, inside `stepping` as every tensor-parallel step."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with stepping(module), loss_parallel():
+        model_loss(module, data, start, stop, dtype).backward()
 
 
 def _describe(style: Any) -> str:

@@ -156,7 +156,7 @@ def test_transformers_run_under_tensor_sequence_loss_parallel_fsdp_and_pipelines
 
 def test_a_transformers_script_runs_its_own_tensor_parallel_plan_as_the_setting_does(transformer_run: Path) -> None:
     """The transformer's standalone form carries torchtitan's plan (`model_tp_plan`) and its layer chain: the scripts of
-    tensor parallel, FSDP2 over it and a pipeline reach the setting's verdict on the same case, where difftest does not
+    tensor parallel (loss parallel too), FSDP2 over it and a pipeline reach the setting's verdict on the same case, where difftest does not
     import: the untied model trains as one process does, and SequenceParallel trains the tied model's frozen norm
     wherever the installed torch has that bug (the script then says BUG PRESENT, and the frozen norm's name)."""
     from difftest.analysis import envelope_spread
@@ -166,7 +166,8 @@ def test_a_transformers_script_runs_its_own_tensor_parallel_plan_as_the_setting_
 
     cases = [("transformer-s0-i0", "tp/sequence-parallel/ws2"), ("transformer-s0-i0", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4"),
              ("transformer-s0-i1-frozen", "tp/sequence-parallel/ws2"),
-             ("transformer-s0-i0", "pipeline/1f1b/ws2/stages2/mb2/balanced")]  # its layer chain, `model_chain`
+             ("transformer-s0-i0", "pipeline/1f1b/ws2/stages2/mb2/balanced"),  # its layer chain, `model_chain`
+             ("transformer-s0-i0", "tp/sequence-parallel/loss-parallel/ws2")]
     run_sweep(transformer_run, SweepOptions(pairs=tuple(cases), timeout_s=120))
     verdicts = analyze(transformer_run).cases.set_index(["model", "setting"])["verdict"]
     for number, (model, setting) in enumerate(cases):
@@ -182,11 +183,8 @@ def test_a_transformers_script_runs_its_own_tensor_parallel_plan_as_the_setting_
         if verdicts[(model, setting)] != "ok":
             assert "BUG PRESENT" in emitted.checked.output
             assert re.search(r"attention_norm\.weight: [1-9]\d* of ", emitted.checked.output), emitted.checked.output
-    # loss parallel's script is not written yet: said, not written wrong
-    emitted = emit(transformer_run, "T9", "a loss-parallel finding", "inconsistent",
-                   transformer_run / "models" / "transformer-s0-i0", "tp/colwise-rowwise/loss-parallel/ws2",
-                   "param_after_step1/norm.weight", {}, Tolerance())
-    assert emitted.path is None and "loss parallel" in emitted.why_not, emitted.why_not
+        if "loss-parallel" in setting:  # its loss on the sharded logits, not on logits gathered whole first
+            assert "with stepping(module), loss_parallel():" in text and "keep_sharded=lambda: setting" in text
 
 
 def test_a_distributed_resume_shards_a_tied_embedding_in_one_fsdp2_group(transformer_run: Path) -> None:

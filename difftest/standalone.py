@@ -96,7 +96,9 @@ class Script:
     libraries: tuple[str, ...]  # the distributions whose releases it prints (pip names)
     preamble: tuple[str, ...]  # lines after the runtime's imports: the setting's own imports and module constants
     case: dict[str, Any]  # the parameters, a literal `CASE` the functions read
-    functions: tuple[Callable[..., Any], ...]  # copied in this order; the last two are single_process and on_rank
+    # copied in this order; among them single_process and on_rank, and a function of the runtime's name that replaces
+    # it (a resume's own run_distributed)
+    functions: tuple[Callable[..., Any], ...]
     tensors: dict[str, str]  # the name each compared tensor has in the script → its "<phase>/<tensor>" in the run
     data: dict[str, np.ndarray] = field(default_factory=dict)
     world_size: int = 2

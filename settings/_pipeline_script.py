@@ -1,9 +1,10 @@
 """A pipeline setting's standalone script (`difftest.standalone`): the reference and the ranks' part, copied into it
 beside the model's functions (`Generator.standalone_model`: `build_model`, `model_loss`, `model_parameters`, and its
 `chain`: `model_chain`, `prediction_loss`) and the pipeline module's (`stages_of`, `stage_examples`,
-`pipeline_schedule`, `ChainStage`; a hybrid's `pipeline_groups`, `wrap_stage`), which the script defines before
-these. The steps are the setting's: evaluate once, then plain SGD under the schedule on the whole batch, or each
-replica on its share (`settings._training.record_training`)."""
+`pipeline_schedule`, `ChainStage`; a hybrid's `pipeline_groups`, `wrap_stage`; a re-partitioning's `gather_state`,
+`load_state`, below), which the script defines before these. The steps are the setting's: evaluate once, then SGD
+under the schedule on the whole batch, or each replica on its share (`settings._training.record_training`); with
+momentum where the layout says so, and, for a re-partitioning, the stages cut anew after `move_after` steps."""
 
 # ruff: noqa: F821 -- the model's and the pipeline's functions are defined in the script, before these
 
@@ -110,7 +111,8 @@ def gather_state(parameters: dict[str, Any], optimizer: Any, world_size: int) ->
 
 
 def load_state(parameters: dict[str, Any], optimizer: Any, handed: dict[str, tuple[Any, Any]]) -> None:
-    """The stages cut anew take every trainable parameter and momentum buffer they hold from the hand-over."""
+    """The stages cut anew take every trainable parameter and momentum buffer they hold from the hand-over (keyed by
+    the tensors `model_parameters` returns: a kind's chain must read its parameters themselves, not views of them)."""
     with torch.no_grad():
         for n, p in parameters.items():
             if p.requires_grad:

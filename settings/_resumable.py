@@ -99,9 +99,8 @@ class EpochLoader:
 
 
 def take_samples(data: dict[str, Any], split: str, samples: np.ndarray) -> dict[str, Any]:
-    """`data` with its batch `split` (arrays named as difftest stores a batch: `<split>.labels`, `<split>.dense`, a
-    sparse feature's `<split>.sparse.<name>.lengths`, `.values`, `.weights`) holding the samples at positions `samples`,
-    in that order, every bag with its own ids and weights: the batch a shuffling loader serves."""
+    """`data` with its batch `split` (`<split>.labels`, `.dense`, a sparse feature's `.sparse.<name>.lengths`, `.values`,
+    `.weights`) holding the samples at positions `samples`, in that order: the batch a shuffling loader serves."""
     taken = {}
     for name, array in data.items():
         if name.startswith(f"{split}.sparse.") and name.endswith(".lengths"):

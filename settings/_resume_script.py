@@ -34,9 +34,8 @@ start_ranks: Callable[..., dict[str, np.ndarray]]
 
 def train_phase(module: Any, data: dict[str, Any], case: dict[str, Any], phase: dict[str, Any], rank: int,
                 world_size: int, dtype: Any, group: Any) -> Any:
-    """Steps `first`+1..`last` of the program on this rank's share of each batch, the model placed as `phase` says,
-    after loading the checkpoint (`load`: "restore" all of it; "fast-forward" model, optimizer and schedule, the loader
-    replayed) and before saving one (`save`), as settings/_resumable.py's `run_phase` does; the placed model."""
+    """Steps `first`+1..`last` on this rank's share of each batch, placed as `phase` says, after loading a checkpoint
+    (`load`: "restore", or "fast-forward" replaying the loader) and before saving one (`save`), as `run_phase` does."""
     import torch.distributed.checkpoint as dcp
 
     placed = place(module, phase["strategy"], group, "cpu", case["layout"])
@@ -48,12 +47,14 @@ def train_phase(module: Any, data: dict[str, Any], case: dict[str, Any], phase: 
     if phase["load"]:
         fast = phase["load"] == "fast-forward"
         load_checkpoint(phase["checkpoint"], placed, optimizer, scheduler, loader,
-                        {"model", "optimizer", "scheduler"} if fast else case["carried"], group)
+                        set(case["carried"]) & {"model", "optimizer", "scheduler"} if fast else case["carried"], group)
         for _ in range(phase["first"] if fast else 0):
             loader.next()  # DETrain's fast-forward: replay the loader, skip the step
-    share = case["batch"] // 2 // world_size
     for _ in range(phase["first"], phase["last"]):
         batch = take_samples(data, "train", loader.next())
+        if (size := len(batch["train.labels"])) % world_size:  # as difftest's program refuses it
+            raise ValueError(f"batch of {size} samples does not split over {world_size} ranks")
+        share = size // world_size
         optimizer.zero_grad()
         model_loss(placed, batch, rank * share, (rank + 1) * share, dtype).backward()
         optimizer.step()
@@ -84,8 +85,7 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
 
 
 def run_distributed(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The setting: each phase in a new group of processes (its own world size), one after the other, the checkpoint
-    in a temporary folder between them; the last phase's tensors."""
+    """The setting: each phase in a new group of processes of its own size, the checkpoint in a temporary folder."""
     with tempfile.TemporaryDirectory() as checkpoint:
         for phase in CASE["phases"]:
             result = start_ranks(data, {**CASE, "phase": {**phase, "checkpoint": checkpoint}}, phase["world_size"])

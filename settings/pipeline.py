@@ -354,7 +354,7 @@ def _stage_parameters(chain: Any, modules: dict[int, Any], wrapped: dict[int, An
 
 
 def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_size: int, optimizer: str,
-                    placed: str = "", steps: int | None = None) -> Script:
+                    detail: str = "", steps: int | None = None) -> Script:
     """The script of a pipeline (`settings._pipeline_script`): the model's layer chain cut into stages as
     `layout_of(chain)` says (the keys `stages_of` and `pipeline_schedule` read; a hybrid's `data_parallel` and `inner`,
     a re-partitioning's `momentum`, `move_after` and `moved_starts`), evaluated once, then the steps under the schedule,
@@ -376,7 +376,7 @@ def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_
     hybrid = layout.get("data_parallel", 1) > 1
     return Script(
         summary=f"{described}: the model's layer chain cut into stages (torch.distributed.pipelining), evaluated once, "
-                f"then {steps} step(s) of {optimizer} (lr {case.lr:g}) over {world_size} CPU ranks (gloo){placed}"
+                f"then {steps} step(s) of {optimizer} (lr {case.lr:g}) over {world_size} CPU ranks (gloo){detail}"
                 + case.against("the same steps accumulating the micro-batches' gradients in one process: the "
                                "parameters after them") + f". {model.summary}",
         libraries=("torch", *model.libraries, "numpy"),

@@ -141,6 +141,8 @@ class TransformerGenerator(Generator):
         out: list[tuple[str, dict[str, Any]]] = []
         if p["layers"] > 1:
             out.append(("one block", {**p, "layers": 1}))
+        if p["layers"] > 2:  # where one block is too few (a pipeline of 4 stages needs 2 between its ends)
+            out.append(("one block fewer", {**p, "layers": p["layers"] - 1}))
         if p["heads"] != p["kv_heads"]:
             out.append(("as many query as key/value heads", {**p, "heads": p["kv_heads"]}))
         if p["kv_heads"] > 4:

@@ -125,6 +125,13 @@ def place(module: Any, strategy: str, group: Any, device: str, layout: dict[str,
     return distribute(module, group, device, layout) if strategy == "fsdp2" else module
 
 
+def sharded_layout(model: Any, module: Any) -> dict[str, Any]:
+    """What `place` hands FSDP2's `distribute`: a unit per layer, as `fsdp2/per-layer/reshard/fp32` shards."""
+    from settings.fsdp import FullyShard
+
+    return FullyShard(1).layout(model, module)
+
+
 def checkpoint_state(module: Any, optimizer: Any, scheduler: Any, loader: Any) -> dict[str, Any]:
     """What a checkpoint holds: the model's and optimizer's state dicts (torch.distributed.checkpoint's, whole or
     sharded as the placement holds them), the LR schedule, every RNG and the loader's position."""
@@ -198,13 +205,10 @@ class Trainer:
     def __init__(self, ctx: RunContext, model: Any, inputs: Any, placement: Placement) -> None:
         import torch
 
-        from settings.fsdp import FullyShard
-
         self.ctx, self.model, self.inputs, self.placement = ctx, model, inputs, placement
         module = build_for_training(model, ctx.device)
-        # FSDP2 as `fsdp2/per-layer/reshard/fp32` shards: a unit per layer
-        layout = FullyShard(placement.world_size).layout(model, module) if placement.strategy == "fsdp2" else {}
-        self.module = place(module, placement.strategy, ctx.group, ctx.device, layout)
+        self.module = place(module, placement.strategy, ctx.group, ctx.device,
+                            sharded_layout(model, module) if placement.strategy == "fsdp2" else {})
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         if not trainable:
             raise Unsupported("every parameter is frozen: nothing for a checkpoint's optimizer state to carry")

@@ -92,15 +92,14 @@ class FsdpTensorParallel(Setting):
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         module = model.build("cpu")
         tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
-        own = own_plan(case, model, module, self.tensor_parallel, self.sequence_parallel, False)
+        own, fields = own_plan(case, model, module, self.tensor_parallel, self.sequence_parallel, False)
         plan = {} if own else tensor_parallel.derived_plan(model, module, Inputs(case.inputs["train"],
                                                                                   case.inputs["eval"]), "cpu")
         return training_script(case, f"{self.describe()}: parallelize_module with "
                                f"{own or 'column-/row-wise pairs (' + ', '.join(plan) + ')'}, then fully_shard",
                                self.world_size, (fully_shard_for, make_contiguous, parallel_style,
                                                  whole_outputs_and_gradients, stepping, distribute, full_parameters),
-                               {**self.layout(model, module, plan),
-                                **({"own_plan": [self.tensor_parallel, self.sequence_parallel, False]} if own else {})})
+                               {**self.layout(model, module, plan), **fields})
 
 
 def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> Any:

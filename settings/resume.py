@@ -69,7 +69,7 @@ class Uninterrupted(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, Uninterrupted, "phases")
         return resume_script(case, f"The resumable program under {self.placement.label}, never interrupted",
-                             self.phases, CARRIED)
+                             self.phases)
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Resume(Setting):
         how = ("model, optimizer and LR schedule restored, the loader replayed from the seed" if self.mode ==
                "fast-forward" else "model, optimizer, LR schedule, RNG states and loader position restored")
         return resume_script(case, f"{self.at_step} steps under {self.before.label}, a torch.distributed.checkpoint, "
-                             f"new processes resuming under {self.after.label} ({how})", self.phases, self.carried)
+                             f"new processes resuming under {self.after.label} ({how})", self.phases)
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         single = self.before.strategy == self.after.strategy == "single"
@@ -135,7 +135,7 @@ class Resume(Setting):
         return {**first, **second}
 
 
-def resume_script(case: StandaloneCase, described: str, phases: tuple[Phase, ...], carried: frozenset[str]) -> Script:
+def resume_script(case: StandaloneCase, described: str, phases: tuple[Phase, ...]) -> Script:
     """The script of the resumable program in `phases` (settings/_resume_script.py): the steps the case took to diverge
     (a failure: all of them), each phase in a new group of processes, against the program uninterrupted in one
     process; it compares the parameters after those steps."""
@@ -146,7 +146,7 @@ def resume_script(case: StandaloneCase, described: str, phases: tuple[Phase, ...
     from settings._resume_script import on_rank, run_distributed, single_process, train_phase
     from settings._training import full_parameters, to_numpy
     from settings._training_script import parameters_after, trained_parameters
-    from settings.fsdp import FullyShard, distribute, make_contiguous, mixed_precision
+    from settings.fsdp import distribute, make_contiguous, mixed_precision
 
     model, diverged_at, tensors = trained_parameters(case)
     steps = TOTAL_STEPS if case.failure else diverged_at
@@ -167,8 +167,8 @@ def resume_script(case: StandaloneCase, described: str, phases: tuple[Phase, ...
         preamble=(*model.preamble, "import random"),
         case={**model.case, "lr": case.lr, "steps": steps, "batch": case.inputs["train"].size, "seed": case.seed,
               "momentum": program.MOMENTUM, "lr_halving_every": program.LR_HALVING_EVERY,
-              "carried": sorted(carried), "phases": ran,
-              "layout": FullyShard(2).layout(loaded, loaded.build("cpu")) if sharded else {}},
+              "carried": sorted(phases[-1].carried), "phases": ran,  # what the last phase loads
+              "layout": program.sharded_layout(loaded, loaded.build("cpu")) if sharded else {}},
         functions=(*model.functions, *((fully_shard_for, make_contiguous, mixed_precision, distribute) if sharded else ()),
                    full_parameters, to_numpy, parameters_after, program.EpochLoader, program.take_samples,
                    program.rng_state, program.set_rng_state, program.seed_everything, program.place,

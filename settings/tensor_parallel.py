@@ -175,7 +175,7 @@ class TensorParallel(Setting):
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         module = model.build("cpu")
-        own = own_plan(case, model, module, self.world_size, self.sequence_parallel, self.loss_parallel)
+        own, fields = own_plan(case, model, module, self.world_size, self.sequence_parallel, self.loss_parallel)
         plan = {} if own else self.derived_plan(model, module, Inputs(case.inputs["train"], case.inputs["eval"]), "cpu")
         described = own or ", ".join(f"{name}: {_describe(parallel_style(spec))}" for name, spec in plan.items())
         if self.loss_parallel:
@@ -183,22 +183,22 @@ class TensorParallel(Setting):
         return training_script(case, f"Tensor parallel (parallelize_module; {described})", self.world_size,
                                (parallel_style, whole_outputs_and_gradients, stepping, distribute, full_parameters,
                                 *((backward_on_share,) if self.loss_parallel else ())),
-                               {"plan": plan, "data_parallel": 1, "loss_parallel": self.loss_parallel,
-                                **({"own_plan": [self.world_size, self.sequence_parallel, self.loss_parallel]}
-                                   if own else {})})
+                               {"plan": plan, "data_parallel": 1, "loss_parallel": self.loss_parallel, **fields})
 
 
 def own_plan(case: StandaloneCase, model: Any, module: Any, world_size: int, sequence_parallel: bool,
-             loss_parallel: bool) -> str:
+             loss_parallel: bool) -> tuple[str, dict[str, Any]]:
     """How a script describes the plan of a kind that ships its own (`model_tp_plan`, copied from the kind's module with
-    its model); "" where the kind has none (the script derives it as the setting does)."""
+    its model), and the setting's field `distribute` calls it with; "" and none where the kind has no plan of its own
+    (the script derives it as the setting does)."""
     if (plan := model.tp_plan(module, world_size, sequence_parallel, loss_parallel)) is None:
-        return ""
+        return "", {}
     code = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
     if code is None or "model_tp_plan" not in {f.__name__ for f in code.functions}:
         raise Unsupported(f"{case.spec.kind} models run their own tensor-parallel plan, and their standalone form has "
                           "no model_tp_plan")
-    return f"the model's own plan, model_tp_plan, over {len(plan)} modules"
+    return (f"the model's own plan, model_tp_plan, over {len(plan)} modules",
+            {"own_plan": [world_size, sequence_parallel, loss_parallel]})
 
 
 def parallel_style(spec: dict[str, Any]) -> Any:

@@ -40,6 +40,8 @@ class Analysis:
     # a sweep was still committing cases when the store was read: this is the snapshot of what it had committed
     # (one read transaction), and a case whose reference is still to run is `pending`, not an error
     sweep_running: bool = False
+    # where the last analysis's files were kept, because it judged more cases than this one (`keep_superseded`)
+    superseded: Path | None = None
 
     @property
     def inconsistencies(self) -> pd.DataFrame:
@@ -110,12 +112,48 @@ def envelope_spread(run_dir: Path, model: str, setting: str, tol: Tolerance = To
     return {} if envelope is None else {name: float(e.max(initial=0.0)) for name, e in envelope.spread.items()}
 
 
+# what an analysis writes into the run folder (and ISSUE.md per finding): an analysis that judges fewer cases than the
+# last one moves these aside before it writes its own
+DERIVED_FILES = ("comparisons.csv", "inconsistencies.csv", "summary.csv", "by_feature.csv", "first_divergence.csv",
+                 "findings.csv", "findings.md", "report.html")
+
+
+def judged_before(run_dir: Path) -> int | None:
+    """How many cases the last analysis of the run judged (its summary.csv), None where it has none."""
+    try:
+        return int(pd.read_csv(run_dir / "summary.csv")["cases"].sum())
+    except (OSError, ValueError, KeyError, pd.errors.ParserError):
+        return None
+
+
+def keep_superseded(run_dir: Path, cases: int) -> Path | None:
+    """Where the last analysis judged more than `cases` cases, move what it wrote to `superseded-<time>/` (an analysis
+    never silently replaces results by fewer) and return that folder."""
+    import shutil
+    import time
+
+    before = judged_before(run_dir)
+    if before is None or cases >= before:
+        return None
+    folder = run_dir / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder.mkdir(exist_ok=True)
+    for name in DERIVED_FILES:
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, folder / name)
+    return folder
+
+
 def write_tables(run_dir: Path, analysis: Analysis) -> None:
-    """The run's CSVs of an analysis: comparisons, inconsistencies, summary (per setting), by_feature."""
-    analysis.comparisons.to_csv(run_dir / "comparisons.csv", index=False)
-    analysis.inconsistencies.to_csv(run_dir / "inconsistencies.csv", index=False)
-    analysis.by_setting.to_csv(run_dir / "summary.csv")
-    analysis.by_feature.to_csv(run_dir / "by_feature.csv", index=False)
+    """The run's CSVs of an analysis (comparisons, inconsistencies, summary per setting, by_feature), each replaced
+    whole (a reader never sees half of one)."""
+    from difftest.artifacts import atomic_path
+
+    analysis.superseded = keep_superseded(run_dir, len(analysis.cases))
+    for name, frame, index in (("comparisons.csv", analysis.comparisons, False),
+                               ("inconsistencies.csv", analysis.inconsistencies, False),
+                               ("summary.csv", analysis.by_setting, True), ("by_feature.csv", analysis.by_feature, False)):
+        with atomic_path(run_dir / name) as tmp:
+            frame.to_csv(tmp, index=index)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +31,20 @@ def atomic_save_arrays(arrays: dict[str, np.ndarray], path: Path) -> None:
 
 
 def atomic_write_text(text: str, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` to write; renamed over `path` when the block ends, removed if it raises: a
+    reader (or a kill at any moment) sees the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from difftest.errors import UserError
+from difftest.paths import absolute
 from difftest.releases import EnvironmentUnavailable, Release, environment, installed, release_range
 
 
@@ -95,6 +96,7 @@ def probe(python: Path, script: Path, timeout_s: float, standalone: bool = False
     if asked.returncode != 0:
         return "", Outcome.COULD_NOT_RUN, f"torch does not import: {_last_line(asked.stderr)}"
     stack = ", ".join(f"{k} {v}" for k, v in json.loads(asked.stdout.strip().splitlines()[-1]).items())
+    script = absolute(script)  # it runs from its own folder: a relative path would name another file
     try:
         done = subprocess.run([str(python), str(script)], capture_output=True, text=True, timeout=timeout_s,
                               cwd=script.parent)
@@ -132,6 +134,9 @@ def _standalone_outcome(code: int, printed: list[str], stderr: str) -> tuple[Out
 def bisect(run_dir: Path, finding: str, spec: str, cache: Path | None = None, timeout_s: float = 600.0,
            log: Callable[[str], None] = lambda _: None, on_step: Callable[[Step], None] = lambda _: None,
            standalone: bool = False) -> list[Step]:
+    from difftest.integrity import check_models
+
+    check_models(Path(run_dir))
     folder = Path(run_dir) / "findings" / finding
     script = folder / ("standalone.py" if standalone else "repro.py")
     if not script.is_file():

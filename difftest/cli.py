@@ -13,8 +13,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from difftest import integrity
 from difftest.errors import UserError
 from difftest.oracle import Tolerance
+from difftest.paths import absolute, shown
 from difftest.pipeline import PipelineEvents, PipelineOptions, run_pipeline
 from difftest.progress import SweepProgress
 from difftest.status import NOT_OK
@@ -32,7 +34,34 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # help text is plain: `[tf]` names an extra, not a style
 )
+
+
+def _version(value: bool) -> None:
+    """`--version`: difftest's release and the stack it would test (every library a finding can live in)."""
+    if not value:
+        return
+    from importlib import metadata
+
+    from difftest import stack
+
+    try:
+        mine = metadata.version("difftest")
+    except metadata.PackageNotFoundError:
+        mine = "not installed (run from a checkout)"
+    print(f"difftest {mine}\nstack under test: {stack.describe(stack.current())}")
+    raise typer.Exit()
+
+
+@app.callback()
+def _options_of_every_command(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print difftest's version and the stack under test, then exit.")] = False,
+) -> None:
+    """Differential testing of distributed/quantized training settings against a single-process reference."""
+
+
 settings_app = typer.Typer(help="Inspect the registered settings.", no_args_is_help=True)
 app.add_typer(settings_app, name="settings")
 console = Console(stderr=True)
@@ -40,6 +69,7 @@ console = Console(stderr=True)
 out_console = Console() if sys.stdout.isatty() else Console(width=1000)
 
 DEFAULT_OUT = Path("results/default")
+_SWEPT: list[Path] = []  # the run folders this process has swept, the last one being swept now
 
 # Shared options --------------------------------------------------------------------------------------
 SettingsOpt = Annotated[str | None, typer.Option("--settings", help="Comma-separated globs over setting names, e.g. 'reference,torchrec/*/ws2'.")]
@@ -131,12 +161,21 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
         if why:
             raise UserError(f"--kind {kind}: this kind {why}")
         kinds = (kind,)
-    counts = {k: n for k, n in _models_of(models_of).items() if k in kinds}  # kinds left out above stay out
+    named = _models_of(models_of)
+    unknown = sorted(set(named) - set(generator_kinds()))
+    if unknown:
+        raise UserError(f"--models-of: no kind {', '.join(map(repr, unknown))}; the kinds are "
+                        f"{', '.join(generator_kinds())} (and those a --plugin registers)")
+    counts = {k: n for k, n in named.items() if k in kinds}  # kinds left out above stay out
     config = RunConfig(seed=seed, models=models, kinds=kinds, models_of=counts, steps=steps, lr=lr,
                        batch_size=batch_size, plugins=plugins)
     with _progress() as progress:
         task = progress.add_task("generate", total=sum(config.count(k) for k in kinds), detail="")
-        generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m))
+        generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m), on_repaired=_tell_repaired)
+
+
+def _tell_repaired(path: Path) -> None:
+    console.print(f"recreated {escape(shown(path))}: byte for byte what generate first wrote", highlight=False)
 
 
 def _executor(executor: str, address: str | None, cpus_per_rank: float) -> ExecutorConfig:
@@ -184,16 +223,19 @@ def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int
     from difftest.spec import RunConfig
 
     load_plugins(RunConfig.load(out / "run.json").plugins + plugins)
+    integrity.check_models(out)  # a damaged input never runs as a case
+    integrity.check_store(out)  # nor is a damaged store taken for an empty one
 
     _check_devices(device, backend, executor)
     _check_jobs(jobs, executor)
     options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice, executor=executor or ExecutorConfig(), backend=backend)
     plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
+    _SWEPT.append(out)  # what an interruption's line counts
     from difftest import stack
 
     before = stack.record(out / "run.json")
     if before is not None and before.get("libraries") != stack.recorded(out).get("libraries"):
-        console.print(f"[yellow]{escape(str(out))} was swept before on another stack ({escape(stack.describe(before))}); "
+        console.print(f"[yellow]{escape(shown(out))} was swept before on another stack ({escape(stack.describe(before))}); "
                       "run.json keeps both, and its results now mix them", highlight=False)
     from difftest.live import LiveFindings
 
@@ -214,6 +256,7 @@ def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int
             report = run_sweep(out, options, on_result=on_result, on_planned=on_planned)
         finally:
             live.close()
+    integrity.keep_last_good(out)
     first = min((f.seconds for f in live.found.values()), default=None)
     console.print(
         f"sweep: {report.total} cases, {report.skipped_done} already done, ran {sum(report.statuses.values())} "
@@ -239,7 +282,7 @@ class _ConsoleEvents(PipelineEvents):
         out, tol = self.out, self.options.tolerance
         frame = analysis.by_kind
         table = Table(title=f"per model kind (allclose atol={tol.atol:g}, rtol={tol.rtol:g}; per setting: "
-                            f"{out / 'summary.csv'})")
+                            f"{shown(out / 'summary.csv')})")
         table.add_column(frame.index.name or "")
         for column in frame.columns:
             table.add_column(str(column), justify="right")
@@ -254,14 +297,17 @@ class _ConsoleEvents(PipelineEvents):
         out_console.print(
             f"calibrated oracle: {len(judged)} cases judged against their root's float64 envelope; it flags "
             f"{int((judged['verdict'] != 'ok').sum())}, D3's allclose {int((judged['d3_verdict'] != 'ok').sum())} of "
-            f"them (columns verdict / d3_verdict of {out / 'comparisons.csv'})", highlight=False)
+            f"them (columns verdict / d3_verdict of {shown(out / 'comparisons.csv')})", highlight=False)
         out_console.print(
             f"{len(analysis.cases)} cases: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-            + f"\n{out / 'inconsistencies.csv'} ({len(analysis.inconsistencies)} rows), {out / 'comparisons.csv'} "
-            f"({len(analysis.comparisons)} rows), {out / 'by_feature.csv'} (verdicts per layer kind × setting)"
+            + f"\n{shown(out / 'inconsistencies.csv')} ({len(analysis.inconsistencies)} rows), {shown(out / 'comparisons.csv')} "
+            f"({len(analysis.comparisons)} rows), {shown(out / 'by_feature.csv')} (verdicts per layer kind × setting)"
         )
+        if analysis.superseded is not None:
+            out_console.print(f"this analysis judged {len(analysis.cases)} cases, fewer than the last one: what that "
+                              f"one wrote is kept in {shown(analysis.superseded)}", style="yellow", highlight=False)
         if analysis.sweep_running:
-            out_console.print(f"a sweep is still writing {out}: this is a snapshot of the {len(analysis.cases)} "
+            out_console.print(f"a sweep is still writing {shown(out)}: this is a snapshot of the {len(analysis.cases)} "
                               "cases it has committed so far", style="yellow")
 
     def triaged(self, findings: list[Finding], seconds: float) -> None:
@@ -283,11 +329,17 @@ class _ConsoleEvents(PipelineEvents):
     def standalone(self, emitted: list[Emitted], seconds: float) -> None:
         scripts = [e for e in emitted if e.path is not None]
         reproducing = sum(e.checked is not None and e.checked.reproduces for e in scripts)
+        ours = [e for e in emitted if e.our_defect]
         console.print(f"standalone scripts (no difftest needed): {len(scripts)} of {len(emitted)} findings, "
                       f"{reproducing} reproducing when run alone; {seconds:.1f}s after minimisation (a script starts "
                       "as soon as its finding is minimal)"
                       + ("; findings.md says why the others have none" if len(scripts) < len(emitted) else ""),
                       highlight=False)
+        for e in ours:
+            console.print(f"  {e.finding_id}: {escape(e.describe())}", style="yellow", highlight=False, soft_wrap=True)
+        if ours:
+            console.print(f"{len(ours)} finding(s) lack a checked script through a defect of difftest's (above; "
+                          "please report it to difftest, not upstream)", style="yellow", highlight=False)
 
 
 def _analyze(out: Path, options: PipelineOptions, fail: bool = False, new_only: bool = False) -> None:
@@ -304,15 +356,15 @@ def _print_findings(out: Path, findings: list[Finding], minimised: list[Minimisa
     from difftest.triage import upstream_counts
 
     if not findings:
-        out_console.print(f"no findings: every case that ran agreed with its reference. Report: {report}")
+        out_console.print(f"no findings: every case that ran agreed with its reference. Report: {shown(report)}")
         return
     smallest = {m.finding_id: m for m in minimised}
     listed = [f for f in findings if f.upstream == Upstream.NEW] if new_only else findings
-    shown = listed[:30]
-    out_console.print(f"{len(findings)} distinct findings, most severe first ({out / 'findings.md'}); upstream: "
+    listed_here = listed[:30]
+    out_console.print(f"{len(findings)} distinct findings, most severe first ({shown(out / 'findings.md')}); upstream: "
                       f"{upstream_counts(findings)}" + (" (only the new ones below)" if new_only else "") + ":",
                       highlight=False)
-    for f in shown:
+    for f in listed_here:
         m = smallest.get(f.id)
         minimal = ""
         if m is not None and m.best is not m.original:
@@ -321,9 +373,9 @@ def _print_findings(out: Path, findings: list[Finding], minimised: list[Minimisa
         title = f.title if len(f.title) <= 110 else f.title[:109] + "…"
         out_console.print(f"  {f.id} {f.status:<12} {f.upstream!s:<10} {len(f.rows):>3} case(s)  {escape(title)}{minimal}",
                           highlight=False, soft_wrap=True)
-    if len(listed) > len(shown):
-        out_console.print(f"  … and {len(listed) - len(shown)} more in {out / 'findings.csv'}")
-    out_console.print(f"reproduce one alone: python {out / 'findings' / '<id>' / 'repro.py'}\nreport: {report}",
+    if len(listed) > len(listed_here):
+        out_console.print(f"  … and {len(listed) - len(listed_here)} more in {shown(out / 'findings.csv')}")
+    out_console.print(f"reproduce one alone: python {shown(out / 'findings')}/<id>/repro.py\nreport: {shown(report)}",
                       highlight=False)
 
 
@@ -355,6 +407,7 @@ def run(
 ) -> None:
     """Generate models, sweep the default tier, analyse, group what is not ok into findings and shrink each one's
     example: the whole job on a small default."""
+    out = absolute(out)
     from difftest.registry import load_plugins, select_settings
 
     plugins = tuple(plugin or ())
@@ -379,18 +432,34 @@ def run(
 
 @app.command()
 def generate(
-    out: Annotated[Path, typer.Option("--out", help="Run folder to create.")] = DEFAULT_OUT,
-    models: Annotated[int, typer.Option("--models", min=1, help="Models per kind.")] = 2,
-    models_of: ModelsOfOpt = "",
-    seed: Annotated[int, typer.Option("--seed", help="Generation seed.")] = 0,
-    kind: KindOpt = "all",
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per case.")] = 1,
-    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.1,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=12, help="Global batch (a multiple of 12).")] = 24,
+    out: Annotated[Path, typer.Option("--out", help="Run folder to create; on an existing run, the options it was made with are taken where none is given, and its missing or damaged files are recreated.")] = DEFAULT_OUT,
+    models: Annotated[int | None, typer.Option("--models", min=1, help="Models per kind (default 2).")] = None,
+    models_of: Annotated[str | None, typer.Option("--models-of", help="Comma-separated kind=N: models of those kinds, instead of --models.")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Generation seed (default 0).")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the [tf] extra), a kind a --plugin registers, or 'all' (the default: every kind this machine can build).")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", min=1, help="Training steps per case (default 1).")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="SGD learning rate (default 0.1).")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", min=12, help="Global batch, a multiple of 12 (default 24).")] = None,
     plugin: PluginOpt = None,
 ) -> None:
-    """Generate model specs, initial weights and inputs, reproducible from (seed, index)."""
-    _generate(out, models, seed, kind, steps, lr, batch_size, tuple(plugin or ()), models_of)
+    """Generate model specs, initial weights and inputs, reproducible from (seed, index), and record each file's
+    digest. On an existing run folder, given no options, it takes the run's own and recreates exactly the files that
+    are missing or damaged, byte for byte."""
+    from difftest.spec import RunConfig
+
+    out, plugins = absolute(out), tuple(plugin or ())
+    given = (models, models_of, seed, kind, steps, lr, batch_size)
+    if (out / "run.json").is_file() and all(option is None for option in given):
+        from difftest.generate import generate as generate_run
+
+        config = RunConfig.load(out / "run.json")
+        with _progress() as progress:
+            task = progress.add_task("generate", total=sum(config.count(k) for k in config.kinds), detail="")
+            generate_run(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m),
+                         on_repaired=_tell_repaired)
+        return
+    _generate(out, 2 if models is None else models, seed or 0, kind or "all", steps or 1, 0.1 if lr is None else lr,
+              batch_size or 24, plugins, models_of or "")
 
 
 @app.command()
@@ -414,6 +483,7 @@ def sweep(
     minimize_budget: MinimizeOpt = 20.0,
 ) -> None:
     """Run every (model, setting) case not yet committed in RUN_DIR (a rerun resumes), then analyse and triage."""
+    run_dir = absolute(run_dir)
     where = _executor(executor, address, cpus_per_rank)
     judging = _options(atol, rtol, oracle, minimize_budget, timeout, device)
     _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where, backend,
@@ -451,7 +521,7 @@ def quant(
     from difftest.registry import load_plugins
     from difftest.spec import RunConfig
 
-    plugins = tuple(plugin or ())
+    plugins, run_dir = tuple(plugin or ()), absolute(run_dir)
     if not (run_dir / "run.json").is_file():
         raise UserError(f"{run_dir}: no run.json; make the run first with `difftest generate --out {run_dir}`")
     load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
@@ -478,7 +548,7 @@ def analyze(
     into distinct findings (findings.csv, findings.md), shrink each one's example (findings/<id>/{repro.py,
     minimize.json, run/}) and write report.html. A run whose sweep is still going is judged and triaged as far as
     it has got (not minimised). Also callable as `difftest triage`."""
-    _analyze(run_dir, _options(atol, rtol, oracle, minimize_budget, timeout, device), fail_on_inconsistency, new_only)
+    _analyze(absolute(run_dir), _options(atol, rtol, oracle, minimize_budget, timeout, device), fail_on_inconsistency, new_only)
 
 
 # the one command under its older name: scripts that call `difftest triage` keep working
@@ -499,9 +569,11 @@ def repro(
     from difftest.repro import reproduce
 
     load_plugins(tuple(plugin or ()))
+    run_dir = absolute(run_dir)
     if not (run_dir / "run.json").is_file():
         raise UserError(f"{run_dir}: no run.json; give a run folder made by `difftest generate` or `difftest run`")
     get_setting(setting)  # an unknown name fails here with the hint
+    integrity.check_models(run_dir, {model})
     result = reproduce(run_dir, model, setting, timeout_s=timeout, device=device, plugins=tuple(plugin or ()))
     out_console.print(escape(result.describe()), highlight=False)
     if result.reproduces:
@@ -528,7 +600,7 @@ def bisect(
         console.print(f"  {step.target}: {step.outcome} ({step.seconds:.0f}s) {escape(step.detail)}", highlight=False)
         table.add_row(step.target, escape(step.stack), str(step.outcome), escape(step.detail), f"{step.seconds:.0f}")
 
-    steps = run_bisect(run_dir, finding, torch, cache, timeout, log=lambda line: console.print(escape(line)),
+    steps = run_bisect(absolute(run_dir), finding, torch, cache, timeout, log=lambda line: console.print(escape(line)),
                        on_step=show, standalone=standalone)
     out_console.print(table)
     out_console.print(verdict(steps), highlight=False)
@@ -544,6 +616,10 @@ def diff_command(
     from difftest import stack
     from difftest.run_diff import diff_runs
 
+    run_a, run_b = absolute(run_a), absolute(run_b)
+    if run_a == run_b or (run_a.exists() and run_b.exists() and run_a.samefile(run_b)):
+        raise UserError(f"{run_a}: given twice; `difftest diff` compares two runs of the same models (say, on two "
+                        "stacks): give the other run's folder")
     result = diff_runs(run_a, run_b)
     for label, recorded in zip("AB", result.stacks, strict=True):
         out_console.print(f"{label}: {escape(stack.describe(recorded))}", highlight=False)
@@ -560,6 +636,30 @@ def diff_command(
     if result.models_differ:
         out_console.print(f"left out: {len(result.models_differ)} model(s) whose weights or inputs differ between the "
                           f"runs ({', '.join(result.models_differ)})", highlight=False)
+
+
+@app.command()
+def verify(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder.")],
+    repair: Annotated[bool, typer.Option("--repair", help="Uncommit the cases whose outputs are missing or damaged, so that the next sweep runs them again (damaged model files: `difftest generate --out RUN_DIR` recreates them).")] = False,
+) -> None:
+    """Check a run folder: run.json, every model file against the digest generate recorded, the store (SQLite's
+    integrity check), every committed case's outputs. Exit 0 only when all is sound; each problem is one line with
+    its repair."""
+    run_dir = absolute(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run folder")
+    from difftest.verify import verify as verify_run
+
+    result = verify_run(run_dir, repair_outputs=repair)
+    for line in result.checked:
+        out_console.print(f"ok: {escape(line)}", highlight=False, soft_wrap=True)
+    for line in result.problems:
+        out_console.print(f"damaged: {escape(line)}", highlight=False, soft_wrap=True)
+    out_console.print(f"{shown(run_dir)}: " + ("sound" if result.sound else f"{len(result.problems)} problem(s)"),
+                      highlight=False)
+    if not result.sound:
+        raise typer.Exit(1)
 
 
 @settings_app.command("list")
@@ -629,12 +729,33 @@ def derived_families() -> list[tuple[str, str]]:
     return families
 
 
+def _committed(run_dir: Path) -> int | None:
+    """Cases committed in the run's store, read without writing to it; None where it cannot be read."""
+    import sqlite3
+
+    try:
+        db = sqlite3.connect(f"file:{run_dir / 'store.sqlite'}?mode=ro", uri=True, timeout=5)
+        try:
+            return int(db.execute("SELECT count(*) FROM cases").fetchone()[0])
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+
+
 def main() -> None:
     try:
         app()
     except UserError as exc:
         console.print(f"difftest: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        where = _SWEPT[-1] if _SWEPT else None
+        done = _committed(where) if where is not None else None
+        console.print("difftest: interrupted" + (f" with {done} case(s) of {shown(where)} committed" if where and
+                                                 done is not None else "") + "; the same command resumes where it "
+                      "stopped (nothing committed is run again)", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from difftest import stack
+from difftest import integrity, stack
 from difftest.artifacts import atomic_write_text, save_model
 from difftest.errors import UserError
 from difftest.registry import get_generator, load_plugins
@@ -148,20 +148,69 @@ class ModelBuilders:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
 
 
-def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] | None = None) -> list[str]:
+def repair(spec: ModelSpec, model_dir: Path, batch_size: int, damaged: list[Path], digests: dict[str, str],
+           run_dir: Path) -> list[Path]:
+    """Write the model again in a folder beside it and put back each of the `damaged` files that came out byte for
+    byte as `generate` first wrote it (`digests`); return those put back. One that comes out otherwise is left as it
+    is, and the error (raised once the others are back) says so: the run's results were computed from its recorded
+    bytes."""
+    with tempfile.TemporaryDirectory(prefix=".regenerate-", dir=run_dir) as scratch:
+        fresh = Path(scratch) / model_dir.name
+        materialise(spec, fresh, batch_size)
+        same = [p for p in damaged if (fresh / p.name).is_file()
+                and integrity.file_digest(fresh / p.name) == digests[p.relative_to(run_dir).as_posix()]]
+        model_dir.mkdir(parents=True, exist_ok=True)
+        for path in sorted(same, key=lambda p: p.name == "spec.json"):  # the spec last: it marks a complete model
+            (fresh / path.name).replace(path)
+    other = [p for p in damaged if p not in same]
+    if other:
+        raise UserError(f"{other[0]}: generated again, it does not come out byte for byte as the run first had it "
+                        f"({integrity.why_not_repeatable(other[0])}); the run's results were computed from the "
+                        "recorded bytes: restore the file from a copy, or make the run again in a new folder")
+    return same
+
+
+def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] | None = None,
+             on_repaired: Callable[[Path], None] | None = None) -> list[str]:
+    """Write the run's models (a model folder already complete is kept), record every file's digest in run.json, and
+    recreate, byte for byte, any recorded file that is missing or damaged (`on_repaired` is told of each)."""
     load_plugins(config.plugins)
     if config.batch_size % 12:
         raise UserError(f"--batch-size {config.batch_size}: must be a multiple of 12 so it splits over 1, 2, 3 and 4 ranks")
     config = prepare_run(run_dir, config)
     stack.record(run_dir / RUN_FILE)
-    ids = []
+    digests = integrity.recorded_digests(run_dir)
+    damage = integrity.damaged_files(run_dir)
+    if any(d.path.name == RUN_FILE for d in damage):
+        integrity.check_models(run_dir)  # run.json itself: nothing here can recreate it
+    damaged = {d.path for d in damage}
+    ids, beyond_repair = [], []
     for kind in config.kinds:
         generator = get_generator(kind)
         for index in range(config.count(kind)):
             spec = generator.spec(config.seed, index)
             model_dir = run_dir / "models" / spec.model_id
-            materialise(spec, model_dir, config.batch_size)
+            broken = sorted(p for p in damaged if p.parent == model_dir)
+            if broken:
+                try:
+                    repaired = repair(spec, model_dir, config.batch_size, broken, digests, run_dir)
+                except UserError as exc:  # the other models are repaired all the same
+                    beyond_repair.append(str(exc))
+                    repaired = [p for p in broken if p.is_file() and integrity.file_digest(p) == digests.get(
+                        p.relative_to(run_dir).as_posix())]
+                for path in repaired:
+                    if on_repaired is not None:
+                        on_repaired(path)
+                if len(repaired) < len(broken):
+                    continue
+            else:
+                materialise(spec, model_dir, config.batch_size)
+            if any(p.relative_to(run_dir).as_posix() not in digests for p in integrity.model_files(model_dir)):
+                integrity.record(run_dir, [model_dir])
             ids.append(spec.model_id)
             if on_model is not None:
                 on_model(spec.model_id)
+    if beyond_repair:
+        more = f" (and {len(beyond_repair) - 1} more model(s) like it)" if len(beyond_repair) > 1 else ""
+        raise UserError(beyond_repair[0] + more)
     return ids

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from difftest import stack
+from difftest.artifacts import atomic_write_text
 from difftest.errors import UserError
 from difftest.render import render
 from difftest.standalone import STANDALONE_FILE
@@ -118,7 +119,7 @@ def write_issue(run_dir: Path, analysis: Analysis, finding: Finding, minimised: 
                   no_script=why_no_script(folder),
                   settings=sorted(finding.rows["setting"].unique()), models=finding.rows["model"].nunique())
     path = folder / ISSUE_FILE
-    path.write_text(text)
+    atomic_write_text(text, path)
     return path
 
 

@@ -106,11 +106,14 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options
 def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents | None = None) -> PipelineResult:
     """judge → triage → minimise → standalone scripts → report, on a swept (or still sweeping) run folder; a run
     still being swept gets no scripts (its findings are not final)."""
+    from difftest import integrity
     from difftest.issue_report import write_issues
     from difftest.report import write_report
     from difftest.standalone_findings import StandaloneScripts
     from difftest.triage import write_findings
 
+    integrity.check_models(run_dir)  # what the cases ran on is what generate wrote
+    integrity.check_store(run_dir)  # a damaged store is never judged as an empty one
     events = events or PipelineEvents()
     started = time.perf_counter()
     analysis = judge(run_dir, options)
@@ -129,4 +132,6 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
         events.standalone(emitted, time.perf_counter() - started)
     write_issues(run_dir, analysis, findings, minimised)
     report = write_report(run_dir, analysis, findings, minimised, options.tolerance)
+    if not analysis.sweep_running:
+        integrity.keep_last_good(run_dir)
     return PipelineResult(analysis, findings, minimised, report)

@@ -14,6 +14,7 @@ import pandas as pd
 
 from difftest import stack
 from difftest.analysis import Analysis
+from difftest.artifacts import atomic_write_text
 from difftest.signature import setting_family
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list[Finding], min
         findings=[_shown(run_dir, f, smallest.get(f.id)) for f in findings],
         not_ok=sum(len(f.rows) for f in findings), figures=drawn)
     path = run_dir / REPORT
-    path.write_text(page, encoding="utf-8")
+    atomic_write_text(page, path)
     return path
 
 

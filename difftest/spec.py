@@ -72,7 +72,8 @@ class RunConfig:
     def load(cls, path: Path) -> RunConfig:
         try:
             raw = json.loads(path.read_text())
-            for recorded in ("stack", "earlier_stacks"):  # what ran it (difftest.stack), not how it was made
+            # what ran it (difftest.stack) and the digests of what generate wrote (difftest.integrity), not how it was made
+            for recorded in ("stack", "earlier_stacks", "files"):
                 raw.pop(recorded, None)
             for key in ("kinds", "plugins"):
                 raw[key] = tuple(raw.get(key, ()))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftest.errors import Unsupported
+from difftest.paths import absolute
 from difftest.runner.scheduler import machine_ranks
 from difftest.standalone import (
     BUG_PRESENT,
@@ -54,6 +55,7 @@ def check_script(path: Path, timeout_s: float = 120.0, python: str = sys.executa
     `niceness`, the script and the ranks it starts (they inherit it) run at that lower priority. A script past its
     timeout is killed with every process it started."""
     started = time.perf_counter()
+    path = absolute(path)  # it runs from another folder: a path relative to this one would name another file
     with subprocess.Popen([python, str(path)], cwd=path.parent.parent, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) as process:
         if niceness:
@@ -80,15 +82,28 @@ class Emitted:
     path: Path | None
     why_not: str = ""
     checked: Checked | None = None
+    # difftest failed to write it (its emitter raised): counted and told as a defect of ours, not as the library's
+    defect: bool = False
+
+    @property
+    def our_defect(self) -> bool:
+        """Whether difftest, not the library, kept this finding from a checked script: its emitter raised, or the
+        written script failed on its own (exit 2: a mistake of ours or a missing library; 124: no answer in time)."""
+        return self.defect or (self.checked is not None and self.checked.exit_code not in (0, 1))
 
     def describe(self) -> str:
         if self.path is None:
             return f"{NO_SCRIPT}{self.why_not}"
         if self.checked is None:
             return f"{STANDALONE_FILE} written, not run"
-        verdict = "reproduces (exit 1)" if self.checked.reproduces else {0: "does not reproduce (exit 0)"}.get(
-            self.checked.exit_code, f"could not run (exit {self.checked.exit_code})")
-        return f"{STANDALONE_FILE} {verdict} in {self.checked.seconds:.1f} s"
+        code = self.checked.exit_code
+        if self.checked.reproduces or code in (0, 1):
+            verdict = "reproduces (exit 1)" if self.checked.reproduces else {0: "does not reproduce (exit 0)"}.get(
+                code, "exits 1 without saying BUG PRESENT")
+            return f"{STANDALONE_FILE} {verdict} in {self.checked.seconds:.1f} s"
+        lines = [line.strip() for line in self.checked.output.splitlines() if line.strip()]
+        why = (lines[-1] if lines else "it printed nothing")[:300]
+        return (f"{STANDALONE_FILE} could not run (exit {code}) in {self.checked.seconds:.1f} s, {OUR_DEFECT}{why}")
 
 
 def sealed_environment(folder: Path) -> dict[str, str]:
@@ -140,6 +155,10 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
         path = write_script(folder, case, script)
     except Unsupported as exc:
         emitted = Emitted(finding_id, setting.family, None, str(exc))
+    except Exception as exc:  # the emitter's own failure: a defect of difftest's, never the end of the run
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        emitted = Emitted(finding_id, setting.family, None, f"{OUR_DEFECT}the `{setting.family}` emitter raised "
+                          f"{type(exc).__name__}: {first}", defect=True)
     else:
         emitted = Emitted(finding_id, setting.family, path)
     _record(folder, emitted)
@@ -154,6 +173,7 @@ _OWN_LINE = re.compile(r"^(python \d|\S+: (\d+ of \d+ elements (off|differ)|the 
                        r"the same in both runs)|BUG PRESENT|ok: |COULD NOT RUN)")
 _AGREEING_LINE = re.compile(r": (0 of \d+ elements off|the same in both runs)")
 NO_SCRIPT = "no standalone script: "  # how `standalone.txt` begins where the finding has none, then why
+OUR_DEFECT = "a defect of difftest's: "  # where it has none because difftest failed (after NO_SCRIPT)
 
 
 def own_lines(output: str) -> list[str]:

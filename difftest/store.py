@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from difftest.artifacts import atomic_save_arrays, load_arrays
+from difftest.errors import UserError
+from difftest.integrity import DamagedRun, check_store
 
 
 def results_digest(run_dir: Path) -> dict[tuple[str, str], tuple[str, str, int | None, str | None]]:
@@ -71,6 +73,13 @@ class Store:
         self.run_dir = run_dir
         self.outputs_dir = run_dir / "outputs"
         self._lock = threading.Lock()
+        try:
+            self._open(run_dir)
+        except sqlite3.DatabaseError:
+            check_store(run_dir)  # one line saying what is damaged and where the last good results are
+            raise
+
+    def _open(self, run_dir: Path) -> None:
         self._db = sqlite3.connect(run_dir / "store.sqlite", check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL: a commit is in the write-ahead log the moment it returns, so a killed sweep (kill -9 included)
@@ -115,5 +124,12 @@ class Store:
         return [CaseRecord(*row) for row in rows]
 
     def load_outputs(self, record: CaseRecord) -> dict[str, np.ndarray]:
+        """The case's committed outputs; a damaged or missing file is one line saying how to run the case again."""
         assert record.outputs is not None
-        return load_arrays(self.outputs_dir / record.outputs)
+        path = self.outputs_dir / record.outputs
+        try:
+            return load_arrays(path)
+        except UserError:
+            raise DamagedRun(f"{path}: the committed outputs of {record.model} × {record.setting} are missing or "
+                             f"damaged; `difftest verify {self.run_dir} --repair` uncommits every such case, so "
+                             "that the next sweep runs it again") from None

@@ -27,6 +27,7 @@ import pandas as pd
 
 from difftest import stack
 from difftest.analysis import Analysis
+from difftest.artifacts import atomic_path, atomic_write_text
 from difftest.errors import UserError
 from difftest.known import KnownIssue, Upstream, match, stack_versions
 from difftest.oracle import Tolerance
@@ -133,7 +134,8 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     failed = cases[cases["verdict"].isin(FAILURES + DISAGREEMENTS)]
     messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
     earliest = first_divergences(analysis)
-    earliest.to_csv(run_dir / "first_divergence.csv", index=False)  # per disagreeing case
+    with atomic_path(run_dir / "first_divergence.csv") as tmp:
+        earliest.to_csv(tmp, index=False)  # per disagreeing case
     divergence = earliest.set_index(["model", "setting"])
     features = _features(run_dir)
     versions = stack_versions(stack.recorded(run_dir).get("libraries", {}))
@@ -302,11 +304,12 @@ def write_findings(run_dir: Path, findings: list[Finding]) -> None:
     from difftest.render import render
     from difftest.standalone import STANDALONE_FILE
 
-    pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(run_dir / "findings.csv",
-                                                                                      index=False)
-    (run_dir / "findings.md").write_text(render(
+    with atomic_path(run_dir / "findings.csv") as tmp:
+        pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(tmp, index=False)
+    atomic_write_text(render(
         "findings.md.j2", run_dir=run_dir, stack=stack.describe(stack.recorded(run_dir)), findings=findings,
         reproducers={f.id: _reproducer(run_dir, f) for f in findings}, cases=sum(len(f.rows) for f in findings),
         upstream=upstream_counts(findings), standalone=standalone_verdicts(run_dir, findings),
-        with_script={f.id for f in findings if (run_dir / "findings" / f.id / STANDALONE_FILE).is_file()}))
+        with_script={f.id for f in findings if (run_dir / "findings" / f.id / STANDALONE_FILE).is_file()}),
+        run_dir / "findings.md")
 

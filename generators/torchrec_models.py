@@ -13,12 +13,13 @@ prediction = sigmoid(logit) for the DLRMs, DeepFM's own sigmoid output; loss = b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from difftest.generator import ModelCode
+from difftest.generator import EmbeddingTable, ModelCode
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
 from generators.dlrm import DlrmGenerator, _mlp_sizes, feature_kjt, input_reductions
@@ -83,6 +84,12 @@ class TorchRecModelGenerator(DlrmGenerator):
                 bound = 1.0 / np.sqrt(shape[-1]) if len(shape) >= 2 else 0.2
             state[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
         return state
+
+    def embedding_tables(self, spec: ModelSpec) -> list[EmbeddingTable]:
+        """The `dlrm` kind's tables, in the collection TorchRec's model holds them (its state's names say where)."""
+        collection = next(name.partition(".embedding_bags.")[0] for name in self.parameter_shapes(spec.params)
+                          if ".embedding_bags." in name)
+        return [dataclasses.replace(t, collection=collection) for t in super().embedding_tables(spec)]
 
     def features(self, spec: ModelSpec) -> list[str]:
         out = [spec.params["architecture"], *sorted({f"pooling:{t['pooling']}" for t in spec.params["tables"]})]

@@ -198,8 +198,7 @@ class Judge:
         key = (model, reference)
         if key not in self._outputs:
             ref = self.records.get(key)
-            loaded = _load(self.store, ref) if ref is not None and ref.status == "ok" else None
-            self._outputs[key] = loaded if isinstance(loaded, dict) else None
+            self._outputs[key] = _load(self.store, ref) if ref is not None and ref.status == "ok" else None
         return self._outputs[key]
 
     def envelope(self, model: str, setting: Setting | None) -> tuple[Envelope | None, str]:
@@ -256,8 +255,6 @@ class Judge:
         if why_not == _PENDING:
             return None
         actual = _load(self.store, record)
-        if isinstance(actual, str):  # a finding of its own in triage, not a traceback that ends the analysis
-            return Judgement("error", rows=[_case_row(base, "error", f"outputs unreadable: {actual}")])
         return judge_outputs(actual, expected, envelope, why_not, setting, self.tol, base, record.message)
 
 
@@ -290,12 +287,10 @@ def judge_outputs(actual: Outputs, expected: Outputs, envelope: Envelope | None,
                      max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan), rows)
 
 
-def _load(store: Store, record: CaseRecord) -> Outputs | str:
-    """A case's stored outputs, or why they cannot be read (truncated, corrupted, deleted)."""
-    try:
-        return store.load_outputs(record)
-    except (UserError, OSError) as exc:
-        return str(exc)
+def _load(store: Store, record: CaseRecord) -> Outputs:
+    """A case's stored outputs. A file truncated, corrupted or deleted is a damaged run (`DamagedRun`: one line, and
+    `difftest verify --repair` runs the case again), never a finding: the library computed nothing wrong."""
+    return store.load_outputs(record)
 
 
 def _case_row(base: dict[str, Any], status: str, message: str) -> dict[str, Any]:

@@ -163,7 +163,10 @@ def store_damage(run_dir: Path) -> str | None:
     """Why the run's store cannot be trusted, or None: SQLite's quick_check fails, it does not open, or it has lost
     its table of cases while the run holds committed outputs (a store truncated to nothing reads as a new, empty one)."""
     path = run_dir / STORE_FILE
+    outputs = run_dir / "outputs"
     if not path.exists():
+        if outputs.is_dir() and any(outputs.rglob("*.safetensors")):
+            return "it is missing, though outputs/ holds committed cases' files"
         return None
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -176,7 +179,6 @@ def store_damage(run_dir: Path) -> str | None:
         return f"SQLite cannot read it: {exc}"
     if check != "ok":
         return f"SQLite's integrity check says: {check}"
-    outputs = run_dir / "outputs"
     if "cases" not in tables and outputs.is_dir() and any(outputs.rglob("*.safetensors")):
         return f"it holds no table of cases ({path.stat().st_size} bytes), though outputs/ holds committed cases' files"
     return None
@@ -187,13 +189,16 @@ def check_store(run_dir: Path) -> None:
     why = store_damage(run_dir)
     if why is None:
         return
+    raise DamagedRun(f"{run_dir / STORE_FILE} is damaged ({why}); nothing was written from it; "
+                     f"{last_good_advice(run_dir)}")
+
+
+def last_good_advice(run_dir: Path) -> str:
     good = run_dir / LAST_GOOD_STORE
     if good.is_file():
-        keep = (f"the last good results are kept in {good}: copy it over {STORE_FILE} to resume from there (the cases "
-                f"committed after it run again), or delete {STORE_FILE} to run every case again")
-    else:
-        keep = f"no good copy was kept: delete {STORE_FILE} to run every case again"
-    raise DamagedRun(f"{run_dir / STORE_FILE} is damaged ({why}); nothing was written from it; {keep}")
+        return (f"the last good results are kept in {good}: copy it over {STORE_FILE} to resume from there (the "
+                f"cases committed after it run again), or delete {STORE_FILE} and outputs/ to run every case again")
+    return f"no good copy was kept: delete {STORE_FILE} and outputs/ to run every case again"
 
 
 def keep_last_good(run_dir: Path) -> None:

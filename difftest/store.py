@@ -7,6 +7,7 @@ any moment leaves either a committed case or none; a rerun executes exactly the 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import sqlite3
 import threading
 import time
@@ -17,7 +18,7 @@ import numpy as np
 
 from difftest.artifacts import atomic_save_arrays, load_arrays
 from difftest.errors import UserError
-from difftest.integrity import DamagedRun, check_store
+from difftest.integrity import STORE_FILE, DamagedRun, check_store, file_digest, last_good_advice
 
 
 def results_digest(run_dir: Path) -> dict[tuple[str, str], tuple[str, str, int | None, str | None]]:
@@ -48,9 +49,21 @@ CREATE TABLE IF NOT EXISTS cases (
     wall_s REAL,
     outputs TEXT,
     finished_at REAL NOT NULL,
+    outputs_sha256 TEXT,
+    row_sha256 TEXT,
     PRIMARY KEY (model, setting)
 );
 """
+# added to a store made before them: its rows have no checksums, and are read as they are
+_CHECKSUM_COLUMNS = ("outputs_sha256", "row_sha256")
+
+
+def _row_digest(record: CaseRecord, outputs_sha256: str | None) -> str:
+    """The checksum of a committed row: SQLite checks its pages' structure, not the values in them (a flipped bit in
+    a status or a message reads back as another value), so each row carries its own."""
+    fields = (record.model, record.setting, record.status, record.message, record.rank, record.wall_s,
+              record.outputs, outputs_sha256)
+    return hashlib.sha256(repr(fields).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class Store:
         self.run_dir = run_dir
         self.outputs_dir = run_dir / "outputs"
         self._lock = threading.Lock()
+        self._outputs_sha256: dict[str | None, str | None] = {}  # outputs file → its checksum, as `records` read it
         try:
             self._open(run_dir)
         except sqlite3.DatabaseError:
@@ -88,24 +102,32 @@ class Store:
         # through: 1.2 ms a case here.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(cases)")}
+        for column in _CHECKSUM_COLUMNS:
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE cases ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         self._db.close()
 
     def commit(self, record: CaseRecord, outputs: dict[str, np.ndarray] | None) -> CaseRecord:
         """Stores `record` and its outputs; the record as committed (with its outputs file)."""
-        rel = None
+        rel = digest = None
         if outputs is not None:
             rel = outputs_filename(record.model, record.setting)
             path = self.outputs_dir / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_save_arrays(outputs, path)
+            digest = file_digest(path)
+        committed = dataclasses.replace(record, outputs=rel)
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO cases VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (record.model, record.setting, record.status, record.message, record.rank, record.wall_s, rel, time.time()),
+                "INSERT OR REPLACE INTO cases (model, setting, status, message, rank, wall_s, outputs, finished_at, "
+                "outputs_sha256, row_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (record.model, record.setting, record.status, record.message, record.rank, record.wall_s, rel,
+                 time.time(), digest, _row_digest(committed, digest)),
             )
-        return dataclasses.replace(record, outputs=rel)
+        return committed
 
     def forget(self, cases: list[tuple[str, str]]) -> None:
         """Uncommit (model, setting) cases, so the next sweep runs them again."""
@@ -117,17 +139,44 @@ class Store:
             return {(m, s) for m, s in self._db.execute("SELECT model, setting FROM cases")}
 
     def records(self) -> list[CaseRecord]:
+        """Every committed case; a row that no longer matches its checksum is one line (`DamagedRun`)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT model, setting, status, message, rank, wall_s, outputs FROM cases ORDER BY model, setting"
+                "SELECT model, setting, status, message, rank, wall_s, outputs, outputs_sha256, row_sha256 FROM cases "
+                "ORDER BY model, setting"
             ).fetchall()
-        return [CaseRecord(*row) for row in rows]
+        records = []
+        for *fields, outputs_sha256, row_sha256 in rows:
+            record = CaseRecord(*fields)
+            if row_sha256 is not None and row_sha256 != _row_digest(record, outputs_sha256):
+                raise DamagedRun(f"{self.run_dir / STORE_FILE} is damaged: the row of {record.model} × "
+                                 f"{record.setting} no longer matches its checksum; nothing was written from it; "
+                                 f"{last_good_advice(self.run_dir)}")
+            self._outputs_sha256[record.outputs] = outputs_sha256
+            records.append(record)
+        return records
+
+    def outputs_damage(self, record: CaseRecord) -> str | None:
+        """What is wrong with a committed case's outputs file (missing, not its checksum, unreadable), or None."""
+        try:
+            self.load_outputs(record)
+        except DamagedRun:
+            path = self.outputs_dir / str(record.outputs)
+            if not path.is_file():
+                return f"{path}: missing"
+            expected = self._outputs_sha256.get(record.outputs)
+            return f"{path}: " + ("differs from its checksum" if expected and file_digest(path) != expected
+                                  else "unreadable")
+        return None
 
     def load_outputs(self, record: CaseRecord) -> dict[str, np.ndarray]:
         """The case's committed outputs; a damaged or missing file is one line saying how to run the case again."""
         assert record.outputs is not None
         path = self.outputs_dir / record.outputs
         try:
+            expected = self._outputs_sha256.get(record.outputs)
+            if expected is not None and path.is_file() and file_digest(path) != expected:
+                raise UserError(f"{path}: differs from its checksum")
             return load_arrays(path)
         except UserError:
             raise DamagedRun(f"{path}: the committed outputs of {record.model} × {record.setting} are missing or "

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from difftest.analysis import analyze
 from difftest.finding_folders import write_finding_folders
+from difftest.integrity import DamagedRun
 from difftest.live import LiveFindings
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.signature import (
@@ -170,9 +173,11 @@ def test_unreadable_outputs_and_a_run_with_nothing_wrong(fresh_run: Path) -> Non
     assert list(pd.read_csv(fresh_run / "findings.csv").columns) == FINDINGS_COLUMNS
     broken = next((fresh_run / "outputs").rglob("*table_wise*"))
     broken.write_bytes(b"truncated")
-    findings = triage(fresh_run, analyze(fresh_run))
-    assert len(findings) == 1 and findings[0].status == "error"
-    assert findings[0].title.startswith("error: outputs unreadable") and len(findings[0].rows) == 1
+    # a damaged file is ours to repair, never the library's finding: one line naming it, and nothing written
+    written = (fresh_run / "findings.csv").read_bytes()
+    with pytest.raises(DamagedRun, match=f"{re.escape(str(broken))}: the committed outputs .* --repair"):
+        analyze(fresh_run)
+    assert (fresh_run / "findings.csv").read_bytes() == written
 
 
 def test_minimisation_shrinks_each_example_while_it_fails_the_same_way(fresh_run: Path) -> None:

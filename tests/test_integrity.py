@@ -1,0 +1,165 @@
+"""A damaged run folder never becomes "no findings": each kind of file truncated, bit-flipped and deleted, and what
+the commands then do (difftest.integrity, difftest.verify).
+
+The documented outcome of each cell: `analyze` stops with one line naming the damaged file (exit 2 in the CLI) and
+writes nothing; then a model file is recreated by `generate` byte for byte, a case's outputs are uncommitted by
+`verify --repair` and run again by `sweep`, and the run judges exactly as before. run.json and the store cannot be
+recreated from the folder: their line says so (and where the last good store is kept).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from difftest.cli import app
+from difftest.errors import UserError
+from difftest.generate import generate
+from difftest.spec import RunConfig
+
+
+def _cli(*args: str) -> tuple[int, str, BaseException | None]:
+    """(exit code as `difftest` would give it, output, the exception) of a command run in this process."""
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    if isinstance(result.exception, UserError):
+        return 2, str(result.exception), result.exception
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception  # a traceback: never a documented outcome
+    return result.exit_code, result.output, None
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One DLRM-like model swept under the reference and its calibration runs, analysed."""
+    run_dir = tmp_path_factory.mktemp("integrity") / "run"
+    generate(run_dir, RunConfig(seed=0, models=1))
+    code, output, _ = _cli("sweep", run_dir, "--settings", "reference,ddp/default/ws2", "--minimize-budget", "0")
+    assert code == 0, output[-2000:]
+    return run_dir
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path: Path, at: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _flip_a_value(path: Path) -> None:
+    """A bit of run.json's configuration (its learning rate), so that the file still reads as JSON."""
+    data = path.read_bytes()
+    _flip(path, data.index(b'"lr": ') + len(b'"lr": ') + 2)
+
+
+DAMAGES: dict[str, Callable[[Path], None]] = {"truncated": _truncate, "bit-flipped": _flip,
+                                                "deleted": lambda p: p.unlink()}
+MODEL = "models/dlrm-s0-i0"
+
+
+def _outputs_file(run_dir: Path) -> str:
+    return next(p.relative_to(run_dir).as_posix() for p in sorted((run_dir / "outputs").rglob("*.safetensors"))
+                if "__ddp__" in p.name or p.name.startswith("ddp"))
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+@pytest.mark.parametrize("target", [f"{MODEL}/init.safetensors", f"{MODEL}/inputs.safetensors",
+                                    f"{MODEL}/spec.json", "run.json", "store.sqlite", "outputs"])
+def test_damage_is_one_line_nothing_is_overwritten_and_the_repair_restores_the_results(
+        swept: Path, tmp_path: Path, target: str, damage: str) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(swept, run_dir)
+    before = {name: (run_dir / name).read_bytes() for name in ("findings.md", "report.html", "comparisons.csv")}
+    target = _outputs_file(run_dir) if target == "outputs" else target
+    path = run_dir / target
+    (_flip_a_value if target == "run.json" and damage == "bit-flipped" else DAMAGES[damage])(path)
+
+    code, line, error = _cli("analyze", run_dir, "--minimize-budget", "0")
+    assert code == 2 and error is not None, line
+    assert "\n" not in line and (path.name in line or str(path.parent) in line), line
+    # nothing derived from the damaged folder replaced what the last analysis wrote
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    if target.startswith("models/"):
+        assert "difftest generate --out" in line
+        code, output, _ = _cli("generate", "--out", run_dir)
+        assert code == 0 and "recreated" in output, output
+    elif target.startswith("outputs/"):
+        assert "verify" in line and "--repair" in line
+        assert _cli("verify", run_dir)[0] == 1
+        code, output, _ = _cli("verify", run_dir, "--repair")
+        assert code == 0 and "uncommitted" in output, output
+        code, output, _ = _cli("sweep", run_dir, "--settings", "reference,ddp/default/ws2", "--minimize-budget", "0")
+        assert code == 0 and "ran 1 " in output.replace("\n", " "), output[-1500:]
+    elif target == "store.sqlite":
+        assert "damaged" in line
+        assert "store.last-good.sqlite" in line  # the analysis that wrote the files kept a good copy
+        shutil.copy(run_dir / "store.last-good.sqlite", path)
+    else:  # run.json: nothing in the folder recreates it
+        assert "run.json" in line
+        return
+    assert _cli("verify", run_dir)[0] == 0
+    code, output, _ = _cli("analyze", run_dir, "--minimize-budget", "0")
+    assert code == 0, output[-1500:]
+    assert (run_dir / "comparisons.csv").read_bytes() == before["comparisons.csv"]
+
+
+def test_the_cli_says_one_line_and_exits_2_on_a_store_truncated_to_nothing(swept: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(swept, run_dir)
+    (run_dir / "store.sqlite").write_bytes(b"")
+    done = subprocess.run([sys.executable, "-m", "difftest.cli", "analyze", str(run_dir)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"difftest: error: {run_dir / 'store.sqlite'} is damaged")
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_an_analysis_of_fewer_cases_keeps_the_last_ones_files(swept: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(swept, run_dir)
+    findings = (run_dir / "findings.md").read_bytes()
+    import sqlite3
+
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    db.execute("DELETE FROM cases WHERE setting LIKE 'ddp/%'")
+    db.commit()
+    db.close()
+    code, output, _ = _cli("analyze", run_dir, "--minimize-budget", "0")
+    assert code == 0 and "fewer than the last one" in output, output[-1500:]
+    kept = [p for p in run_dir.iterdir() if p.name.startswith("superseded-")]
+    assert len(kept) == 1 and (kept[0] / "findings.md").read_bytes() == findings
+    assert pd.read_csv(kept[0] / "summary.csv")["cases"].sum() > pd.read_csv(run_dir / "summary.csv")["cases"].sum()
+
+
+@pytest.mark.needs_tf
+def test_a_damaged_onnx_export_is_named_and_generate_says_it_cannot_be_made_again(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("sequential",)))
+    _flip(run_dir / "models" / "sequential-s0-i0" / "model.onnx")
+    code, line, _ = _cli("sweep", run_dir, "--settings", "reference", "--minimize-budget", "0")
+    assert code == 2 and "model.onnx: differs from the digest" in line and "byte for byte" in line, line
+    assert not (run_dir / "store.sqlite").exists()  # nothing ran on it
+    code, line, _ = _cli("generate", "--out", run_dir)
+    assert code == 2 and "does not come out byte for byte" in line and "tf2onnx" in line, line
+
+
+def test_bad_input_lines(swept: Path) -> None:
+    code, line, _ = _cli("generate", "--out", swept.parent / "other", "--models-of", "foo=2")
+    assert code == 2 and "no kind 'foo'" in line, line
+    code, line, _ = _cli("diff", swept, swept)
+    assert code == 2 and "given twice" in line, line
+    code, output, _ = _cli("--version")
+    assert code == 0 and output.startswith("difftest ") and "torch " in output, output
+    code, output, _ = _cli("run", "--help")
+    words = " ".join(output.split())  # the help is wrapped to the terminal's width
+    assert code == 0 and "[tf] extra" in words and "[ray] extra" in words, words

@@ -555,16 +555,30 @@ def analyze(
 app.command(name="triage", hidden=True)(analyze)
 
 
+def _finding_folder(run_dir: Path, finding: str) -> Path:
+    """The folder of a finding of the run, or one line listing the run's findings."""
+    folder = run_dir / "findings" / finding
+    if (folder / "ISSUE.md").is_file() or (folder / "repro.py").is_file():
+        return folder
+    known = sorted(p.name for p in (run_dir / "findings").glob("F*") if p.is_dir()) if (run_dir / "findings").is_dir() \
+        else []
+    raise UserError(f"{run_dir}: no finding {finding!r}; " + (f"its findings are {', '.join(known)}" if known else
+                    "it has no findings (run `difftest analyze` on it first)"))
+
+
 @app.command()
 def repro(
     run_dir: Annotated[Path, typer.Argument(help="A run folder (or a finding's run/ copy).")],
-    model: Annotated[str, typer.Argument(help="Model id, e.g. dlrm-s0-i0.")],
-    setting: Annotated[str, typer.Argument(help="Setting name, e.g. torchrec/ebc/grid_shard/ws2.")],
+    model: Annotated[str, typer.Argument(help="A finding's id (e.g. Fbe4d0053): its minimal case; or a model id, e.g. dlrm-s0-i0, with a SETTING.")],
+    setting: Annotated[str | None, typer.Argument(help="Setting name, e.g. torchrec/ebc/grid_shard/ws2 (with a model id).")] = None,
     timeout: TimeoutOpt = 120.0,
     device: DeviceOpt = "cpu",
     plugin: PluginOpt = None,
 ) -> None:
-    """Rerun one case alone (with what it is judged against); exit 1 while it is not ok."""
+    """Rerun one case alone (with what it is judged against): a finding's minimal case (`repro RUN FINDING`), or a
+    model under a setting; exit 1 while it is not ok (a finding: while it fails as the finding did)."""
+    import subprocess
+
     from difftest.registry import get_setting, load_plugins
     from difftest.repro import reproduce
 
@@ -572,12 +586,30 @@ def repro(
     run_dir = absolute(run_dir)
     if not (run_dir / "run.json").is_file():
         raise UserError(f"{run_dir}: no run.json; give a run folder made by `difftest generate` or `difftest run`")
+    if setting is None:
+        folder = _finding_folder(run_dir, model)
+        if not (folder / "repro.py").is_file():
+            raise UserError(f"{folder}: no repro.py; run `difftest analyze {run_dir}` to write it")
+        integrity.check_models(run_dir)
+        raise typer.Exit(subprocess.run([sys.executable, str(folder / "repro.py")], check=False).returncode)
     get_setting(setting)  # an unknown name fails here with the hint
     integrity.check_models(run_dir, {model})
     result = reproduce(run_dir, model, setting, timeout_s=timeout, device=device, plugins=tuple(plugin or ()))
     out_console.print(escape(result.describe()), highlight=False)
     if result.reproduces:
         raise typer.Exit(1)
+
+
+@app.command()
+def show(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder with findings.")],
+    finding: Annotated[str, typer.Argument(help="A finding's id, as findings.md lists it (e.g. Fbe4d0053).")],
+) -> None:
+    """Print a finding's ISSUE.md: what happens, what was expected, its reduced script and what it printed."""
+    folder = _finding_folder(absolute(run_dir), finding)
+    if not (folder / "ISSUE.md").is_file():
+        raise UserError(f"{folder}: no ISSUE.md yet; run `difftest analyze {absolute(run_dir)}` to write it")
+    print((folder / "ISSUE.md").read_text(encoding="utf-8"), end="")
 
 
 @app.command()

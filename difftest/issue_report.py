@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pandas as pd
 
 from difftest import stack
@@ -45,6 +46,9 @@ class Evidence:
     calibrated_ratio: float | None
     reference_value: float | None
     setting_value: float | None
+    # where the setting's tensor is one factor times the reference's at every element: that factor, as a maintainer
+    # weighs it (`difftest.oracle.describe_scale`)
+    scale: str | None = None
 
 
 def _number(value: object) -> float | None:
@@ -54,7 +58,8 @@ def _number(value: object) -> float | None:
 def evidence(run_dir: Path, analysis: Analysis, model: str, setting: str, tensor: str = "") -> Evidence | None:
     """The example's comparison row of `tensor` (its first divergence) where it has one, else the one with the
     largest error among those not ok (else overall), with both sides' values at its worst element."""
-    from difftest.repro import values_at_worst_element
+    from difftest.oracle import describe_ratio
+    from difftest.repro import stored_pair
 
     rows = analysis.comparisons[(analysis.comparisons["model"] == model) & (analysis.comparisons["setting"] == setting)]
     compared = rows.dropna(subset=["linf"])
@@ -64,12 +69,20 @@ def evidence(run_dir: Path, analysis: Analysis, model: str, setting: str, tensor
     named = compared[compared["phase"] + "/" + compared["tensor"] == tensor]
     pool = named if not named.empty else failing if not failing.empty else compared
     worst: pd.Series = pool.loc[pool["linf"].idxmax()]
-    values = values_at_worst_element(run_dir, setting, worst)
+    pair = stored_pair(run_dir, setting, worst)
+    values, scale = None, None
+    if pair is not None:
+        theirs, mine = pair
+        at = np.unravel_index(np.argmax(np.abs(mine.astype(np.float64) - theirs.astype(np.float64))), mine.shape)
+        values = theirs[at].item(), mine[at].item()
+        scale = describe_ratio(mine, theirs, "the first run" if setting.startswith("rerun/") else
+                               "the single-process program")
     return Evidence(tensor=f"{worst['phase']}/{worst['tensor']}", reference=str(worst["reference"]),
                     linf=float(worst["linf"]), mismatches=int(worst["mismatches"]), numel=int(worst["numel"]),
                     calibrated_linf=_number(worst.get("calibrated_linf")),
                     calibrated_ratio=_number(worst.get("calibrated_ratio")),
-                    reference_value=values[0] if values else None, setting_value=values[1] if values else None)
+                    reference_value=values[0] if values else None, setting_value=values[1] if values else None,
+                    scale=scale)
 
 
 def _readable(message: str) -> str:
@@ -87,7 +100,26 @@ def _family(setting: str) -> str:
         return setting.split("/")[0]
 
 
-def environment(run_dir: Path) -> list[tuple[str, str]]:
+# an inline script a maintainer reads in the issue itself; a longer one is named
+INLINE_LINES = 120
+
+
+def script_libraries(script: Path) -> tuple[str, ...] | None:
+    """The distributions a standalone script prints the releases of (its `LIBRARIES`): what its finding involves."""
+    import ast
+    import re
+
+    if not script.is_file():
+        return None
+    found = re.search(r"^LIBRARIES = (\(.*\))$", script.read_text(encoding="utf-8"), re.MULTILINE)
+    try:
+        return tuple(ast.literal_eval(found[1])) if found else None
+    except (ValueError, SyntaxError):
+        return None
+
+
+def environment(run_dir: Path, involved: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
+    """The machine and the releases of the libraries the finding `involved` (every recorded one where not known)."""
     recorded = stack.recorded(run_dir)
     if not recorded:
         return [("stack", "not recorded (a run made before difftest recorded it)")]
@@ -97,7 +129,8 @@ def environment(run_dir: Path) -> list[tuple[str, str]]:
     lines = [("python", recorded.get("python", "?")), ("OS", recorded.get("os", "?")), ("CPU", cpu)]
     if recorded.get("gpus"):
         lines.append(("GPUs", f"{', '.join(recorded['gpus'])} (CUDA {recorded.get('cuda')})"))
-    return lines + [(name, libraries[name]) for name in ENVIRONMENT if name in libraries]
+    return lines + [(name, libraries[name]) for name in ENVIRONMENT if name in libraries
+                    and (involved is None or name in involved)]
 
 
 def write_issue(run_dir: Path, analysis: Analysis, finding: Finding, minimised: Minimisation | None) -> Path:
@@ -110,8 +143,11 @@ def write_issue(run_dir: Path, analysis: Analysis, finding: Finding, minimised: 
         minimal = {"model": minimised.best.model_id, "setting": minimised.best.setting, "size": minimised.size(),
                    "original": minimised.size(minimised.original), "outcome": minimised.outcome}
     standalone = folder / STANDALONE_FILE
+    source = standalone.read_text(encoding="utf-8") if standalone.is_file() else ""
     text = render("ISSUE.md.j2", finding=finding, model=model, setting=setting, family=_family(setting),
-                  environment=environment(run_dir),
+                  environment=environment(run_dir, script_libraries(standalone)),
+                  inline=source if source and source.count("\n") <= INLINE_LINES else None,
+                  script_lines=source.count("\n"),
                   evidence=evidence(run_dir, analysis, model, setting, finding.first_divergence),
                   worst_linf=float(finding.rows["worst_linf"].max()),
                   minimal=minimal, message=_readable(str(finding.example.get("message") or "")),

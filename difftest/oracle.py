@@ -106,3 +106,51 @@ def compare(outputs: dict[str, np.ndarray], reference: dict[str, np.ndarray], to
     names = [n for n in names if not n.endswith(ACTIVATION)
              or (n in values and n in reference and values[n].shape == reference[n].shape)]
     return [compare_tensor(n, values.get(n), reference.get(n), tol, bounds.get(n)) for n in names]
+
+
+def uniform_scale(setting: np.ndarray, reference: np.ndarray) -> float | None:
+    """The factor R where the setting's tensor is R × the reference's at every element (to float32 rounding: within
+    two units in the last place of each value), R not 1, and the reference has a nonzero element; else None. A bug
+    that scales (a mean taken twice, a factor 1 − 2⁻²⁰) is told by R, which a maintainer weighs at once."""
+    x, s = setting.astype(np.float64).ravel(), reference.astype(np.float64).ravel()
+    if x.shape != s.shape or not np.isfinite(x).all() or not np.isfinite(s).all():
+        return None
+    nonzero = s != 0
+    if not nonzero.any() or (x[~nonzero] != 0).any():
+        return None
+    ratio = float(np.median(x[nonzero] / s[nonzero]))
+    if ratio == 1.0:
+        return None
+    ulp = np.spacing(np.abs(x).astype(np.float32)).astype(np.float64)
+    return ratio if bool((np.abs(x - ratio * s) <= 2 * ulp).all()) else None
+
+
+def describe_scale(ratio: float) -> str:
+    """`0.99999905 (1 − 2⁻²⁰)`: the factor, and the power of two it differs from 1 by where it does to 1 %."""
+    text = f"{ratio:.8g}"
+    gap = abs(1.0 - ratio)
+    if 0 < gap < 0.5:
+        power = -np.log2(gap)
+        if abs(power - round(power)) < 0.015:
+            digits = str(round(power)).translate(str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹"))
+            text += f" (1 {'−' if ratio < 1 else '+'} 2⁻{digits})"
+    return text
+
+
+def describe_ratio(setting: np.ndarray, reference: np.ndarray, reference_name: str = "the reference") -> str | None:
+    """How the setting's tensor relates to the reference's where the relation is one a maintainer reads at a glance:
+    one factor at every element (`uniform_scale`), or every nonzero element off on the same side (the range of the
+    ratio); None where neither holds (the values scatter both ways, or zeros do not match)."""
+    ratio = uniform_scale(setting, reference)
+    if ratio is not None:
+        return f"is {describe_scale(ratio)} × {reference_name}'s at every element"
+    x, s = setting.astype(np.float64).ravel(), reference.astype(np.float64).ravel()
+    nonzero = s != 0
+    if x.shape != s.shape or not nonzero.any() or (x[~nonzero] != 0).any():
+        return None
+    ratios = x[nonzero] / s[nonzero]
+    if not np.isfinite(ratios).all() or not ((ratios < 1).all() or (ratios > 1).all()):
+        return None
+    side = "smaller" if ratios[0] < 1 else "larger"
+    return (f"is {side} in magnitude than {reference_name}'s at every nonzero element: the setting's value ÷ "
+            f"{reference_name}'s runs from {ratios.min():.8g} to {ratios.max():.8g} (median {np.median(ratios):.8g})")

@@ -102,9 +102,9 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
     return result
 
 
-def values_at_worst_element(run_dir: Path, setting: str, row: pd.Series) -> tuple[float, float] | None:
-    """(reference, setting) at the element where a comparison row's tensor differs most, read from the run's
-    stored outputs; None where either side did not store it or the shapes differ."""
+def stored_pair(run_dir: Path, setting: str, row: pd.Series) -> tuple[np.ndarray, np.ndarray] | None:
+    """(reference, setting) of a comparison row's tensor, read from the run's stored outputs; None where either side
+    did not store it or the shapes differ."""
     from difftest.store import Store
 
     store = Store(run_dir)
@@ -119,6 +119,15 @@ def values_at_worst_element(run_dir: Path, setting: str, row: pd.Series) -> tupl
         store.close()
     if mine is None or theirs is None or mine.shape != theirs.shape or not mine.size:
         return None
+    return theirs, mine
+
+
+def values_at_worst_element(run_dir: Path, setting: str, row: pd.Series) -> tuple[float, float] | None:
+    """(reference, setting) at the element where a comparison row's tensor differs most (`stored_pair`)."""
+    pair = stored_pair(run_dir, setting, row)
+    if pair is None:
+        return None
+    theirs, mine = pair
     where = np.unravel_index(np.argmax(np.abs(mine.astype(np.float64) - theirs.astype(np.float64))), mine.shape)
     return theirs[where].item(), mine[where].item()
 

@@ -132,3 +132,22 @@ def test_ranks_map_onto_the_gpus_there_are_and_too_few_is_a_reason() -> None:
                                                     "has 1; --backend gloo lets ranks share a GPU")
     assert device_refusal("cuda", "gloo", 4, 1) is None and device_refusal("cpu", "gloo", 4, 0) is None
     assert device_refusal("cuda", "gloo", 2, 0) == "needs a CUDA device, this machine has none"
+
+
+def test_a_scaled_tensor_is_told_by_its_factor_and_a_one_sided_one_by_its_ratio_range() -> None:
+    from difftest.oracle import describe_ratio, describe_scale, uniform_scale
+
+    rng = np.random.default_rng(0)
+    reference = rng.uniform(-1, 1, 96).astype(np.float32)
+    scaled = (reference.astype(np.float64) * (1 - 2**-20)).astype(np.float32)
+    assert uniform_scale(scaled, reference) == pytest.approx(1 - 2**-20, rel=1e-8)  # to float32 rounding
+    assert describe_scale(1 - 2**-20) == "0.99999905 (1 − 2⁻²⁰)" and describe_scale(2.0) == "2"
+    assert describe_ratio(scaled, reference, "x").startswith("is 0.99999905 (1 − 2⁻²⁰) × x's at every element")
+    # a scale plus noise beyond rounding is no uniform factor, but every value still shrinks
+    shrunk = (reference * rng.uniform(0.5, 0.9, 96)).astype(np.float32)
+    assert uniform_scale(shrunk, reference) is None
+    assert "smaller in magnitude than x's at every nonzero element" in (describe_ratio(shrunk, reference, "x") or "")
+    # values off both ways, or a zero where the reference has none: no such statement
+    assert describe_ratio(reference + np.float32(0.01) * np.sign(rng.uniform(-1, 1, 96)), reference) is None
+    assert uniform_scale(np.zeros(96, np.float32), np.zeros(96, np.float32)) is None
+    assert uniform_scale(reference, reference) is None  # equal: no scale to tell

@@ -126,8 +126,8 @@ def uniform_scale(setting: np.ndarray, reference: np.ndarray) -> float | None:
 
 
 def describe_scale(ratio: float) -> str:
-    """`0.99999905 (1 − 2⁻²⁰)`: the factor, and the power of two it differs from 1 by where it does to 1 %."""
-    text = f"{ratio:.8g}"
+    """`0.999999 (1 − 2⁻²⁰)`: the factor, and the power of two it differs from 1 by where it does to 1 %."""
+    text = f"{ratio:.7g}"  # what float32 values carry
     gap = abs(1.0 - ratio)
     if 0 < gap < 0.5:
         power = -np.log2(gap)

@@ -141,8 +141,8 @@ def test_a_scaled_tensor_is_told_by_its_factor_and_a_one_sided_one_by_its_ratio_
     reference = rng.uniform(-1, 1, 96).astype(np.float32)
     scaled = (reference.astype(np.float64) * (1 - 2**-20)).astype(np.float32)
     assert uniform_scale(scaled, reference) == pytest.approx(1 - 2**-20, rel=1e-8)  # to float32 rounding
-    assert describe_scale(1 - 2**-20) == "0.99999905 (1 − 2⁻²⁰)" and describe_scale(2.0) == "2"
-    assert describe_ratio(scaled, reference, "x").startswith("is 0.99999905 (1 − 2⁻²⁰) × x's at every element")
+    assert describe_scale(1 - 2**-20) == "0.999999 (1 − 2⁻²⁰)" and describe_scale(2.0) == "2"
+    assert describe_ratio(scaled, reference, "x").startswith("is 0.999999 (1 − 2⁻²⁰) × x's at every element")
     # a scale plus noise beyond rounding is no uniform factor, but every value still shrinks
     shrunk = (reference * rng.uniform(0.5, 0.9, 96)).astype(np.float32)
     assert uniform_scale(shrunk, reference) is None

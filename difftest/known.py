@@ -65,6 +65,9 @@ class KnownIssue:
     default_job: bool = False  # the default job shows it wherever it reproduces (the end-to-end test expects it)
     references: tuple[Reference, ...] = ()
     notes: str = ""
+    # the largest relative difference (|setting - reference| / |reference| at its first divergence) the bug explains:
+    # a larger divergence in the same setting is another bug, not this one
+    explains_relative: float | None = None
 
     @property
     def upstream(self) -> Upstream:
@@ -73,8 +76,14 @@ class KnownIssue:
             return Upstream.KNOWN
         return Upstream.RELATED if relations else Upstream.UNREPORTED
 
-    def matches(self, setting: str, status: str, message: str, traits: Iterable[str], d3_status: str = "") -> bool:
+    def matches(self, setting: str, status: str, message: str, traits: Iterable[str], d3_status: str = "",
+                relative: float | None = None) -> bool:
+        """Whether this bug explains one case: its status, setting, message and traits, and — where the entry states
+        the size it explains (`explains_relative`) and the case's divergence is sized (`relative`: the largest
+        |setting - reference| / |reference| of its tensors) — no larger than that."""
         if status not in self.statuses or not any(fnmatch.fnmatchcase(setting, g) for g in self.settings):
+            return False
+        if self.explains_relative is not None and relative is not None and relative > self.explains_relative:
             return False
         if self.message and not re.search(self.message, str(message)):
             return False
@@ -103,7 +112,8 @@ def _parse(entry: dict[str, Any], where: str) -> KnownIssue:
             id=entry["id"], title=entry["title"], library=entry["library"], affects=entry["affects"],
             statuses=tuple(entry["statuses"]), settings=tuple(entry["settings"]), message=entry.get("message", ""),
             traits=tuple(entry.get("traits", ())), calibrated_only=bool(entry.get("calibrated_only", False)),
-            default_job=bool(entry.get("default_job", False)), references=references, notes=entry.get("notes", ""))
+            default_job=bool(entry.get("default_job", False)), references=references, notes=entry.get("notes", ""),
+            explains_relative=float(entry["explains_relative"]) if "explains_relative" in entry else None)
         SpecifierSet(issue.affects)
         re.compile(issue.message)
     except (KeyError, TypeError, ValueError, InvalidSpecifier, re.error) as error:
@@ -146,13 +156,13 @@ def reproduces_here(issue_id: str) -> bool:
 
 def match(setting: str, status: str, message: str, traits: Iterable[str], d3_status: str = "",
           issues: Iterable[KnownIssue] | None = None,
-          versions: Mapping[str, str | None] | None = None) -> KnownIssue | None:
+          versions: Mapping[str, str | None] | None = None, relative: float | None = None) -> KnownIssue | None:
     """The first entry that explains one case that is not ok, or None (a new finding). With `versions` (the run's
     libraries, `stack_versions`), an entry whose `affects` excludes its library's release there explains nothing: the
     same symptom on a release the bug is not known on is a regression or another bug, and stays visible as new."""
     traits = tuple(traits)
     return next((i for i in (manifest() if issues is None else issues)
-                 if i.matches(setting, status, message, traits, d3_status)
+                 if i.matches(setting, status, message, traits, d3_status, relative)
                  and (versions is None or i.reproduces_on(versions) is not False)), None)
 
 

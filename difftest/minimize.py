@@ -217,7 +217,7 @@ class _Round:
     planned: dict[str, list[Trial]] = field(default_factory=dict)
     built_s: float = 0.0  # materialising the round's models
     cost: dict[tuple[str, str], float] = field(default_factory=dict)  # per case, including its references
-    signed: dict[tuple[str, str], str] = field(default_factory=dict)
+    signed: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # one per independent divergence
     spreads: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)  # of the calibrated cases
     seconds: float = 0.0
 
@@ -311,16 +311,16 @@ def charges(planned: dict[str, list[Trial]], cost: dict[tuple[str, str], float],
             for finding, chosen in planned.items()}
 
 
-def resign(m: Minimisation, round_no: int, chosen: list[Trial], signed: dict[tuple[str, str], str],
+def resign(m: Minimisation, round_no: int, chosen: list[Trial], signed: dict[tuple[str, str], set[str]],
            seconds: float) -> None:
     """Re-signing, without I/O: the round's trials signed as the finding is are wins; the finding moves to the
     smallest, or stops (minimal, its budget spent, or its example not reproducing alone)."""
     m.rounds, m.tries, m.seconds = m.rounds + 1, m.tries + len(chosen), m.seconds + seconds
-    won = [t for t in chosen if signed.get((t.model_id, t.setting)) == m.signature]
+    won = [t for t in chosen if m.signature in signed.get((t.model_id, t.setting), set())]
     if round_no == 1:
         alone = next((t for t in chosen if t.change == ALONE), None)
         if alone is None or alone not in won:
-            got = signed.get((alone.model_id, alone.setting), "ok") if alone else "not built"
+            got = " and ".join(sorted(signed.get((alone.model_id, alone.setting), {"ok"}))) if alone else "not built"
             m.active, m.outcome = False, f"not minimised: the example alone does not reproduce ({got})"
             return
         won.remove(alone)

@@ -49,6 +49,7 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list[Finding], min
 
     from difftest.oracle import Tolerance
     from difftest.render import render
+    from difftest.triage import distinct_cases
 
     tol = tol or Tolerance()
     smallest = {m.finding_id: m for m in (minimised or [])}
@@ -74,7 +75,7 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list[Finding], min
         counts=[(v, int(counts.get(v, 0)), int(d3.get(v, 0))) for v in VERDICT_COLOURS
                 if counts.get(v, 0) or d3.get(v, 0)],
         findings=[_shown(run_dir, f, smallest.get(f.id)) for f in findings],
-        not_ok=sum(len(f.rows) for f in findings), figures=drawn)
+        not_ok=distinct_cases(findings), figures=drawn)
     path = run_dir / REPORT
     atomic_write_text(page, path)
     return path

@@ -29,11 +29,17 @@ class Reproduction:
     worst: pd.Series | None  # the comparison row with the largest error, when the case was compared
     reference_value: float | None = None  # at the worst element
     setting_value: float | None = None
-    signature: str = ""  # `difftest.triage.case_signature` of the case, when it is not ok
+    # `difftest.signature.case_signature` of each independent divergence of the case, when it is not ok
+    signatures: tuple[str, ...] = ()
+
+    @property
+    def signature(self) -> str:
+        return " and ".join(self.signatures)
 
     def matches(self, signature: str) -> bool:
-        """Whether the case fails the way a finding does: same status, same place, same message pattern."""
-        return self.reproduces and self.signature == signature
+        """Whether the case fails the way a finding does: same status, same place, same message pattern (among its
+        independent divergences, where it has several)."""
+        return self.reproduces and signature in self.signatures
 
     @property
     def reproduces(self) -> bool:
@@ -93,7 +99,7 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
     from difftest.signature import signatures
 
     result = Reproduction(model, setting, case["verdict"], str(failed.iloc[0]["message"]) if not failed.empty else "",
-                          worst, signature=signatures(analysis, contrast or {}).get((model, setting), ""))
+                          worst, signatures=tuple(sorted(signatures(analysis, contrast or {}).get((model, setting), ()))))
     if worst is not None and not compared.empty:
         values = values_at_worst_element(private, setting, worst)
         if values is not None:

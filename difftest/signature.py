@@ -5,7 +5,9 @@ minimiser and `repro.py` check them, the live view of a sweep drafts with them."
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -162,6 +164,41 @@ def attributed_setting(model: str, setting: str, message: str, first_divergence:
     return narrower if narrower and narrower != setting and (model, narrower) in disagreeing else setting
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """One independent divergence of a disagreeing case: the setting it is signed as, where it starts, and how large
+    it is there (over the sibling tensors it covers)."""
+
+    signed_as: str
+    first_divergence: str
+    worst_linf: float
+    worst_relative: float  # the largest |setting - reference| / |reference| over its tensors
+
+
+def divergences(model: str, setting: str, kind: str, message: str, bad: list[dict[str, Any]],
+                disagreeing: set[tuple[str, str]]) -> list[Divergence]:
+    """The independent divergences of one disagreeing case, first in computation order first. `bad` are its
+    disagreeing comparisons rows. Tensors that do not feed one another — the first divergence and the tensors of its
+    class at the same step, phase and stage (the pooled embeddings of other tables, other heads) — are attributed each
+    on its own (`attributed_setting`): where they fall to different settings (a mixed plan's tables of two sharding
+    types, each with its own bug), the case holds two divergences, each signed and sized on its own. A case with one
+    cause gives one, sized over its first divergence's siblings."""
+    rows = sorted((r for r in bad if r.get("tensor")), key=lambda r: computation_order(kind, r["phase"], r["tensor"]))
+    if not rows:
+        return [Divergence(attributed_setting(model, setting, message, "", disagreeing), "", math.nan, math.nan)]
+    first = rows[0]
+    where, cls = computation_order(kind, first["phase"], first["tensor"])[:3], tensor_class(kind, first["tensor"])
+    siblings = [r for r in rows if r["phase"] == first["phase"] and tensor_class(kind, r["tensor"]) == cls
+                and computation_order(kind, r["phase"], r["tensor"])[:3] == where]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in siblings:
+        signed = attributed_setting(model, setting, message, f"{r['phase']}/{r['tensor']}", disagreeing)
+        groups.setdefault(signed, []).append(r)
+    return [Divergence(signed, f"{members[0]['phase']}/{members[0]['tensor']}",
+                       max(float(r["linf"]) for r in members), max(float(r["max_rel"]) for r in members))
+            for signed, members in groups.items()]
+
+
 def case_signature(verdict: str, kind: str, setting: str, message: str, first_divergence: str,
                    separating: dict[str, set[tuple[str, str]]], signed_as: str | None = None) -> tuple[str, str]:
     """(signature, title) of one case that is not ok; `separating` is what `separating_values` learned over its run
@@ -188,18 +225,29 @@ def case_signature(verdict: str, kind: str, setting: str, message: str, first_di
             f"{verdict}: {what} first diverges in {start}")
 
 
-def signatures(analysis: Analysis, separating: dict[str, set[tuple[str, str]]]) -> dict[tuple[str, str], str]:
-    """(model, setting) → signature of each case of `analysis` that is not ok, signed with `separating`."""
+def bad_rows(analysis: Analysis) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """(model, setting) → its disagreeing comparisons rows (those naming a tensor)."""
+    rows = analysis.comparisons
+    bad = rows[rows["status"].isin(DISAGREEMENTS) & (rows["tensor"] != "")]
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in bad.to_dict("records"):
+        grouped.setdefault((row["model"], row["setting"]), []).append(row)
+    return grouped
+
+
+def signatures(analysis: Analysis, separating: dict[str, set[tuple[str, str]]]) -> dict[tuple[str, str], set[str]]:
+    """(model, setting) → the signatures of each case of `analysis` that is not ok (one per independent divergence,
+    `divergences`), signed with `separating`."""
     messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
-    earliest = {(r.model, r.setting): f"{r.phase}/{r.tensor}" for r in first_divergences(analysis).itertuples()}
     disagreeing = disagreeing_cases(analysis.cases)
+    bad = bad_rows(analysis)
     signed = {}
     for case in analysis.cases[analysis.cases["verdict"].isin(FAILURES + DISAGREEMENTS)].itertuples():
         key = (case.model, case.setting)
         message = str(messages.get(key, "") or "")
-        as_setting = attributed_setting(case.model, case.setting, message, earliest.get(key, ""), disagreeing)
-        signed[key] = case_signature(case.verdict, case.kind, case.setting, message, earliest.get(key, ""),
-                                     separating, as_setting)[0]
+        found = divergences(case.model, case.setting, case.kind, message, bad.get(key, []), disagreeing)
+        signed[key] = {case_signature(case.verdict, case.kind, case.setting, message, d.first_divergence, separating,
+                                      d.signed_as)[0] for d in found}
     return signed
 
 

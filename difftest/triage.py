@@ -1,4 +1,5 @@
-"""`difftest triage`: from rows to findings — every case that is not ok belongs to exactly one finding.
+"""`difftest triage`: from rows to findings — every case that is not ok belongs to a finding, and to one per
+independent divergence it holds (`difftest.signature.divergences`: a mixed plan's two bugs are two findings).
 
 A finding is what a maintainer would call one bug:
 - a failure (`error`, `crash`, `timeout`): its status, exception type, message with numbers, shapes, paths and
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,10 +37,11 @@ from difftest.registry import capabilities_of, get_setting
 from difftest.run_folder import list_models
 from difftest.setting import Setting
 from difftest.signature import (
-    attributed_setting,
+    bad_rows,
     case_signature,
     contrast_of,
     disagreeing_cases,
+    divergences,
     first_divergences,
     separating_values,
     setting_family,
@@ -136,7 +139,7 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     earliest = first_divergences(analysis)
     with atomic_path(run_dir / "first_divergence.csv") as tmp:
         earliest.to_csv(tmp, index=False)  # per disagreeing case
-    divergence = earliest.set_index(["model", "setting"])
+    bad = bad_rows(analysis)
     features = _features(run_dir)
     versions = stack_versions(stack.recorded(run_dir).get("libraries", {}))
     separating = separating_values(cases)
@@ -145,18 +148,20 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     titles: dict[str, str] = {}
     for case in failed.itertuples():
         message = str(messages.get((case.model, case.setting), "") or "")
-        row = {"model": case.model, "setting": case.setting, "status": case.verdict, "kind": case.kind,
-               "d3_verdict": case.d3_verdict, "worst_linf": case.worst_linf, "message": message,
-               "first_divergence": ""}
-        where = divergence.loc[(case.model, case.setting)] if (case.model, case.setting) in divergence.index else None
-        if where is not None:
-            row["first_divergence"] = f"{where['phase']}/{where['tensor']}"
-        # a mixed case whose divergence lies in one mechanism that disagrees alone too is that mechanism's case
-        row["signed_as"] = attributed_setting(case.model, case.setting, message, row["first_divergence"], disagreeing)
-        signature, title = case_signature(case.verdict, case.kind, case.setting, message, row["first_divergence"],
-                                          separating, row["signed_as"])
-        keyed.setdefault(signature, []).append(row)
-        titles[signature] = title
+        # each independent divergence on its own: a mixed case whose divergence lies in one mechanism that disagrees
+        # alone too is that mechanism's case, and a case with two causes counts in both findings
+        found = divergences(case.model, case.setting, case.kind, message, bad.get((case.model, case.setting), []),
+                            disagreeing)
+        for d in found:
+            row = {"model": case.model, "setting": case.setting, "status": case.verdict, "kind": case.kind,
+                   "d3_verdict": case.d3_verdict, "message": message, "first_divergence": d.first_divergence,
+                   "signed_as": d.signed_as, "relative": d.worst_relative, "causes": len(found),
+                   # split, each cause is sized over its own tensors (not the other's, nor what both feed later)
+                   "worst_linf": d.worst_linf if len(found) > 1 else case.worst_linf}
+            signature, title = case_signature(case.verdict, case.kind, case.setting, message, d.first_divergence,
+                                              separating, d.signed_as)
+            keyed.setdefault(signature, []).append(row)
+            titles[signature] = title
     bounds = _worst_bound_ratios(analysis)
     findings = []
     for signature, rows in keyed.items():
@@ -198,10 +203,19 @@ def merge_known(findings: list[Finding]) -> list[Finding]:
     return merged
 
 
+def distinct_cases(findings: list[Finding]) -> int:
+    """The cases the findings cover, each once (a case with two independent divergences is in two findings)."""
+    return len({(m, s) for f in findings for m, s in zip(f.rows["model"], f.rows["setting"], strict=True)})
+
+
 def upstream_counts(findings: list[Finding]) -> str:
     """`1 known, 7 related, 5 unreported, 0 new`: how many findings upstream has, in the order of `Upstream`."""
     counted = Counter(f.upstream for f in findings)
     return ", ".join(f"{counted.get(u, 0)} {u}" for u in Upstream)
+
+
+def _number(value: object) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(str(value))
 
 
 def known_issue_of(rows: pd.DataFrame, versions: Mapping[str, str | None] | None = None) -> KnownIssue | None:
@@ -209,7 +223,8 @@ def known_issue_of(rows: pd.DataFrame, versions: Mapping[str, str | None] | None
     those known on the run's releases (`versions`)."""
     explained = Counter(issue for r in rows.itertuples()
                         if (issue := match(getattr(r, "signed_as", r.setting), r.status, r.message,
-                                           capabilities_of(r.kind).traits, r.d3_verdict, versions=versions)) is not None)
+                                           capabilities_of(r.kind).traits, r.d3_verdict, versions=versions,
+                                           relative=_number(getattr(r, "relative", None)))) is not None)
     return explained.most_common(1)[0][0] if explained else None
 
 
@@ -308,7 +323,7 @@ def write_findings(run_dir: Path, findings: list[Finding]) -> None:
         pd.DataFrame(_summary_rows(run_dir, findings), columns=FINDINGS_COLUMNS).to_csv(tmp, index=False)
     atomic_write_text(render(
         "findings.md.j2", run_dir=run_dir, stack=stack.describe(stack.recorded(run_dir)), findings=findings,
-        reproducers={f.id: _reproducer(run_dir, f) for f in findings}, cases=sum(len(f.rows) for f in findings),
+        reproducers={f.id: _reproducer(run_dir, f) for f in findings}, cases=distinct_cases(findings),
         upstream=upstream_counts(findings), standalone=standalone_verdicts(run_dir, findings),
         with_script={f.id for f in findings if (run_dir / "findings" / f.id / STANDALONE_FILE).is_file()}),
         run_dir / "findings.md")

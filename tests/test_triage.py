@@ -256,3 +256,28 @@ def test_a_mixed_plan_is_signed_as_the_sharding_type_its_divergence_lies_in_wher
     as_grid = case_signature("inconsistent", "dlrm", mixed, plan, "eval_before/pooled.tf0", separating, grid)
     assert as_grid == case_signature("inconsistent", "dlrm", grid, plan, "eval_before/pooled.tf0", separating)
     assert as_grid != case_signature("inconsistent", "dlrm", mixed, plan, "eval_before/pooled.tf0", separating)
+
+
+def test_a_case_with_two_independent_divergences_counts_in_both_findings_each_sized_on_its_own(fresh_run: Path) -> None:
+    """dlrm-s0-i0 under mixed-s0/ws3: pooled.tf0/tf1 (row-wise tables) are scaled by 1 - 2^-20 (1e-7), pooled.tf2-tf4
+    corrupted by the row-wise MEAN table (0.05-0.16). Before, the case went whole to the 1e-7 scaling finding (first
+    in computation order), its worst L∞ 0.16 under a title that explains 1e-7."""
+    run_sweep(fresh_run, SweepOptions(settings="torchrec/ebc/mixed-s0/ws3,torchrec/ebc/row_wise/ws3",
+                                      models="dlrm-s0-i0"))
+    findings = triage(fresh_run, analyze(fresh_run))
+    holding = {f.known.id if f.known else f.id: f for f in findings
+               if "torchrec/ebc/mixed-s0/ws3" in set(f.rows["setting"])}
+    assert set(holding) == {"torchrec-rowwise-scaled-by-one-minus-2-pow-20",
+                            "torchrec-rowwise-mean-corrupts-other-tables"}, {k: f.title for k, f in holding.items()}
+    scaled, corrupt = (holding[k].rows.set_index("setting") for k in sorted(holding, key=lambda k: "corrupt" in k))
+    assert scaled.loc["torchrec/ebc/mixed-s0/ws3", "signed_as"] == "torchrec/ebc/row_wise/ws3"
+    assert scaled["worst_linf"].max() < 1e-6 and scaled["relative"].max() < 1e-4  # the size the scaling explains
+    assert corrupt.loc["torchrec/ebc/mixed-s0/ws3", "worst_linf"] > 0.01
+    assert corrupt.loc["torchrec/ebc/mixed-s0/ws3", "first_divergence"] != scaled.loc["torchrec/ebc/mixed-s0/ws3",
+                                                                                        "first_divergence"]
+    # a divergence as large as the corruption is never merged into the scaling, whatever setting it is signed as
+    from difftest.known import match
+
+    assert match("torchrec/ebc/row_wise/ws3", "inconsistent", "", ("torchrec",), relative=0.75) is None
+    assert match("torchrec/ebc/row_wise/ws3", "inconsistent", "", ("torchrec",), relative=1e-6).id == \
+        "torchrec-rowwise-scaled-by-one-minus-2-pow-20"

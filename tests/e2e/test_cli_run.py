@@ -88,10 +88,11 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     # steps) it lands where fp32-sized errors carry the uninterrupted program, on AVX-512 and AVX2 kernels alike
     resumed = comparisons[comparisons.setting.str.match(r"resume/(ddp|fsdp2)-")]
     assert not resumed.empty and resumed.calibrated_ratio.notna().all() and (resumed.calibrated_ratio <= 1).all()
-    # triage: every case that is not ok belongs to exactly one finding, far fewer findings than cases
+    # triage: every case that is not ok belongs to a finding (to two where it holds two independent divergences), far
+    # fewer findings than cases
     findings = pd.read_csv(out / "findings.csv")
     not_ok = int(cases[["inconsistent", "nondeterministic", "error", "crash", "timeout"]].sum().sum())
-    assert findings["cases"].sum() == not_ok and len(findings) < not_ok
+    assert not_ok <= findings["cases"].sum() and len(findings) < not_ok
     assert set(findings["upstream"]) <= {"known", "related", "unreported"}  # every one a known library bug
     assert findings["known_issue"].is_unique  # one root cause, one finding
     stack = json.loads((out / "run.json").read_text())["stack"]

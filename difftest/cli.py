@@ -34,7 +34,6 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
-    rich_markup_mode=None,  # help text is plain: `[tf]` names an extra, not a style
 )
 
 
@@ -74,7 +73,7 @@ _SWEPT: list[Path] = []  # the run folders this process has swept, the last one 
 # Shared options --------------------------------------------------------------------------------------
 SettingsOpt = Annotated[str | None, typer.Option("--settings", help="Comma-separated globs over setting names, e.g. 'reference,torchrec/*/ws2'.")]
 JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Worker groups running at once (default: locally, as many as the machine's cores hold ranks, one core per rank; with --executor ray, as many gangs of two ranks as the cluster's CPUs hold).")]
-ExecutorOpt = Annotated[str, typer.Option("--executor", help="local: worker groups on this machine; ray: gangs on a Ray cluster (the [ray] extra; see --address).")]
+ExecutorOpt = Annotated[str, typer.Option("--executor", help="local: worker groups on this machine; ray: gangs on a Ray cluster (the \\[ray] extra; see --address).")]
 AddressOpt = Annotated[str | None, typer.Option("--address", help="With --executor ray: the cluster to run on ('auto' or HOST:PORT of its head, as `ray start --head` prints); without it, Ray starts on this machine alone.")]
 CpusPerRankOpt = Annotated[float, typer.Option("--cpus-per-rank", min=0.01, help="With --executor ray: CPUs each rank's bundle reserves on its node.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds a case may take before its group is killed and it is recorded as timeout.")]
@@ -90,7 +89,7 @@ OracleOpt = Annotated[str, typer.Option(
 FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 when any case is inconsistent, errored, crashed or timed out.")]
 # the built-in kinds, written out so that --help needs no import of torch (a test keeps the list in step)
 BUILTIN_KINDS = ("dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer", "sequential", "keras-dag", "keras-transformer")
-KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the [tf] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
+KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
 TierOpt = Annotated[str | None, typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
 MinimizeOpt = Annotated[float, typer.Option("--minimize-budget", min=0, help="Seconds per finding to shrink its example case (fewer tables, layers, rows, ranks) while it still fails the same way; 0: no minimisation.")]
 # the default job's models per kind where not --models: one each of the larger kinds keeps it within minutes
@@ -172,6 +171,13 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
     with _progress() as progress:
         task = progress.add_task("generate", total=sum(config.count(k) for k in kinds), detail="")
         generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m), on_repaired=_tell_repaired)
+
+
+def _record_command(run_dir: Path) -> None:
+    """run.json keeps the command (as typed) that now works on the run: the report says what made it, and when."""
+    from difftest.run_folder import record_command
+
+    record_command(run_dir, ["difftest", *sys.argv[1:]])
 
 
 def _tell_repaired(path: Path) -> None:
@@ -361,7 +367,7 @@ def _print_findings(out: Path, findings: list[Finding], minimised: list[Minimisa
     smallest = {m.finding_id: m for m in minimised}
     listed = [f for f in findings if f.upstream == Upstream.NEW] if new_only else findings
     listed_here = listed[:30]
-    out_console.print(f"{len(findings)} distinct findings, most severe first ({shown(out / 'findings.md')}); upstream: "
+    out_console.print(f"{len(findings)} distinct findings, ranked by consequence ({shown(out / 'findings.md')}); upstream: "
                       f"{upstream_counts(findings)}" + (" (only the new ones below)" if new_only else "") + ":",
                       highlight=False)
     for f in listed_here:
@@ -371,12 +377,13 @@ def _print_findings(out: Path, findings: list[Finding], minimised: list[Minimisa
             size = m.size()
             minimal = " — minimal: " + ", ".join(f"{k} {v}" for k, v in size.items() if k not in ("parameters",))
         title = f.title if len(f.title) <= 110 else f.title[:109] + "…"
-        out_console.print(f"  {f.id} {f.status:<12} {f.upstream!s:<10} {len(f.rows):>3} case(s)  {escape(title)}{minimal}",
-                          highlight=False, soft_wrap=True)
+        out_console.print(f"  {f.rank:>2}. {f.id} {f.status:<12} {f.upstream!s:<10} {len(f.rows):>3} case(s)  "
+                          f"{escape(title)}{minimal}", highlight=False, soft_wrap=True)
     if len(listed) > len(listed_here):
         out_console.print(f"  … and {len(listed) - len(listed_here)} more in {shown(out / 'findings.csv')}")
-    out_console.print(f"reproduce one alone: python {shown(out / 'findings')}/<id>/repro.py\nreport: {shown(report)}",
-                      highlight=False)
+    out_console.print(f"each one: `difftest show {shown(out)} <id>` (its ISSUE.md), `difftest repro {shown(out)} <id>` "
+                      f"(its minimal case); without difftest: python {shown(out / 'findings')}/<id>/standalone.py\n"
+                      f"report: {shown(report)}", highlight=False)
 
 
 @app.command()
@@ -424,6 +431,7 @@ def run(
 
         start_rank_server(device)  # its imports overlap the models' generation
     _generate(out, count, seed, kind, steps, lr, batch_size, plugins, models_of)
+    _record_command(out)
     judging = _options(atol, rtol, oracle, minimize_budget, timeout, device)
     _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where, backend=backend,
            judging=judging)
@@ -436,7 +444,7 @@ def generate(
     models: Annotated[int | None, typer.Option("--models", min=1, help="Models per kind (default 2).")] = None,
     models_of: Annotated[str | None, typer.Option("--models-of", help="Comma-separated kind=N: models of those kinds, instead of --models.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Generation seed (default 0).")] = None,
-    kind: Annotated[str | None, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the [tf] extra), a kind a --plugin registers, or 'all' (the default: every kind this machine can build).")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a kind a --plugin registers, or 'all' (the default: every kind this machine can build).")] = None,
     steps: Annotated[int | None, typer.Option("--steps", min=1, help="Training steps per case (default 1).")] = None,
     lr: Annotated[float | None, typer.Option("--lr", help="SGD learning rate (default 0.1).")] = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size", min=12, help="Global batch, a multiple of 12 (default 24).")] = None,
@@ -484,6 +492,7 @@ def sweep(
 ) -> None:
     """Run every (model, setting) case not yet committed in RUN_DIR (a rerun resumes), then analyse and triage."""
     run_dir = absolute(run_dir)
+    _record_command(run_dir)
     where = _executor(executor, address, cpus_per_rank)
     judging = _options(atol, rtol, oracle, minimize_budget, timeout, device)
     _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where, backend,
@@ -525,6 +534,7 @@ def quant(
     if not (run_dir / "run.json").is_file():
         raise UserError(f"{run_dir}: no run.json; make the run first with `difftest generate --out {run_dir}`")
     load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
+    _record_command(run_dir)
     where = _executor(executor, address, cpus_per_rank)
     judging = _options(atol, rtol, oracle, minimize_budget, timeout, device)
     _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, None, timeout, device, plugins, executor=where,
@@ -548,6 +558,7 @@ def analyze(
     into distinct findings (findings.csv, findings.md), shrink each one's example (findings/<id>/{repro.py,
     minimize.json, run/}) and write report.html. A run whose sweep is still going is judged and triaged as far as
     it has got (not minimised). Also callable as `difftest triage`."""
+    _record_command(absolute(run_dir))
     _analyze(absolute(run_dir), _options(atol, rtol, oracle, minimize_budget, timeout, device), fail_on_inconsistency, new_only)
 
 

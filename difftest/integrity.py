@@ -22,7 +22,7 @@ from difftest.errors import UserError
 
 FILES_KEY = "files"  # in run.json: file path relative to the run folder → sha256 of its bytes
 CONFIG_ENTRY = "run.json#config"  # the digest of run.json's configuration (every key but what later steps add)
-RECORDED_KEYS = ("stack", "earlier_stacks", FILES_KEY)  # what run.json holds beside the configuration
+RECORDED_KEYS = ("stack", "earlier_stacks", FILES_KEY, "commands")  # what run.json holds beside the configuration
 STORE_FILE = "store.sqlite"
 LAST_GOOD_STORE = "store.last-good.sqlite"  # a copy of the store as the last sweep or analysis left it, checked
 

@@ -4,6 +4,7 @@ references against the tolerance. Plotly's JavaScript is embedded once, so the p
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,11 +55,12 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list[Finding], min
     tol = tol or Tolerance()
     smallest = {m.finding_id: m for m in (minimised or [])}
     claims, calibrations = heatmap_rows(analysis.cases)
+    reasons = case_messages(analysis)
     drawn: list[tuple[str, bool, Markup]] = []
     for folded, (title, figure) in (
-            ("", _heatmap(analysis.cases, claims, "Verdicts: settings × models, failing settings first")),
+            ("", _heatmap(analysis.cases, claims, "Verdicts: settings × models, failing settings first", reasons)),
             (f"Calibration runs ({len(calibrations)}): the calibrated oracle's measurements of each root's noise, "
-             "not claims", _heatmap(analysis.cases, calibrations, "Calibration runs × models")),
+             "not claims", _heatmap(analysis.cases, calibrations, "Calibration runs × models", reasons)),
             ("", _distances(analysis, tol))):
         if figure is None:
             continue
@@ -75,7 +77,7 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list[Finding], min
         counts=[(v, int(counts.get(v, 0)), int(d3.get(v, 0))) for v in VERDICT_COLOURS
                 if counts.get(v, 0) or d3.get(v, 0)],
         findings=[_shown(run_dir, f, smallest.get(f.id)) for f in findings],
-        not_ok=distinct_cases(findings), figures=drawn)
+        not_ok=distinct_cases(findings), figures=drawn, python=sys.executable, command=_command(run_dir))
     path = run_dir / REPORT
     atomic_write_text(page, path)
     return path
@@ -98,7 +100,29 @@ def heatmap_rows(cases: pd.DataFrame) -> tuple[list[str], list[str]]:
     return [n for n in ordered if not is_calibration(n)], [n for n in ordered if is_calibration(n)]
 
 
-def _heatmap(cases: pd.DataFrame, settings: list[str], title: str) -> tuple[str, Any]:
+def case_messages(analysis: Analysis) -> dict[tuple[str, str], str]:
+    """(model, setting) → what the case recorded (an unsupported case's reason, a failure's message)."""
+    rows = analysis.comparisons.drop_duplicates(["model", "setting"])
+    return {(m, s): str(text) for m, s, text in zip(rows["model"], rows["setting"], rows["message"], strict=True)
+            if isinstance(text, str) and text}
+
+
+def _command(run_dir: Path) -> str:
+    """The command working on the run, and for how long it has (the report is its last step)."""
+    from difftest.run_folder import last_command
+
+    last = last_command(run_dir)
+    if not last:
+        return ""
+    argv = last.get("argv")
+    words = " ".join(str(word) for word in argv) if isinstance(argv, list) else ""
+    started = float(str(last.get("started") or time.time()))
+    return (f"{words} (started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}, "
+            f"{time.time() - started:.0f} s before this report)")
+
+
+def _heatmap(cases: pd.DataFrame, settings: list[str], title: str,
+             reasons: dict[tuple[str, str], str] | None = None) -> tuple[str, Any]:
     import plotly.graph_objects as go
 
     if not settings:
@@ -106,13 +130,19 @@ def _heatmap(cases: pd.DataFrame, settings: list[str], title: str) -> tuple[str,
     codes = {v: i for i, v in enumerate(VERDICT_COLOURS)}
     grid = cases.pivot_table(index="setting", columns="model", values="verdict", aggfunc="first").reindex(settings)
     z = grid.apply(lambda column: column.map(codes)).to_numpy(dtype=float)
+    # on hover, an unsupported (or failed) cell says why: the reason the setting gave
+    why = reasons or {}
+    text = [[("not run" if not isinstance(verdict, str) else verdict if verdict in ("ok", "inconsistent")
+              else f"{verdict}: {why.get((model, setting), '')[:160]}")
+             for model, verdict in zip(grid.columns, row, strict=True)] for setting, row in zip(grid.index,
+                                                                                               grid.to_numpy(), strict=True)]
     n = len(VERDICT_COLOURS)
     scale = []
     for i, colour in enumerate(VERDICT_COLOURS.values()):  # one flat band per verdict
         scale += [[i / n, colour], [(i + 1) / n, colour]]
     figure = go.Figure(go.Heatmap(
         z=z, x=list(grid.columns), y=list(grid.index), zmin=-0.5, zmax=n - 0.5, colorscale=scale,
-        text=grid.fillna("not run").to_numpy(), hovertemplate="%{y} × %{x}: %{text}<extra></extra>",
+        text=text, hovertemplate="%{y} × %{x}: %{text}<extra></extra>",
         colorbar={"tickvals": list(range(n)), "ticktext": list(VERDICT_COLOURS), "title": "verdict"}))
     figure.update_layout(height=max(400, 14 * len(grid.index) + 150), margin={"l": 320},
                          yaxis={"autorange": "reversed", "tickfont": {"size": 10}})
@@ -154,7 +184,8 @@ class _Shown:
 
     f: Finding
     m: Minimisation | None
-    reproducer: str
+    reproducer: str  # relative to the run folder, as every path of the report
+    standalone: str | None
     settings: list[str]
     models: int
     worst: str
@@ -167,7 +198,9 @@ class _Shown:
 def _shown(run_dir: Path, f: Finding, m: Minimisation | None) -> _Shown:
     worst = f.rows["worst_linf"].max()
     shrunk = m is not None and m.best is not m.original
-    return _Shown(f, m, str(run_dir / "findings" / f.id / "repro.py"), sorted(f.rows["setting"].unique()),
+    script = run_dir / "findings" / f.id / "standalone.py"
+    return _Shown(f, m, f"findings/{f.id}/repro.py", f"findings/{f.id}/standalone.py" if script.is_file() else None,
+                  sorted(f.rows["setting"].unique()),
                   int(f.rows["model"].nunique()), "" if pd.isna(worst) else f"{worst:.3g}",
                   str(f.example["message"])[:500], _size(m, "minimal") if shrunk else "",
                   _size(m, "original") if m is not None else "", _size(m, "minimal") if m is not None else "")

@@ -22,6 +22,35 @@ def list_models(run_dir: Path) -> list[tuple[Path, ModelSpec]]:
     return found
 
 
+COMMANDS_KEY = "commands"  # in run.json: the commands run on the folder, the latest last
+
+
+def record_command(run_dir: Path, argv: list[str]) -> None:
+    """Add the command now running on the run (its words, when it started) to run.json; the report shows the last."""
+    import json
+    import time
+
+    from difftest.artifacts import atomic_write_text
+
+    path = run_dir / "run.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # a missing or damaged run.json is told by the step that needs it
+    raw[COMMANDS_KEY] = [*raw.get(COMMANDS_KEY, [])[-19:], {"argv": argv, "started": time.time()}]
+    atomic_write_text(json.dumps(raw, indent=1, sort_keys=True), path)
+
+
+def last_command(run_dir: Path) -> dict[str, object] | None:
+    import json
+
+    try:
+        commands = json.loads((run_dir / "run.json").read_text()).get(COMMANDS_KEY) or []
+    except (OSError, ValueError):
+        return None
+    return commands[-1] if commands else None
+
+
 def sweep_in_progress(run_dir: Path) -> bool:
     """Whether a live process holds the run's sweep marker (`SWEEP_MARKER`, which `difftest.runner.sweep` writes)."""
     try:

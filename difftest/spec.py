@@ -73,7 +73,7 @@ class RunConfig:
         try:
             raw = json.loads(path.read_text())
             # what ran it (difftest.stack) and the digests of what generate wrote (difftest.integrity), not how it was made
-            for recorded in ("stack", "earlier_stacks", "files"):
+            for recorded in ("stack", "earlier_stacks", "files", "commands"):
                 raw.pop(recorded, None)
             for key in ("kinds", "plugins"):
                 raw[key] = tuple(raw.get(key, ()))

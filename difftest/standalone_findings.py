@@ -4,23 +4,16 @@ minimal case and run once where difftest does not import, or why it has none; `f
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftest.errors import Unsupported
-from difftest.paths import absolute
 from difftest.runner.scheduler import machine_ranks
+from difftest.script_check import AGREEING_LINE, Checked, own_lines, sealed_environment
+from difftest.script_reduce import FULL_FILE
 from difftest.standalone import (
-    BUG_PRESENT,
     DATA_FILE,
     STANDALONE_FILE,
     STANDALONE_VERDICT_FILE,
@@ -33,44 +26,8 @@ if TYPE_CHECKING:
 
     from difftest.minimize import Minimisation
     from difftest.oracle import Tolerance
+    from difftest.script_reduce import Reduction
     from difftest.triage import Finding
-
-
-@dataclass(frozen=True)
-class Checked:
-    """What running an emitted script printed."""
-
-    exit_code: int
-    seconds: float
-    output: str
-
-    @property
-    def reproduces(self) -> bool:
-        return self.exit_code == 1 and BUG_PRESENT in self.output
-
-
-def check_script(path: Path, timeout_s: float = 120.0, python: str = sys.executable,
-                 env: dict[str, str] | None = None, niceness: int = 0) -> Checked:
-    """Run a script the way a maintainer would (its own folder is not the current one) and keep what it said. With a
-    `niceness`, the script and the ranks it starts (they inherit it) run at that lower priority. A script past its
-    timeout is killed with every process it started."""
-    started = time.perf_counter()
-    path = absolute(path)  # it runs from another folder: a path relative to this one would name another file
-    with subprocess.Popen([python, str(path)], cwd=path.parent.parent, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) as process:
-        if niceness:
-            try:  # before its imports are done, so before it forks its ranks
-                os.setpriority(os.PRIO_PROCESS, process.pid, niceness)
-            except (OSError, AttributeError):  # not POSIX, or gone already: it runs at normal priority
-                pass
-        try:
-            output, _ = process.communicate(timeout=timeout_s)
-            code, output = process.returncode, output.strip()
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # its ranks too: they are in its session
-            partial, _ = process.communicate()
-            code, output = 124, f"timed out after {timeout_s:.0f} s: {partial}"
-    return Checked(code, time.perf_counter() - started, output)
 
 
 @dataclass(frozen=True)
@@ -84,6 +41,7 @@ class Emitted:
     checked: Checked | None = None
     # difftest failed to write it (its emitter raised): counted and told as a defect of ours, not as the library's
     defect: bool = False
+    reduction: Reduction | None = None  # what reducing the script to what its case runs came to
 
     @property
     def our_defect(self) -> bool:
@@ -106,24 +64,6 @@ class Emitted:
         return (f"{STANDALONE_FILE} could not run (exit {code}) in {self.checked.seconds:.1f} s, {OUR_DEFECT}{why}")
 
 
-def sealed_environment(folder: Path) -> dict[str, str]:
-    """The environment of a process (and of the ranks it spawns) in which difftest's own packages do not import:
-    a `sitecustomize` on PYTHONPATH refuses them, so a script that needed them fails as it would elsewhere."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(textwrap.dedent('''\
-        import importlib.abc, sys
-
-        class _Refuse(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("difftest", "generators", "settings"):
-                    raise ModuleNotFoundError(f"No module named {name!r} (a standalone script must not need it)")
-                return None
-
-        sys.meta_path.insert(0, _Refuse())
-        '''))
-    return {**os.environ, "PYTHONPATH": str(folder)}
-
-
 def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Path, setting_name: str,
          first_divergence: str, spread: dict[str, float], tolerance: Tolerance, check_timeout_s: float = 0.0,
          message: str = "") -> Emitted:
@@ -136,7 +76,7 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
 
     folder = run_dir / "findings" / finding_id
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in (STANDALONE_FILE, DATA_FILE, STANDALONE_VERDICT_FILE):
+    for stale in (STANDALONE_FILE, DATA_FILE, STANDALONE_VERDICT_FILE, FULL_FILE):
         (folder / stale).unlink(missing_ok=True)
     setting = get_setting(setting_name)
     model, inputs = load_model(model_dir)
@@ -168,20 +108,8 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
 # the priority of a script run while the minimiser still works: below its trials (CFS gives nice 10 a tenth of a core
 # beside nice 0), above nothing
 BACKGROUND_NICENESS = 10
-# what a script prints of its own (`difftest.standalone_runtime`), among its libraries' warnings and its ranks' output
-_OWN_LINE = re.compile(r"^(python \d|\S+: (\d+ of \d+ elements (off|differ)|the setting gives shape|shape .* in the first run|"
-                       r"the same in both runs)|BUG PRESENT|ok: |COULD NOT RUN)")
-_AGREEING_LINE = re.compile(r": (0 of \d+ elements off|the same in both runs)")
 NO_SCRIPT = "no standalone script: "  # how `standalone.txt` begins where the finding has none, then why
 OUR_DEFECT = "a defect of difftest's: "  # where it has none because difftest failed (after NO_SCRIPT)
-
-
-def own_lines(output: str) -> list[str]:
-    """The lines a script printed itself: the releases, each compared tensor's verdict, how the setting failed (the
-    line before a failure's BUG PRESENT) and the verdict; a finding's report quotes them."""
-    lines = output.splitlines()
-    return [line for i, line in enumerate(lines) if _OWN_LINE.match(line) or (
-        i + 1 < len(lines) and lines[i + 1].startswith(f"{BUG_PRESENT}: the setting fails"))]
 
 
 def recorded_run(folder: Path) -> tuple[str, list[str], int] | None:
@@ -195,7 +123,7 @@ def recorded_run(folder: Path) -> tuple[str, list[str], int] | None:
     if not output.strip():
         return None
     lines = own_lines(output)
-    telling = [line for line in lines if not _AGREEING_LINE.search(line)]
+    telling = [line for line in lines if not AGREEING_LINE.search(line)]
     return verdict.strip(), telling, len(lines) - len(telling)
 
 
@@ -210,20 +138,28 @@ def why_no_script(folder: Path) -> str | None:
 
 
 def _record(folder: Path, emitted: Emitted) -> None:
-    text = emitted.describe() + ("\n\n" + emitted.checked.output if emitted.checked else "") + "\n"
+    reduced = f"; {emitted.reduction.describe()}" if emitted.reduction is not None else ""
+    text = emitted.describe() + reduced + ("\n\n" + emitted.checked.output if emitted.checked else "") + "\n"
     (folder / STANDALONE_VERDICT_FILE).write_text(text)
 
 
 def _check(e: Emitted, timeout_s: float, niceness: int = 0) -> Emitted:
-    """Run a written script once, sealed, and record what it printed."""
+    """Run a written script once, sealed and traced, and where it reproduces reduce it to what its case runs
+    (`difftest.script_reduce`, checked again); record what the script now in place printed."""
     import dataclasses
+
+    from difftest.script_reduce import reduce_script, traced_check
 
     if e.path is None:
         return e
-    checked = dataclasses.replace(e, checked=check_script(e.path, timeout_s, niceness=niceness,
-                                                          env=sealed_environment(e.path.parent / ".sealed")))
-    _record(e.path.parent, checked)
-    return checked
+    env = sealed_environment(e.path.parent / ".sealed")
+    checked, executed = traced_check(e.path, timeout_s, env, niceness)
+    reduction = None
+    if checked.reproduces:
+        reduction, checked = reduce_script(e.path, checked, executed, timeout_s, env, niceness)
+    done = dataclasses.replace(e, checked=checked, reduction=reduction)
+    _record(e.path.parent, done)
+    return done
 
 
 def _check_all(emitted: list[Emitted], timeout_s: float) -> list[Emitted]:

@@ -22,5 +22,6 @@ STATUSES = tuple(Status)
 FAILURES = (Status.ERROR, Status.CRASH, Status.TIMEOUT)  # it did not finish
 DISAGREEMENTS = (Status.INCONSISTENT, Status.NONDETERMINISTIC)  # it finished with other numbers
 NOT_OK = DISAGREEMENTS + FAILURES  # what a finding is made of
-# most severe first: a wrong number nobody sees, then a run that dies, then one that refuses with an error
-SEVERITY = (Status.INCONSISTENT, Status.NONDETERMINISTIC, Status.CRASH, Status.TIMEOUT, Status.ERROR)
+# by consequence, the worst first: a run that dies, hangs or raises stops a user's training outright; a silent difference
+# is then ranked by its size (`difftest.triage.consequence`)
+CONSEQUENCE = (Status.CRASH, Status.TIMEOUT, Status.ERROR, Status.INCONSISTENT, Status.NONDETERMINISTIC)

@@ -47,10 +47,10 @@ from difftest.signature import (
     setting_family,
     setting_sizes,
 )
-from difftest.status import DISAGREEMENTS, FAILURES, SEVERITY
+from difftest.status import CONSEQUENCE, DISAGREEMENTS, FAILURES
 from difftest.store import Store
 
-FINDINGS_COLUMNS = ["id", "status", "upstream", "known_issue", "references", "merged", "title", "signature", "cases", "models",
+FINDINGS_COLUMNS = ["id", "rank", "consequence", "status", "upstream", "known_issue", "references", "merged", "title", "signature", "cases", "models",
                     "settings", "worst_linf", "worst_bound_ratio", "first_divergence", "distinguishing",
                     "example_model", "example_setting", "example_message", "reproducer"]
 
@@ -89,6 +89,18 @@ class Finding:
     # findings of other signatures merged into this one because one known library bug explains them all:
     # (their id, signature, cases); the finding's own signature stays its example's, which its reproducer checks
     merged: list[tuple[str, str, int]] = field(default_factory=list)
+    # its consequence (`consequence`): how many times what rounding explains its worst tensor is off (the calibrated
+    # envelope's ratio, else D3's bound's), and the share of its cases' compared tensors that disagree
+    beyond: float = math.nan
+    touched: float = math.nan
+    rank: int = 0  # 1 for the finding of the gravest consequence in its run
+
+    def describe_consequence(self) -> str:
+        if self.status not in DISAGREEMENTS:
+            return f"{self.status}: the setting does not finish"
+        beyond = f"{self.beyond:.3g}× what rounding explains" if not math.isnan(self.beyond) else "size not measured"
+        touched = f", {self.touched:.0%} of the compared tensors" if not math.isnan(self.touched) else ""
+        return beyond + touched
 
     @property
     def upstream(self) -> Upstream:
@@ -174,8 +186,13 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         finding.contrast = contrast_of(finding.example["setting"], separating)
         finding.known = known_issue_of(frame, versions)
         findings.append(finding)
-    findings.sort(key=lambda f: (SEVERITY.index(f.status), -len(f.rows), f.id))
+    _measure_consequence(findings, analysis)
+    findings.sort(key=consequence)  # a merged finding is led by its gravest part
     findings = merge_known(findings)
+    _measure_consequence(findings, analysis)
+    findings.sort(key=consequence)
+    for rank, f in enumerate(findings, 1):
+        f.rank = rank
     _pairwise(run_dir, findings)
     write_findings(run_dir, findings)
     return findings
@@ -279,6 +296,32 @@ def _registered(name: str) -> Setting | None:
         return None
 
 
+def consequence(f: Finding) -> tuple[int, float, float, int, str]:
+    """Sort key, the gravest first: a crash, a hang, an error (the run stops), then a silent difference by the order of
+    magnitude it exceeds what rounding explains, then by the share of the output it touches, then by its cases."""
+    magnitude = math.floor(math.log10(f.beyond)) if f.beyond > 0 and math.isfinite(f.beyond) else \
+        (99 if f.beyond == math.inf else -99)
+    return (CONSEQUENCE.index(f.status), -magnitude, -(0.0 if math.isnan(f.touched) else f.touched), -len(f.rows),
+            f.id)
+
+
+def _measure_consequence(findings: list[Finding], analysis: Analysis) -> None:
+    """Each disagreement's `beyond` and `touched`, over its cases' compared tensors (the calibrated ratio where the
+    calibrated oracle judged a tensor, else D3's bound ratio)."""
+    rows = analysis.comparisons[analysis.comparisons["tensor"] != ""]
+    by_case = {key: group for key, group in rows.groupby(["model", "setting"])}
+    for f in findings:
+        if f.status not in DISAGREEMENTS:
+            continue
+        cases = [by_case[key] for key in set(zip(f.rows["model"], f.rows["setting"], strict=True)) if key in by_case]
+        if not cases:
+            continue
+        compared = pd.concat(cases)
+        ratio = compared["calibrated_ratio"].where(compared["calibrated_ratio"].notna(), compared["bound_ratio"])
+        f.beyond = float(ratio.max()) if ratio.notna().any() else math.nan
+        f.touched = float(compared["status"].isin(DISAGREEMENTS).mean())
+
+
 def _worst_bound_ratios(analysis: Analysis) -> dict[tuple[str, str], float]:
     rows = analysis.comparisons.dropna(subset=["bound_ratio"])
     ratios: dict[tuple[str, str], float] = rows.groupby(["model", "setting"])["bound_ratio"].max().to_dict()
@@ -291,7 +334,7 @@ def _reproducer(run_dir: Path, finding: Finding) -> str:
 
 def _summary_rows(run_dir: Path, findings: list[Finding]) -> list[dict[str, Any]]:
     return [{
-        "id": f.id, "status": f.status, "upstream": str(f.upstream), "known_issue": f.known.id if f.known else "",
+        "id": f.id, "rank": f.rank, "consequence": f.describe_consequence(), "status": f.status, "upstream": str(f.upstream), "known_issue": f.known.id if f.known else "",
         "references": "; ".join(str(r) for r in f.known.references) if f.known else "",
         "merged": "; ".join(i for i, _, _ in f.merged), "title": f.title, "signature": f.signature, "cases": len(f.rows),
         "models": f.rows["model"].nunique(), "settings": f.rows["setting"].nunique(),

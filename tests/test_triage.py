@@ -125,7 +125,17 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     earliest = pd.read_csv(fresh_run / "first_divergence.csv")
     assert set(earliest["setting"]) == {"torchrec/ebc/grid_shard/ws2", "torchrec/ebc/grid_shard/ws3",
                                         "faults/shard_off_by_one_row/ws2"}
-    assert all(f"## {f.id}: " in (fresh_run / "findings.md").read_text() for f in findings)
+    assert all(f"## {f.rank}. {f.id}: " in (fresh_run / "findings.md").read_text() for f in findings)
+    # ranked by consequence: what stops the run first, then the silent differences, the larger beyond rounding first
+    assert [f.rank for f in findings] == list(range(1, len(findings) + 1))
+    assert [f.status for f in findings] == ["error", "error", "inconsistent", "inconsistent"]
+    silent = [f for f in findings if f.status == "inconsistent"]
+    import math
+
+    magnitudes = [math.floor(math.log10(f.beyond)) for f in silent]  # orders of magnitude beyond rounding, then share
+    assert magnitudes[0] > magnitudes[1] or (magnitudes[0] == magnitudes[1] and silent[0].touched >= silent[1].touched)
+    assert all(f.beyond > 1 and 0 < f.touched <= 1 for f in silent)
+    assert list(table["rank"]) == [1, 2, 3, 4] and table["consequence"].str.contains("what rounding explains").sum() == 2
     # each finding as a maintainer would file it: environment, what happens with both sides' values, references
     import torch
 

@@ -436,8 +436,8 @@ def test_the_report_template_escapes_what_a_run_wrote() -> None:
     hostile = "<script>alert(1)</script>"
     page = render("report.html.j2", run_name=hostile, run_dir=hostile, written="now", stack=hostile, style="",
                   sweep_running=False, calibrated=0, total=1, counts=[(hostile, 1, 1)], findings=[], not_ok=0,
-                  figures=[(hostile, True, hostile)])
-    assert hostile not in page and page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 7
+                  figures=[(hostile, True, hostile)], command=hostile, python=hostile)
+    assert hostile not in page and page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 8
 
 
 def test_minimisation_charges_each_finding_its_cases_its_share_of_references_and_moves_to_the_smallest_win() -> None:

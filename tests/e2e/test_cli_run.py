@@ -107,7 +107,7 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
         # and what its standalone script printed here, when it reproduced
         ran = out / "findings" / fid / "standalone.txt"
         if ran.is_file() and "reproduces (exit 1)" in ran.read_text().splitlines()[0]:
-            assert "what it printed of its own" in issue and "\nBUG PRESENT: " in issue, fid
+            assert "; what it printed" in issue and "\nBUG PRESENT: " in issue, fid
     assert "distinct findings" in result.stdout
     # the sweep told its findings as it found them, before its end and before triage
     live = re.findall(r"\] finding (\d+) so far: ", result.stderr)
@@ -124,19 +124,42 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     return rows
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def readme_command() -> list[str]:
+    """The README's first command after the install, as written: `.venv/bin/difftest run` (no --out: the default
+    `results/default`, a path relative to where it runs)."""
+    first = (ROOT / "README.md").read_text().split("```", 2)[1].strip().splitlines()[0]
+    return first.split("&&", 1)[1].split()
+
+
+def _run_as_written(where: Path, timeout: int) -> subprocess.CompletedProcess:
+    """The README's command, as written, from a folder that holds the checkout's `.venv` as the checkout root does
+    (a link), so that its relative output folder is a fresh one."""
+    if not (where / ".venv").exists():
+        (where / ".venv").symlink_to(ROOT / ".venv")
+    return subprocess.run(readme_command(), capture_output=True, text=True, timeout=timeout, cwd=where)
+
+
 @pytest.mark.needs_tf
 @pytest.mark.e2e
 @pytest.mark.timeout(2100)
-def test_difftest_run_on_the_default_models_runs_the_default_tier_and_resumes(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    rows = _check_the_job(out, "default", _run(out, timeout=1500))
+def test_the_readmes_command_as_written_runs_the_default_tier_checks_every_script_and_resumes(tmp_path: Path) -> None:
+    assert readme_command() == [".venv/bin/difftest", "run"]
+    out = tmp_path / "results" / "default"
+    rows = _check_the_job(out, "default", _run_as_written(tmp_path, timeout=1500))
+    # every finding's standalone script was run from the relative run folder, and reproduces on its own
+    for folder in sorted((out / "findings").iterdir()):
+        said = (folder / "standalone.txt").read_text().splitlines()[0]
+        assert "reproduces (exit 1)" in said, (folder.name, said)
     # every family of settings ran on the default models
     load_plugins()
     families = {s.family for s in with_references(tier("full"))}
     assert families == {s.family for s in tier("default")}
 
     # a rerun of the same command resumes: nothing left to run, same verdicts
-    again = _run(out, timeout=600)
+    again = _run_as_written(tmp_path, timeout=600)
     assert again.returncode == 0 and not re.search(r"\b0 already done", again.stderr)
     assert "ran 0" in again.stderr.replace("\n", " ")
     assert pd.read_csv(out / "inconsistencies.csv").equals(rows)

@@ -1,0 +1,135 @@
+"""Reducing a standalone script to what its case runs (difftest.script_reduce): the pure steps on a small script
+whose executed lines are known, and the tracer on a real run of it."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from difftest.script_reduce import (
+    SHARED_MARKER,
+    drop_docstrings,
+    drop_unused,
+    prune_unexecuted,
+    reduce_source,
+    same_bug,
+    traced_check,
+)
+
+SCRIPT = textwrap.dedent(f'''\
+    """What the script shows."""
+    import os, re, sys
+    import json
+
+    CASE = {{"kind": "b"}}
+    UNUSED = 3
+
+    def helper(x):
+        """Doubles x."""
+        return 2 * x
+
+    def never_called(x):
+        return x + 1
+
+    def setting(case):
+        """The setting."""
+        if case["kind"] == "a":
+            value = helper(1)
+            value += 1
+        elif case["kind"] == "b":
+            value = helper(2)
+        else:
+            value = never_called(3)
+        if value > 100:
+            print("big")
+        else:
+            print("small")
+        return value
+
+    {SHARED_MARKER}: start the ranks, judge, report ---
+    def main():
+        """Kept whole: the shared part."""
+        if os.environ.get("NEVER_SET"):
+            print("never")
+        print("v:", setting(CASE))
+        print("BUG PRESENT: yes")
+        return 1
+
+    if __name__ == "__main__":
+        sys.exit(main())
+    ''')
+
+
+def _lines(source: str, *fragments: str) -> set[int]:
+    return {n for n, line in enumerate(source.splitlines(), 1) if any(f in line for f in fragments)}
+
+
+def test_the_tracer_sees_what_ran_and_the_reduction_keeps_only_that_before_the_shared_part(tmp_path: Path) -> None:
+    folder = tmp_path / "finding"
+    folder.mkdir()
+    script = folder / "standalone.py"
+    script.write_text(SCRIPT)
+    checked, executed = traced_check(script, 60)
+    assert checked.exit_code == 1 and "v: 4" in checked.output, checked.output
+    ran = {SCRIPT.splitlines()[n - 1].strip() for n in executed}
+    assert {"value = helper(2)", "return 2 * x", 'print("small")'} <= ran
+    assert not {"value = helper(1)", "return x + 1", 'print("big")', 'print("never")'} & ran
+
+    reduced = reduce_source(SCRIPT, executed)
+    compile(reduced, "reduced", "exec")
+    for gone in ("never_called", "helper(1)", '"big"', "UNUSED", "import json", "Doubles x", '"a"',
+                 "else:\n        value", "Kept whole"):  # every docstring but the script's own goes
+        assert gone not in reduced, (gone, reduced)
+    for kept in ('"""What the script shows."""', 'if case["kind"] == "b":', "value = helper(2)", 'print("small")',
+                 'print("never")', "import os, sys"):  # the shared part's code is never pruned
+        assert kept in reduced, (kept, reduced)
+    # and it runs, printing what the full script printed
+    script.write_text(reduced)
+    again, _ = traced_check(script, 60)
+    assert again.exit_code == 1 and same_bug(checked.output, again.output)
+
+
+def test_an_else_taken_replaces_its_if_and_a_block_left_empty_keeps_a_pass() -> None:
+    source = textwrap.dedent('''\
+        def f(flag):
+            if flag:
+                a = 1
+                return a
+            else:
+                b = 2
+                return b
+
+        def g():
+            for _ in range(0):
+                x = 1
+            return 0
+
+        def h(flag):
+            if flag:
+                y = 1
+        ''')
+    executed = _lines(source, "def f", "if flag", "b = 2", "return b", "def g", "for _", "return 0", "def h", "if flag")
+    reduced = prune_unexecuted(source, executed)
+    assert "if flag" not in reduced and "a = 1" not in reduced and "y = 1" not in reduced
+    assert "\n    b = 2\n    return b\n" in reduced  # moved out one level
+    assert "for _" not in reduced and "x = 1" not in reduced  # a loop that never iterated goes
+    assert "def h(flag):\n    pass\n" in reduced  # its one statement never ran: a pass holds the block
+    compile(reduced, "reduced", "exec")
+
+
+def test_unused_definitions_go_until_none_is_left_and_docstrings_but_the_scripts_own() -> None:
+    source = '"""Own."""\nimport a, b\nfrom c import d, e\n\ndef f():\n    """Doc."""\n    return g()\n\n' \
+             'def g():\n    return d\n\ndef h():\n    return h()\n\nprint(b)\n'
+    reduced = drop_unused(drop_docstrings(source))
+    # f is unused, then g (only f called it), then d (only g read it); h only calls itself; a and e nobody reads
+    assert reduced.split() == ['"""Own."""', "import", "b", "print(b)"], reduced
+
+
+def test_the_same_bug_is_the_same_verdict_lines_to_the_digits_printed() -> None:
+    original = ("python 3.11.7, torch 2.14.1\nnoise from a library\n"
+                "pooled.tf0: 3 of 8 elements off, 2.1x what rounding explains; at (0, 1) single process 0.5, "
+                "setting 0.25, float64 0.5\nBUG PRESENT: the setting disagrees with the single-process program\n")
+    assert same_bug(original, original.replace("noise from a library", "other noise").replace("3.11.7", "3.12"))
+    assert not same_bug(original, original.replace("setting 0.25", "setting 0.26"))
+    assert not same_bug(original, original.replace("BUG PRESENT: the setting disagrees with the single-process "
+                                                    "program", "ok: the setting agrees"))

@@ -113,3 +113,44 @@ def test_fsdp2_inside_pipeline_stages_finishes_on_a_converted_keras_model(fresh_
     assert report.statuses == {"ok": 5 + REFERENCE_CALIBRATIONS}
     cases = analyze(run_dir).cases
     assert set(cases.verdict) == {"ok"} and set(hybrid) <= set(cases.setting)
+
+
+def test_activation_checkpointing_wraps_every_block_and_trains_as_the_reference(tmp_path: Path) -> None:
+    """Checkpointed blocks (reentrant, non-reentrant, selective; alone, in DDP, in FSDP2) recompute the same operations:
+    ok against the plain reference, under the plain model's parameter names, every block really wrapped."""
+    from difftest.generate import generate
+    from difftest.registry import get_generator
+    from difftest.spec import RunConfig
+    from difftest.store import Store
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer", "dlrm")))
+    run_sweep(run_dir, SweepOptions(settings="ac/single/*,ac/ddp/reentrant/ws2,ac/fsdp2/selective/ws2"))
+    cases = analyze(run_dir).cases.set_index(["model", "setting"])["verdict"]
+    ac = cases[[s.startswith("ac/") for _, s in cases.index]]
+    assert set(ac.xs("transformer-s0-i0").to_dict().values()) == {"ok"} and len(ac.xs("transformer-s0-i0")) == 5
+    assert set(ac.xs("dlrm-s0-i0").to_dict().values()) == {"unsupported"}  # no blocks to checkpoint
+    store = Store(run_dir)
+    try:
+        blocks = {r.setting: r.message for r in store.records() if r.model == "transformer-s0-i0"
+                  and r.setting.startswith("ac/")}
+    finally:
+        store.close()
+    kind = get_generator("transformer")
+    spec = kind.spec(0, 0)
+    layers = len(kind.blocks(kind.build(spec, kind.init_state(spec), "cpu", None)))
+    assert all(f"checkpointed blocks: {layers}" in message for message in blocks.values()), blocks
+    # its standalone script checkpoints and wraps as the setting does, and agrees too (exit 0), judged by the envelope
+    from difftest.analysis import envelope_spread
+    from difftest.oracle import Tolerance
+    from difftest.standalone_findings import emit
+
+    setting = "ac/fsdp2/selective/ws2"
+    emitted = emit(run_dir, "A1", "an activation-checkpointing finding", "inconsistent",
+                   run_dir / "models" / "transformer-s0-i0", setting, "param_after_step1/output.weight",
+                   envelope_spread(run_dir, "transformer-s0-i0", setting), Tolerance(), check_timeout_s=180)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    text = emitted.path.read_text()
+    assert "apply_activation_checkpointing" in text and "create_selective_checkpoint_contexts" in text
+    assert emitted.checked.exit_code == 0 and "what rounding explains" in emitted.checked.output, \
+        emitted.checked.output[-3000:]

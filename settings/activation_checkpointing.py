@@ -1,0 +1,182 @@
+"""Activation checkpointing: a transformer's blocks wrapped by `checkpoint_wrapper` (torch.distributed.algorithms), their
+activations dropped after forward and recomputed in backward, in one process or composed with DDP or FSDP2 (the
+checkpointing applied first, then the wrapper, as torchtitan composes them).
+
+Recomputing a block runs the same operations on the same values, so training must match the reference's within the
+calibrated envelope. Modes: `reentrant` (torch.utils.checkpoint with use_reentrant=True), `non-reentrant`, and
+`selective` (non-reentrant with an op policy that saves matrix products and recomputes the rest, torchtitan's
+selective AC). Reentrant checkpointing needs a block input that requires grad (documented): where none does (the
+model's embedding is frozen), torch warns and leaves the block's parameters without gradients, and the setting is
+`unsupported` with torch's words rather than a finding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from difftest.devices import DATA_PARALLEL, SHARDED, across
+from difftest.errors import Unsupported
+from difftest.registry import register_settings, traits_of
+from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import refuse_changed_hooks
+from settings._compat import fully_shard_for
+from settings._training import build_for_training, record_training, sgd_step, to_numpy
+
+if TYPE_CHECKING:
+    from difftest.spec import ModelSpec
+    from difftest.standalone import Script, StandaloneCase
+
+MODES = ("reentrant", "non-reentrant", "selective")
+WRAPS = ("single", "ddp", "fsdp2")
+# what torch says when a reentrant checkpoint has no input that requires grad (torch/utils/checkpoint.py)
+_NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointing(Setting):
+    """A transformer's blocks under activation checkpointing, alone or inside DDP or FSDP2, plain SGD."""
+
+    world_size: int
+    wrap: str = "single"  # or "ddp", "fsdp2"
+    mode: str = "non-reentrant"  # or "reentrant", "selective"
+    family: ClassVar[str] = "ac"
+    tier_axes: ClassVar[tuple[str, ...]] = ("wrap", "mode")
+
+    @property
+    def name(self) -> str:
+        return f"ac/{self.wrap}/{self.mode}/ws{self.world_size}"
+
+    def describe(self) -> str:
+        inside = {"single": "in one process", "ddp": f"inside DDP over {self.world_size} ranks",
+                  "fsdp2": f"inside FSDP2 (a unit per block) over {self.world_size} ranks"}[self.wrap]
+        return f"activation checkpointing ({self.mode}) of every transformer block, {inside}"
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, {"single": frozenset(), "ddp": DATA_PARALLEL, "fsdp2": SHARDED}[self.wrap])
+
+    def supports(self, spec: ModelSpec) -> str | None:
+        if "transformer" not in traits_of(spec.kind):
+            return f"model kind {spec.kind!r} has no transformer blocks to checkpoint"
+        return None
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import warnings
+
+        import torch
+
+        if self.wrap == "fsdp2":
+            fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device, before the model is built
+        module = build_for_training(model, ctx.device)
+        layout = self.layout(model, module)
+        wrapped = distribute(module, ctx.group, ctx.device, layout)
+        ctx.notes["checkpointed blocks"] = str(sum(name.endswith("_checkpoint_wrapped_module")
+                                                   for name, _ in wrapped.named_modules()))
+
+        def read() -> dict[str, Any] | None:
+            full = {name: to_numpy(t) for name, t in full_parameters(wrapped, model.parameters).items()}
+            return full if ctx.rank == 0 else None
+
+        optimizer = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=ctx.lr)
+
+        def train_step(batch: Any) -> float:
+            # only while gradients are taken: an evaluation (no_grad) gives a reentrant checkpoint no input that
+            # requires grad either, which costs nothing there
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss = sgd_step(model, wrapped, optimizer, batch, ctx.device)
+            said = next((str(w.message) for w in caught if _NO_GRAD_INPUTS in str(w.message)), None)
+            if said is not None:
+                raise Unsupported(f"torch.utils.checkpoint (use_reentrant=True) on this model: {said} (documented: "
+                                  "a reentrant checkpoint needs an input that requires grad; a block gets none)")
+            return loss
+
+        return record_training(ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device), train_step, read)
+
+    def layout(self, model: Any, module: Any) -> dict[str, Any]:
+        """What `distribute` needs: the blocks to checkpoint, the mode, what wraps them."""
+        blocks = model.blocks(module)
+        if not blocks:
+            raise Unsupported(f"model kind {model.spec.kind!r} declares no repeated blocks to checkpoint")
+        return {"blocks": [name for name, _ in blocks], "mode": self.mode, "wrap": self.wrap}
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, ActivationCheckpointing)
+
+        from difftest.artifacts import LoadedModel
+        from settings._training_script import training_script
+
+        model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
+        return training_script(case, self.describe().replace(" in one process", "") + " (checkpoint_wrapper)",
+                               self.world_size, (selective_policy, checkpointed, fully_shard_for, distribute,
+                                                 full_parameters), self.layout(model, model.build("cpu")))
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective activation checkpointing's op policy: keep what matrix products computed, recompute the rest."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    keep = op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpointed(module: Any, blocks: list[str], mode: str) -> Any:
+    """`module` with each of `blocks` wrapped by checkpoint_wrapper in `mode` (torch's apply_activation_checkpointing)."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    chosen = {id(module.get_submodule(name)) for name in blocks}
+    options: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.REENTRANT if mode == "reentrant"
+                               else CheckpointImpl.NO_REENTRANT}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    apply_activation_checkpointing(module, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, **options),
+                                   check_fn=lambda m: id(m) in chosen)
+    return module
+
+
+def distribute(module: Any, group: Any, device: str, layout: dict[str, Any]) -> Any:
+    """The blocks checkpointed, then the model wrapped as the setting wraps it: nothing more (one process), DDP, or
+    FSDP2 with a unit per (checkpointed) block and the root."""
+    import torch
+
+    module = checkpointed(module, layout["blocks"], layout["mode"])
+    if layout["wrap"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [torch.device(device)] if device.startswith("cuda") else None
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=group)
+    if layout["wrap"] == "fsdp2":
+        from torch.distributed.device_mesh import DeviceMesh
+
+        fully_shard = fully_shard_for(device)
+        mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
+        for name in reversed(layout["blocks"]):
+            fully_shard(module.get_submodule(name), mesh=mesh)
+        return fully_shard(module, mesh=mesh)
+    return module
+
+
+def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
+    """Every tensor `read(wrapped)` names, whole (a DTensor all-gathered: every rank calls it), under its name without
+    the checkpoint wrapper's `_checkpoint_wrapped_module.` (the name the plain model gives it)."""
+    from torch.distributed.tensor import DTensor
+
+    return {name.replace("_checkpoint_wrapped_module.", ""): t.full_tensor() if isinstance(t, DTensor) else t
+            for name, t in read(wrapped).items()}
+
+
+register_settings(
+    [ActivationCheckpointing(1, "single", mode) for mode in MODES]
+    + [ActivationCheckpointing(ws, wrap, mode) for wrap in ("ddp", "fsdp2") for mode in MODES for ws in (2, 4)]
+)

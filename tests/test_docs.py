@@ -1,0 +1,30 @@
+"""The README and the documentation site: two set-up commands first, no figure left unmeasured, every link whole."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_readme_opens_with_its_two_commands_and_is_short() -> None:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("```", 2)[1].strip().splitlines()
+    assert block == ["./install.sh && .venv/bin/difftest run",
+                     '.venv/bin/python -m pytest && .venv/bin/python -m pytest -m "e2e or ray or oldest"']
+    assert text.count("\n") <= 120 and max(len(line) for line in text.splitlines()) <= 120
+    assert not re.search(r"__[A-Z_]+__", text), "a figure was left to fill in"
+
+
+def test_the_documentation_site_builds_with_every_link_whole(tmp_path: Path) -> None:
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert built.returncode == 0, built.stderr[-3000:]
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    nav = set(re.findall(r":\s*([\w-]+\.md)", (ROOT / "mkdocs.yml").read_text()))
+    assert nav == pages  # every page is in the site's navigation, and every entry is a page
+    for link in re.findall(r"\]\((docs/[\w-]+\.md)\)", (ROOT / "README.md").read_text()):
+        assert (ROOT / link).is_file(), link

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -679,6 +680,65 @@ def diff_command(
     if result.models_differ:
         out_console.print(f"left out: {len(result.models_differ)} model(s) whose weights or inputs differ between the "
                           f"runs ({', '.join(result.models_differ)})", highlight=False)
+
+
+@app.command()
+def campaign(
+    folder: Annotated[Path, typer.Argument(help="The campaign's folder: a new one, or one to resume.")],
+    hours: Annotated[float | None, typer.Option("--hours", min=0, help="Run rounds for this long (this call).")] = None,
+    cases: Annotated[int | None, typer.Option("--cases", min=1, help="Run rounds until the campaign holds this many cases.")] = None,
+    settings: SettingsOpt = None,
+    tier: TierOpt = None,
+    kind: KindOpt = "all",
+    models: Annotated[int, typer.Option("--models", min=1, help="Models per kind and round.")] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Round r draws its models from seed SEED + r.")] = 1000,
+    minimize_budget: MinimizeOpt = 20.0,
+    jobs: JobsOpt = None,
+    timeout: TimeoutOpt = 120.0,
+    report: Annotated[bool, typer.Option("--report", help="Print the causes the campaign has seen (first seen, how often, upstream) and stop.")] = False,
+    plugin: PluginOpt = None,
+) -> None:
+    """Hunt for hours: rounds of freshly drawn models under the selected settings, each judged and triaged as a run;
+    a cause the manifest or an earlier round explains is counted, a new one minimised, scripted and announced. Resumes
+    after any interruption."""
+    from difftest.campaign import CampaignConfig, CampaignEvents, report_rows, run_campaign
+    from difftest.pipeline import run_pipeline
+
+    folder = absolute(folder)
+    if report:
+        _print_campaign(folder, report_rows(folder))
+        return
+    if hours is None and cases is None:
+        raise UserError("campaign: give --hours H or --cases N (how long to hunt)")
+    plugins = tuple(plugin or ())
+    config = CampaignConfig(settings, tier, kind, models, seed, minimize_budget, plugins)
+
+    def one_round(where: Path, round_seed: int, focus: Callable[[Finding], bool]) -> Any:
+        import dataclasses
+
+        judging = dataclasses.replace(_options(5e-4, 1e-4, "calibrated", minimize_budget, timeout, "cpu"), focus=focus)
+        _generate(where, models, round_seed, kind, 1, 0.1, 24, plugins, "")
+        _sweep(where, settings, None, jobs, timeout, "cpu", plugins, tier=tier, judging=judging)
+        return run_pipeline(where, judging)
+
+    events = CampaignEvents(
+        round_started=lambda n, where: console.print(f"campaign round {n}: {shown(where)}", highlight=False),
+        new_signature=lambda s: console.print(f"NEW: {escape(s.title)} (round {s.first_round}; {s.example})",
+                                              style="bold", highlight=False),
+        round_done=lambda r: console.print(f"round {r.number}: {r.cases} cases in {r.seconds:.0f}s, {len(r.new)} new "
+                                           f"cause(s), {r.counted} finding(s) of causes seen before", highlight=False))
+    run_campaign(folder, config, one_round, hours=hours, cases=cases, events=events)
+    _print_campaign(folder, report_rows(folder))
+
+
+def _print_campaign(folder: Path, rows: list[Any]) -> None:
+    from difftest.campaign import cases_done, rounds_done
+
+    table = Table("cause", "upstream", "first round", "rounds", "cases", "where", title=f"{shown(folder)}: "
+                  f"{len(rounds_done(folder))} rounds, {cases_done(folder)} cases, {len(rows)} distinct causes")
+    for s in rows:
+        table.add_row(escape(s.title[:90]), s.upstream, str(s.first_round), str(len(s.rounds)), str(s.cases), s.example)
+    out_console.print(table)
 
 
 @app.command()

@@ -9,6 +9,7 @@ each step is a function of the steps before it, and what a person sees of each s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,8 +17,6 @@ from typing import TYPE_CHECKING
 from difftest.oracle import Tolerance
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from difftest.analysis import Analysis
     from difftest.minimize import Minimisation
     from difftest.standalone_findings import Emitted
@@ -35,6 +34,9 @@ class PipelineOptions:
     # each finding's standalone script is run once, in a process where difftest does not import, within this many
     # seconds; 0: written, not run
     check_standalone_s: float = 120.0
+    # which findings deserve minimisation and a checked script (default: all); a campaign spends neither on what the
+    # manifest or an earlier round already explains
+    focus: Callable[[Finding], bool] | None = None
 
 
 class PipelineEvents:
@@ -120,10 +122,11 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     events.judged(analysis)
     findings = triage_run(run_dir, analysis)
     events.triaged(findings, time.perf_counter() - started)
+    focused = [f for f in findings if options.focus is None or options.focus(f)]
     # a running sweep's findings are not final: they get no scripts
-    scripts = None if analysis.sweep_running else StandaloneScripts(run_dir, findings, options.tolerance,
+    scripts = None if analysis.sweep_running else StandaloneScripts(run_dir, focused, options.tolerance,
                                                                       options.check_standalone_s)
-    minimised = minimise(run_dir, findings, analysis, options, events,
+    minimised = minimise(run_dir, focused, analysis, options, events,
                          on_done=scripts.finding_done if scripts is not None else None)
     if scripts is not None:
         started = time.perf_counter()

@@ -1,0 +1,185 @@
+"""`difftest campaign DIR`: bug hunting for hours, told only what is new.
+
+A campaign is a folder of rounds. Each round is an ordinary run folder (`rounds/r0001-s<seed>/`): models drawn from a
+fresh seed, swept under the campaign's settings, judged and triaged as every run is. What a round finds is compared
+with every signature the campaign has seen (`signatures.json`, one entry per root cause: a manifest entry's id, else
+the finding's signature) and with the manifest: a known or already seen cause is counted, never minimised or given a
+script again; a new one is minimised, gets its checked standalone script and ISSUE.md in its round, and is announced
+in one line. A campaign stops at its time or case budget and resumes after any interruption: a round's run folder
+resumes as every run does (nothing committed runs again), and a round counts once it is marked done.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftest.artifacts import atomic_write_text
+from difftest.errors import UserError
+
+CAMPAIGN_FILE = "campaign.json"
+SIGNATURES_FILE = "signatures.json"
+ROUND_DONE = "round.done"  # in a round's folder once its findings are counted
+
+
+@dataclass(frozen=True)
+class CampaignConfig:
+    """What every round of a campaign runs: a campaign folder keeps it, and a resumed campaign must ask the same."""
+
+    settings: str | None = None
+    tier: str | None = None
+    kind: str = "all"
+    models: int = 1  # per kind and round
+    first_seed: int = 1000  # round r draws its models from seed first_seed + r
+    minimize_budget_s: float = 20.0
+    plugins: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, folder: Path) -> CampaignConfig | None:
+        path = folder / CAMPAIGN_FILE
+        if not path.is_file():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            return cls(**{**raw, "plugins": tuple(raw.get("plugins", ()))})
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"{path}: not a difftest campaign ({exc}); start a new campaign in another folder") from None
+
+
+@dataclass
+class Seen:
+    """One root cause the campaign has met."""
+
+    key: str  # the manifest entry's id, else the finding's signature
+    title: str
+    upstream: str  # known, related, unreported (the manifest's), or new
+    first_round: int
+    first_seen: float  # when (epoch seconds)
+    cases: int = 0
+    rounds: list[int] = field(default_factory=list)
+    example: str = ""  # the round folder and finding id of its first showing: where its script and ISSUE.md are
+
+    @property
+    def minimised_here(self) -> bool:
+        """Whether the campaign itself minimised it (a cause no manifest entry explains)."""
+        return self.upstream == "new"
+
+
+def signature_key(finding: Any) -> str:
+    """What makes two findings one cause across rounds: the manifest's entry, else the signature."""
+    return str(finding.known.id) if finding.known is not None else str(finding.signature)
+
+
+def load_seen(folder: Path) -> dict[str, Seen]:
+    path = folder / SIGNATURES_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return {key: Seen(**entry) for key, entry in json.loads(path.read_text()).items()}
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"{path}: damaged ({exc}); every round's findings are in rounds/*/findings.csv: move it "
+                        "aside and rerun the campaign to count them again") from None
+
+
+def save_seen(folder: Path, seen: dict[str, Seen]) -> None:
+    atomic_write_text(json.dumps({k: asdict(v) for k, v in seen.items()}, indent=1), folder / SIGNATURES_FILE)
+
+
+@dataclass
+class RoundResult:
+    number: int
+    folder: Path
+    cases: int
+    seconds: float
+    new: list[Seen]
+    counted: int  # findings of causes already seen or known
+
+
+@dataclass
+class CampaignEvents:
+    """What a campaign tells as it goes (the CLI prints it)."""
+
+    round_started: Callable[[int, Path], None] = lambda number, folder: None
+    new_signature: Callable[[Seen], None] = lambda seen: None
+    round_done: Callable[[RoundResult], None] = lambda result: None
+
+
+def start(folder: Path, config: CampaignConfig) -> CampaignConfig:
+    """Make the campaign folder, or check that an existing one asks the same (one line otherwise)."""
+    existing = CampaignConfig.load(folder)
+    if existing is not None:
+        if existing != config:
+            raise UserError(f"{folder} holds a campaign with other options ({json.dumps(asdict(existing))}); run it "
+                            "with the same options to resume it, or start a new one in another folder")
+        return existing
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(json.dumps(asdict(config), indent=1), folder / CAMPAIGN_FILE)
+    return config
+
+
+def rounds_done(folder: Path) -> list[Path]:
+    return sorted(p.parent for p in (folder / "rounds").glob(f"*/{ROUND_DONE}"))
+
+
+def cases_done(folder: Path) -> int:
+    return sum(int(json.loads((p / ROUND_DONE).read_text())["cases"]) for p in rounds_done(folder))
+
+
+def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[..., Any],
+              events: CampaignEvents) -> RoundResult:
+    """One round: `run(round_folder, seed, focus)` generates, sweeps and analyses a run folder (the CLI's job, its
+    minimisation and scripts only for findings `focus` accepts) and returns its pipeline result; its findings are then
+    counted against what the campaign has seen."""
+    seed = config.first_seed + number
+    where = folder / "rounds" / f"r{number:04d}-s{seed}"
+    events.round_started(number, where)
+    started = time.time()
+    seen = load_seen(folder)
+    result = run(where, seed, lambda f: f.known is None and signature_key(f) not in seen)
+    new, counted = [], 0
+    for f in result.findings:
+        key = signature_key(f)
+        if key in seen:
+            entry = seen[key]
+            counted += 1
+        else:
+            entry = seen[key] = Seen(key, f.known.title if f.known else f.title, str(f.upstream), number, time.time(),
+                                     example=f"{where.name}/findings/{f.id}")
+            if f.known is None:
+                new.append(entry)
+                events.new_signature(entry)
+            else:
+                counted += 1
+        if number not in entry.rounds:  # a round counted before its interruption is not counted twice
+            entry.cases += len(f.rows)
+            entry.rounds = sorted(set(entry.rounds) | {number})
+    save_seen(folder, seen)
+    cases = len(result.analysis.cases)
+    atomic_write_text(json.dumps({"cases": cases, "seed": seed, "seconds": time.time() - started}), where / ROUND_DONE)
+    done = RoundResult(number, where, cases, time.time() - started, new, counted)
+    events.round_done(done)
+    return done
+
+
+def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], hours: float | None = None,
+                 cases: int | None = None, events: CampaignEvents | None = None) -> list[RoundResult]:
+    """Rounds until `hours` (of this call) or `cases` (of the whole campaign) are spent; a round begun and not done
+    (an interrupted call) is the first to run, and resumes."""
+    events = events or CampaignEvents()
+    config = start(folder, config)
+    deadline = time.time() + hours * 3600 if hours is not None else None
+    results = []
+    number = len(rounds_done(folder)) + 1
+    while (deadline is None or time.time() < deadline) and (cases is None or cases_done(folder) < cases):
+        results.append(run_round(folder, config, number, run, events))
+        number += 1
+    return results
+
+
+def report_rows(folder: Path) -> list[Seen]:
+    """Every cause the campaign has seen, the new ones first, then by first round."""
+    return sorted(load_seen(folder).values(), key=lambda s: (s.upstream != "new", s.first_round, s.key))

@@ -1,0 +1,51 @@
+"""`difftest campaign`: rounds of fresh models, a cause met again is counted and never minimised twice, a new one is
+minimised and scripted in the round that first shows it, and an interrupted campaign resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from difftest.campaign import load_seen, rounds_done
+from difftest.cli import app
+from tests.conftest import PLANTED
+
+SETTINGS = "torchrec/ebc/grid_shard/ws2,faults/shard_off_by_one_row/ws2"
+
+
+def _campaign(folder: Path, *extra: str) -> str:
+    result = CliRunner().invoke(app, ["campaign", str(folder), "--kind", "dlrm", "--settings", SETTINGS, "--plugin",
+                                      PLANTED, "--minimize-budget", "15", *extra])
+    assert result.exit_code == 0, (result.output[-3000:], result.exception)
+    return result.output
+
+
+def test_a_campaign_counts_what_it_has_seen_and_works_only_on_what_is_new(tmp_path: Path) -> None:
+    folder = tmp_path / "hunt"
+    said = _campaign(folder, "--cases", "18")  # two rounds of 9 cases
+    rounds = rounds_done(folder)
+    assert [r.name for r in rounds] == ["r0001-s1001", "r0002-s1002"]
+    seen = load_seen(folder)
+    planted = next(s for s in seen.values() if "shard_off_by_one_row" in s.title or "faults" in s.key)
+    assert planted.upstream == "new" and planted.first_round == 1 and planted.rounds == [1, 2], planted
+    assert said.count("NEW: ") == 1  # told once, when first seen
+    # minimised and scripted in the round that first showed it, counted (not minimised again) in the next
+    first, second = (r / "findings" for r in rounds)
+    finding = planted.example.split("/")[-1]
+    # (a planted fault overrides its family's run: its standalone.txt says it gets no script, and why)
+    assert (first / finding / "minimize.json").is_file() and (first / finding / "standalone.txt").is_file()
+    assert not (second / finding / "minimize.json").exists() and not (second / finding / "standalone.txt").exists()
+    assert all(not (second / f.name / "minimize.json").exists() for f in second.iterdir())
+    # an interrupted round (begun, not marked done) is resumed, nothing run again; then the campaign goes on
+    (rounds[1] / "round.done").unlink()
+    again = _campaign(folder, "--cases", "27")
+    assert "ran 0" in again.replace("\n", " ") and [r.name for r in rounds_done(folder)][-1] == "r0003-s1003"
+    assert load_seen(folder)[planted.key].rounds == [1, 2, 3]
+    assert load_seen(folder)[planted.key].cases == planted.cases + 1  # round 2 not counted twice
+    # the report; and another campaign's options are one line
+    assert planted.title[:40] in _campaign(folder, "--report")
+    other = CliRunner().invoke(app, ["campaign", str(folder), "--cases", "40", "--kind", "transformer"])
+    assert other.exit_code != 0 and "other options" in str(other.exception)
+    assert json.loads((folder / "campaign.json").read_text())["kind"] == "dlrm"

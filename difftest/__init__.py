@@ -5,13 +5,14 @@ The public API for writing settings and generators lives here; everything else i
 
 from typing import Any
 
+from difftest.adapter import ModelAdapter
 from difftest.errors import Unsupported, UserError
 from difftest.registry import register_generator, register_setting, register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from difftest.spec import ModelSpec
 
 __all__ = [
-    "ModelSpec", "Outputs", "Reproduction", "RunContext", "Setting", "Unsupported", "UserError",
+    "ModelAdapter", "ModelSpec", "Outputs", "Reproduction", "RunContext", "Setting", "Unsupported", "UserError",
     "register_generator", "register_setting", "register_settings", "reproduce",
 ]
 

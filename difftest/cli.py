@@ -174,6 +174,16 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
         generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m), on_repaired=_tell_repaired)
 
 
+def _adapter_kind(model: str) -> str:
+    """The kind name of the ModelAdapter `module:attribute` (loaded already)."""
+    import importlib
+
+    module, _, attribute = model.partition(":")
+    if not attribute:
+        raise UserError(f"--model {model!r}: write MODULE:ATTRIBUTE, e.g. --model mypkg.models:adapter")
+    return str(getattr(importlib.import_module(module), attribute).name)
+
+
 def _record_command(run_dir: Path) -> None:
     """run.json keeps the command (as typed) that now works on the run: the report says what made it, and when."""
     from difftest.run_folder import record_command
@@ -412,14 +422,17 @@ def run(
     plugin: PluginOpt = None,
     fail_on_inconsistency: FailOpt = False,
     minimize_budget: MinimizeOpt = 20.0,
+    model: Annotated[str | None, typer.Option("--model", help="Your own model: MODULE:ATTRIBUTE naming a difftest.ModelAdapter (docs/your-model.md); the run takes that kind only.")] = None,
 ) -> None:
     """Generate models, sweep the default tier, analyse, group what is not ok into findings and shrink each one's
     example: the whole job on a small default."""
     out = absolute(out)
     from difftest.registry import load_plugins, select_settings
 
-    plugins = tuple(plugin or ())
+    plugins = tuple(plugin or ()) + ((model,) if model else ())
     load_plugins(plugins)
+    if model:
+        kind = _adapter_kind(model)
     select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
     where = _executor(executor, address, cpus_per_rank)
     _check_devices(device, backend, where)

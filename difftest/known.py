@@ -37,6 +37,9 @@ class Upstream(enum.StrEnum):
     RELATED = "related"
     UNREPORTED = "unreported"
     NEW = "new"
+    # no entry explains it and every case is on a user's own model (`difftest.ModelAdapter`): the cause may be the
+    # model (BatchNorm without SyncBatchNorm, dropout drawn per rank, a loss that sums) before it is the library
+    YOUR_MODEL = "your-model"
 
 
 @dataclass(frozen=True)

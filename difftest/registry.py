@@ -136,16 +136,23 @@ def builtin_plugins() -> tuple[str, ...]:
 def load_plugins(extra: Iterable[str] = ()) -> tuple[str, ...]:
     """Import built-in and extra plugin modules once; returns the full list (for workers to repeat)."""
     modules = builtin_plugins() + tuple(m for m in extra if m not in BUILTIN_PLUGINS)
-    for module in modules:
-        if module in _LOADED_PLUGINS:
+    for plugin in modules:
+        if plugin in _LOADED_PLUGINS:
             continue
+        module, _, attribute = plugin.partition(":")  # `mypkg.models:adapter`: a user's model adapter in a module
         try:
-            importlib.import_module(module)
+            imported = importlib.import_module(module)
         except ModuleNotFoundError as exc:
             if exc.name and module.startswith(exc.name):
-                raise UserError(f"plugin {module!r} is not importable; check --plugin and PYTHONPATH") from None
+                raise UserError(f"plugin {module!r} is not importable; check --plugin/--model and PYTHONPATH") from None
             raise
-        _LOADED_PLUGINS.add(module)
+        if attribute:
+            adapter = getattr(imported, attribute, None)
+            if not callable(getattr(adapter, "register_as_kind", None)):
+                raise UserError(f"--model {plugin}: {module} has no ModelAdapter named {attribute!r} (make one with "
+                                "difftest.ModelAdapter)")
+            adapter.register_as_kind()  # type: ignore[union-attr]
+        _LOADED_PLUGINS.add(plugin)
     return modules
 
 

@@ -104,7 +104,10 @@ class Finding:
 
     @property
     def upstream(self) -> Upstream:
-        return self.known.upstream if self.known is not None else Upstream.NEW
+        if self.known is not None:
+            return self.known.upstream
+        on_user_models = all("user" in capabilities_of(kind).traits for kind in self.rows["kind"])
+        return Upstream.YOUR_MODEL if on_user_models else Upstream.NEW
 
     @property
     def example(self) -> pd.Series:

@@ -1,0 +1,64 @@
+"""A user's own model through `difftest.ModelAdapter`: the documentation's example, as written there, runs under DDP
+and FSDP2 and agrees; the same model with BatchNorm (per-rank statistics under DDP, a mistake of the model's) is a
+finding marked `your-model`; a broken adapter is one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = "ddp/default/ws2,fsdp2/per-layer/reshard/fp32/ws2,ac/single/non-reentrant/ws1"
+
+
+def documented_example() -> str:
+    return re.search(r"```python\n(.*?)```", (ROOT / "docs" / "your-model.md").read_text(), re.DOTALL).group(1)
+
+
+def _run(folder: Path, module: str, source: str) -> tuple[subprocess.CompletedProcess, Path]:
+    (folder / f"{module}.py").write_text(source)
+    out = folder / "run"
+    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--model", f"{module}:adapter",
+                           "--settings", SETTINGS, "--minimize-budget", "0"], capture_output=True, text=True,
+                          timeout=600, cwd=folder, env={**os.environ, "PYTHONPATH": str(folder)})
+    return done, out
+
+
+def test_the_documented_adapter_runs_under_every_setting_that_takes_it_and_agrees(tmp_path: Path) -> None:
+    example = documented_example()
+    assert len(example.strip().splitlines()) <= 20  # the promise: about twenty lines
+    done, out = _run(tmp_path, "my_model", example)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = pd.read_csv(out / "summary.csv", index_col=0)
+    assert cases.loc["ddp/default/ws2", "ok"] == 2 and cases.loc["fsdp2/per-layer/reshard/fp32/ws2", "ok"] == 2
+    assert cases.loc["ac/single/non-reentrant/ws1", "unsupported"] == 2  # no blocks given: refused with the reason
+    assert "no findings" in done.stdout
+
+
+def test_a_mistake_of_the_users_model_is_a_finding_marked_as_possibly_the_models(tmp_path: Path) -> None:
+    with_batchnorm = documented_example().replace(
+        "torch.nn.Linear(8, 16), torch.nn.Tanh()", "torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh()")
+    assert "BatchNorm1d" in with_batchnorm
+    done, out = _run(tmp_path, "my_bn_model", with_batchnorm)
+    assert done.returncode == 0, done.stderr[-3000:]
+    findings = pd.read_csv(out / "findings.csv")
+    ddp = findings[findings["example_setting"].str.startswith("ddp/")]
+    assert len(ddp) == 1 and ddp.iloc[0]["upstream"] == "your-model", findings.to_string()
+    assert "look in the model first" in (out / "findings.md").read_text()
+
+
+@pytest.mark.parametrize(("source", "said"), [
+    ("adapter = 3\n", "has no ModelAdapter named 'adapter'"),
+    ("from difftest import ModelAdapter\nadapter = ModelAdapter('My Model', None, None, None)\n", "lower-case"),
+    ("from difftest import ModelAdapter\nadapter = ModelAdapter('broken', lambda seed: 3, lambda seed, size: (1, 2), "
+     "None)\n", "not a torch.nn.Module"),
+])
+def test_a_broken_adapter_is_one_line(tmp_path: Path, source: str, said: str) -> None:
+    done, _ = _run(tmp_path, "broken_model", source)
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -10,11 +10,16 @@ the clipping function returned (`train_step<i>/grad_norm`): a wrong norm and a w
 calibrated envelope of the single-process root with the same norm type.
 """
 
+# ruff: noqa: F821 -- `backward_on_share` calls the model's `model_loss` and reads `CLIP_NORM`, which a standalone
+# script defines before it
+
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -22,9 +27,17 @@ from difftest.devices import DATA_PARALLEL, SHARDED, across
 from difftest.errors import Unsupported
 from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import refuse_changed_hooks
 from settings._compat import fully_shard_for
 from settings._training import build_for_training, record_training, to_numpy
 from settings.fsdp import fsdp2_units, make_contiguous
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
+
+# what a standalone script defines before `backward_on_share` (declared so that this module checks)
+model_loss: Callable[..., Any]
+CLIP_NORM: float
 
 MAX_NORM = 0.01
 NORMS = {"2": 2.0, "inf": math.inf}
@@ -63,9 +76,28 @@ class GradientClipping(Setting):
         module = build_for_training(model, ctx.device)
         if not any(p.requires_grad for p in module.parameters()):
             raise Unsupported("every parameter is frozen: there is no gradient to clip")
-        units = [name for name, _ in fsdp2_units(model, module)] if self.wrap == "fsdp2" else []
-        wrapped = distribute(module, ctx.group, ctx.device, self.wrap, units)
-        return clipped_training(ctx, model, inputs, wrapped, self.wrap, NORMS[self.norm])
+        wrapped = distribute(module, ctx.group, ctx.device, self.layout(model, module))
+        return clipped_training(ctx, model, inputs, wrapped, NORMS[self.norm])
+
+    def layout(self, model: Any, module: Any) -> dict[str, Any]:
+        """What `distribute` needs: the wrapper, and FSDP2's units (as the FSDP2 family shards)."""
+        return {"wrap": self.wrap,
+                "units": [name for name, _ in fsdp2_units(model, module)] if self.wrap == "fsdp2" else []}
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, GradientClipping)
+
+        from difftest.artifacts import LoadedModel
+        from settings._training_script import training_script
+
+        model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
+        script = training_script(case, f"Gradients clipped to {self.norm}-norm {MAX_NORM:g} after each backward "
+                                 f"({'FullyShardedDataParallel.clip_grad_norm_' if self.wrap == 'fsdp1' else 'torch.nn.utils.clip_grad_norm_'}), "
+                                 f"{self.wrap}", self.world_size,
+                                 (fully_shard_for, make_contiguous, distribute, clip, full_parameters,
+                                  backward_on_share), self.layout(model, model.build("cpu")))
+        return dataclasses.replace(script, preamble=(*script.preamble, "", f"MAX_NORM = {MAX_NORM!r}",
+                                                     f"CLIP_NORM = float({self.norm!r})"))
 
 
 @dataclass(frozen=True)
@@ -86,11 +118,12 @@ class ClipReference(GradientClipping):
         return frozenset()
 
 
-def distribute(module: Any, group: Any, device: str, wrap: str, units: list[str]) -> Any:
-    """The module as the setting wraps it: itself, DDP, legacy FSDP (use_orig_params) or FSDP2 (each of `units`, then
-    the root, as the FSDP2 family shards)."""
+def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
+    """The module as the setting wraps it: itself, DDP, legacy FSDP (use_orig_params) or FSDP2 (each of its units,
+    then the root, as the FSDP2 family shards)."""
     import torch
 
+    wrap = setting["wrap"]
     if wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -107,17 +140,18 @@ def distribute(module: Any, group: Any, device: str, wrap: str, units: list[str]
         fully_shard = fully_shard_for(device)
         make_contiguous(module)
         mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
-        for name in reversed(units):
+        for name in reversed(setting["units"]):
             fully_shard(module.get_submodule(name), mesh=mesh)
         return fully_shard(module, mesh=mesh)
     return module
 
 
-def clip(wrapped: Any, wrap: str, norm_type: float) -> float:
-    """Clip the gradients of `wrapped` to `MAX_NORM` as the wrapper's users do; the total norm before clipping."""
+def clip(wrapped: Any, norm_type: float) -> float:
+    """Clip the gradients of `wrapped` to `MAX_NORM` as its users do (legacy FSDP by its own method, which sees every
+    shard; the rest by torch.nn.utils.clip_grad_norm_); the total norm before clipping."""
     import torch
 
-    if wrap == "fsdp1":
+    if hasattr(wrapped, "clip_grad_norm_"):  # legacy FSDP
         total = wrapped.clip_grad_norm_(MAX_NORM, norm_type)
     else:
         trainable = [p for p in wrapped.parameters() if p.requires_grad]
@@ -127,7 +161,26 @@ def clip(wrapped: Any, wrap: str, norm_type: float) -> float:
     return float(total)
 
 
-def clipped_training(ctx: RunContext, model: Any, inputs: Any, wrapped: Any, wrap: str, norm_type: float) -> Outputs | None:
+def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
+    """Every tensor `read(wrapped)` names, whole: legacy FSDP's while it has gathered its shards, a DTensor
+    all-gathered (every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(wrapped, "clip_grad_norm_"):  # legacy FSDP
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
+            return {name: t.detach().clone() for name, t in read(wrapped).items()}
+    return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in read(wrapped).items()}
+
+
+def backward_on_share(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> None:
+    """A standalone script's backward pass of samples start..stop, then the clipping (the single process's too)."""
+    model_loss(module, data, start, stop, dtype).backward()
+    clip(module, CLIP_NORM)
+
+
+def clipped_training(ctx: RunContext, model: Any, inputs: Any, wrapped: Any, norm_type: float) -> Outputs | None:
     """Plain SGD on this rank's share, the gradients clipped before each step; the norms each step found recorded."""
     import torch
 
@@ -138,21 +191,12 @@ def clipped_training(ctx: RunContext, model: Any, inputs: Any, wrapped: Any, wra
         optimizer.zero_grad()
         loss = model.loss(model.forward(wrapped, batch, ctx.device), batch)
         loss.backward()
-        norms.append(clip(wrapped, wrap, norm_type))
+        norms.append(clip(wrapped, norm_type))
         optimizer.step()
         return float(loss.item())
 
     def read() -> dict[str, np.ndarray] | None:
-        from torch.distributed.tensor import DTensor
-
-        if wrap == "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
-                full = {n: to_numpy(t) for n, t in model.parameters(wrapped).items()}
-        else:
-            full = {n: to_numpy(t.full_tensor() if isinstance(t, DTensor) else t)
-                    for n, t in model.parameters(wrapped).items()}
+        full = {n: to_numpy(t) for n, t in full_parameters(wrapped, model.parameters).items()}
         return full if ctx.rank == 0 else None
 
     outputs = record_training(ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device), train_step, read)

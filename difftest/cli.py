@@ -859,13 +859,25 @@ def _committed(run_dir: Path) -> int | None:
         return None
 
 
+class _Interrupted(BaseException):
+    """Ctrl-C, raised past click (which would swallow a KeyboardInterrupt into a bare exit) to `main`'s one line."""
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted
+
+
 def main() -> None:
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell had it ignored
+        signal.signal(signal.SIGINT, _interrupted)
     try:
         app()
     except UserError as exc:
         console.print(f"difftest: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Interrupted):
         where = _SWEPT[-1] if _SWEPT else None
         done = _committed(where) if where is not None else None
         console.print("difftest: interrupted" + (f" with {done} case(s) of {shown(where)} committed" if where and

@@ -163,3 +163,32 @@ def test_bad_input_lines(swept: Path) -> None:
     code, output, _ = _cli("run", "--help")
     words = " ".join(output.split())  # the help is wrapped to the terminal's width, in boxes
     assert code == 0 and "(needs the [tf]" in words and "(the [ray]" in words, words  # not eaten as markup
+
+
+def test_ctrl_c_is_one_line_that_says_how_to_resume_and_the_rerun_loses_nothing(tmp_path: Path) -> None:
+    """Ctrl-C at a terminal signals the whole foreground process group: the sweep and its ranks."""
+    import os
+    import signal
+    import time
+
+    from tests.conftest import committed_cases
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1))
+    command = [sys.executable, "-m", "difftest.cli", "sweep", str(run_dir), "--settings", "torchrec/ebc/*/ws2",
+               "--minimize-budget", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(committed_cases(run_dir)) < 3 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    assert process.poll() is None, "the sweep finished before it could be interrupted"
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    done = len(committed_cases(run_dir))
+    assert last.startswith("difftest: interrupted with ") and "the same command resumes" in last, stderr[-2000:]
+    assert f"with {done} case(s)" in last and "Traceback" not in stderr, stderr[-3000:]
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and f"{done} already done" in again.stderr.replace("\n", " "), again.stderr[-2000:]

@@ -44,7 +44,8 @@ def test_report_loads_in_a_browser_without_errors_and_lists_every_finding(fresh_
                 else problems.append(f"network request: {r.url}"))  # self-contained: nothing fetched
         page.goto(page_path.as_uri(), wait_until="load")
         page.wait_for_selector(".js-plotly-plot .main-svg")  # plotly ran and drew
-        ids = page.locator("#findings tbody tr td:first-child").all_inner_texts()
+        ranks = page.locator("#findings tbody tr td:first-child").all_inner_texts()
+        ids = page.locator("#findings tbody tr td:nth-child(2)").all_inner_texts()  # after the rank
         plots = page.locator(".js-plotly-plot").count()
         folded = page.locator("details#calibration-runs:not([open]) .js-plotly-plot").count()
         sections = page.locator("section.finding").count()
@@ -52,6 +53,9 @@ def test_report_loads_in_a_browser_without_errors_and_lists_every_finding(fresh_
         page.screenshot(path=str(screenshot), full_page=True)
         browser.close()
     assert problems == []
-    assert ids == list(expected["id"])
+    assert ids == list(expected["id"]) and ranks == [str(r) for r in expected["rank"]] == [str(i + 1) for i in
+                                                                                              range(len(ids))]
+    html = page_path.read_text()  # each finding leads to what a maintainer acts on, from the run folder
+    assert all(f'href="findings/{i}/ISSUE.md"' in html and f'href="findings/{i}/repro.py"' in html for i in ids)
     assert plots == 3 and folded == 1 and sections == len(findings)  # the calibration runs' map folded away
     assert screenshot.stat().st_size > 10_000

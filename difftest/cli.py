@@ -863,8 +863,33 @@ class _Interrupted(BaseException):
     """Ctrl-C, raised past click (which would swallow a KeyboardInterrupt into a bare exit) to `main`'s one line."""
 
 
+# after Ctrl-C, how long the command may take to stop before it leaves at once (a cleanup that waits on a process the
+# signal also reached must not keep the terminal)
+STOP_WITHIN_S = 20.0
+
+
 def _interrupted(signum: int, frame: Any) -> None:
+    import threading
+
+    timer = threading.Timer(STOP_WITHIN_S, _leave_interrupted)
+    timer.daemon = True
+    timer.start()
     raise _Interrupted
+
+
+def _leave_interrupted() -> None:
+    """Say how far the command got and that the same command resumes; leave with 130 at once (what is committed is
+    committed: the store's transactions are durable when they return)."""
+    import os
+
+    where = _SWEPT[-1] if _SWEPT else None
+    done = _committed(where) if where is not None else None
+    console.print("difftest: interrupted" + (f" with {done} case(s) of {shown(where)} committed" if where and
+                                             done is not None else "") + "; the same command resumes where it "
+                  "stopped (nothing committed is run again)", markup=False, highlight=False, soft_wrap=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def main() -> None:
@@ -878,12 +903,7 @@ def main() -> None:
         console.print(f"difftest: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except (KeyboardInterrupt, _Interrupted):
-        where = _SWEPT[-1] if _SWEPT else None
-        done = _committed(where) if where is not None else None
-        console.print("difftest: interrupted" + (f" with {done} case(s) of {shown(where)} committed" if where and
-                                                 done is not None else "") + "; the same command resumes where it "
-                      "stopped (nothing committed is run again)", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(130)
+        _leave_interrupted()
 
 
 if __name__ == "__main__":

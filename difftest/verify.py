@@ -19,17 +19,6 @@ from difftest.integrity import (
 from difftest.store import Store
 
 
-def damaged_outputs(run_dir: Path) -> list[tuple[str, str, str]]:
-    """(model, setting, what is wrong) of every committed case whose outputs file is missing, differs from its
-    checksum or does not read."""
-    store = Store(run_dir)
-    try:
-        return [(r.model, r.setting, why) for r in store.records()
-                if r.outputs is not None and (why := store.outputs_damage(r)) is not None]
-    finally:
-        store.close()
-
-
 @dataclass(frozen=True)
 class Verification:
     problems: list[str]  # one line each: what is wrong and how to repair it
@@ -66,22 +55,23 @@ def verify(run_dir: Path, repair_outputs: bool = False) -> Verification:
     if not (run_dir / STORE_FILE).is_file():
         checked.append("no store yet (nothing swept)")
         return Verification(problems, checked)
-    outputs = damaged_outputs(run_dir)
-    if outputs and repair_outputs:
-        store = Store(run_dir)
-        try:
+    store = Store(run_dir)  # one pass: every row against its checksum, every outputs file against its own
+    try:
+        records = store.records()
+        outputs = [(r.model, r.setting, why) for r in records
+                   if r.outputs is not None and (why := store.outputs_damage(r)) is not None]
+        if outputs and repair_outputs:
             store.forget([(model, setting) for model, setting, _ in outputs])
-        finally:
-            store.close()
+    except DamagedRun as exc:  # a row no longer matching its checksum
+        problems.append(str(exc))
+        return Verification(problems, checked)
+    finally:
+        store.close()
+    if outputs and repair_outputs:
         checked.append(f"{len(outputs)} case(s) with damaged outputs uncommitted: the next sweep runs them again")
     else:
         problems += [f"{model} × {setting}: {what}: `difftest verify {run_dir} --repair` uncommits it, so that "
                      "the next sweep runs it again" for model, setting, what in outputs]
-    store = Store(run_dir)
-    try:
-        committed = len(store.records())
-    finally:
-        store.close()
-    checked.append(f"the store passes SQLite's integrity check; {committed} committed case(s), "
-                   f"{committed - len(outputs)} with sound outputs")
+    checked.append(f"the store passes SQLite's integrity check; {len(records)} committed case(s), "
+                   f"{len(records) - len(outputs)} with sound outputs")
     return Verification(problems, checked)

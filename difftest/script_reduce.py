@@ -229,18 +229,50 @@ def _dedent(edits: _Edits, block: list[ast.stmt]) -> None:
         edits.replaced[n] = line[step:] if line[:step].strip() == "" else line
 
 
+def _shared_start(lines: list[str]) -> int:
+    """The line where the part every script shares begins (past the end where there is none)."""
+    return next((n for n, line in enumerate(lines, 1) if line.startswith(SHARED_MARKER)), len(lines) + 1)
+
+
 def prune_unexecuted(source: str, executed: set[int]) -> str:
     """`source` less what never ran, before the shared part (never touched)."""
     tree = ast.parse(source)
     edits = _Edits(source)
-    marker = next((n for n, line in enumerate(edits.lines, 1) if line.startswith(SHARED_MARKER)), len(edits.lines) + 1)
+    marker = _shared_start(edits.lines)
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.lineno < marker:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.lineno < marker:
             if not _body_ran(node.body, executed):
                 edits.delete(*_span(node))
-            else:
+            else:  # a class: its methods never called and their branches never taken go too
                 _reduce_body(node.body, executed, edits)
     return edits.text()
+
+
+def drop_idle_blocks(source: str) -> str:
+    """Remove, until none is left, the loops and `with` blocks whose whole body is `pass` (pruning left it so: what
+    they did for other cases never happened in this one); a block they leave empty gets a `pass` of its own."""
+    while True:
+        tree = ast.parse(source)
+        edits = _Edits(source)
+        marker = _shared_start(edits.lines)
+        for parent in ast.walk(tree):
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(parent, field, None)
+                if not isinstance(block, list) or not block or not isinstance(block[0], ast.stmt):
+                    continue
+                idle = [s for s in block if isinstance(s, ast.For | ast.AsyncFor | ast.While | ast.With)
+                        and s.lineno < marker and not getattr(s, "orelse", None)
+                        and all(isinstance(b, ast.Pass) for b in s.body)]
+                for node in idle:
+                    first, last = _span(node)
+                    if len(idle) == len(block) and node is idle[0]:  # the block needs a statement
+                        edits.delete(first + 1, last)
+                        edits.replaced[first] = _indent(edits.lines[first - 1]) + "pass"
+                    else:
+                        edits.delete(first, last)
+        if not edits.deleted:
+            return source
+        source = edits.text()
 
 
 def drop_docstrings(source: str) -> str:
@@ -302,8 +334,9 @@ def tidy(source: str) -> str:
 
 
 def reduce_source(source: str, executed: set[int]) -> str:
-    """What never ran (before the shared part), every docstring but the script's, then what nothing refers to."""
-    return tidy(drop_unused(drop_docstrings(prune_unexecuted(source, executed))))
+    """What never ran (before the shared part), the loops left idle, every docstring but the script's, then what
+    nothing refers to."""
+    return tidy(drop_unused(drop_docstrings(drop_idle_blocks(prune_unexecuted(source, executed)))))
 
 
 # The same bug --------------------------------------------------------------------------------------------------------

@@ -133,3 +133,37 @@ def test_the_same_bug_is_the_same_verdict_lines_to_the_digits_printed() -> None:
     assert not same_bug(original, original.replace("setting 0.25", "setting 0.26"))
     assert not same_bug(original, original.replace("BUG PRESENT: the setting disagrees with the single-process "
                                                     "program", "ok: the setting agrees"))
+
+
+def test_a_class_keeps_only_the_methods_and_branches_its_case_ran_and_idle_loops_go() -> None:
+    source = textwrap.dedent('''\
+        class Schedule:
+            def __init__(self, flag):
+                if flag:
+                    self.a = 1
+                else:
+                    self.a = 2
+
+            def step(self):
+                return self.a
+
+            def eval(self):
+                return -self.a
+
+        def freeze(names, frozen):
+            for name in names:
+                if name in frozen:
+                    print(name)
+            return names
+
+        print(Schedule(True).step(), freeze(["w"], []))
+        ''')
+    executed = _lines(source, "class Schedule", "def __init__", "if flag", "self.a = 1", "def step", "return self.a",
+                      "def eval", "def freeze", "for name", "if name in", "return names",
+                      "print(Schedule")
+    reduced = reduce_source(source, executed)
+    compile(reduced, "reduced", "exec")
+    assert "def eval" not in reduced and "self.a = 2" not in reduced and "else" not in reduced
+    assert "def step" in reduced and "self.a = 1" in reduced
+    # the loop's one statement never held for this case: the loop did nothing and goes with it
+    assert "for name" not in reduced and "print(name)" not in reduced and "return names" in reduced

@@ -3,8 +3,11 @@ whose executed lines are known, and the tracer on a real run of it."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
+
+import numpy as np
 
 from difftest.script_reduce import (
     SHARED_MARKER,
@@ -167,3 +170,42 @@ def test_a_class_keeps_only_the_methods_and_branches_its_case_ran_and_idle_loops
     assert "def step" in reduced and "self.a = 1" in reduced
     # the loop's one statement never held for this case: the loop did nothing and goes with it
     assert "for name" not in reduced and "print(name)" not in reduced and "return names" in reduced
+
+
+def test_a_failures_reduced_script_still_exits_0_once_the_failure_is_gone(tmp_path: Path) -> None:
+    """A failure's script traced while the bug is present runs nothing after the failing call, so reduction removes
+    what the ranks do after it (their outputs among it); the reduced script must still say "ok", exit 0, on a release
+    where the call no longer fails (stood for by an environment variable here)."""
+    import inspect
+
+    from difftest import standalone_runtime
+    from difftest.standalone import RUNTIME_IMPORTS
+
+    shared = [textwrap.dedent(inspect.getsource(getattr(standalone_runtime, name))) for name in
+              ("gloo_on_loopback", "rank_main", "run_distributed", "start_ranks", "load_data", "main_failing")]
+    script = "\n".join([
+        '"""A failure."""', *RUNTIME_IMPORTS, "", "LIBRARIES = ('numpy',)", "WORLD_SIZE = 2", "RANK_IMPORTS = ()",
+        "FAILURE = 'ValueError: the library refuses'", "CASE = {}", "",
+        "def on_rank(rank, world_size, data, case):",
+        "    if os.environ.get('LIBRARY_BUG'):",
+        "        raise ValueError('the library refuses')",
+        "    outputs = {'x': np.ones(2)}",
+        "    return outputs if rank == 0 else None", "",
+        SHARED_MARKER + ": start the ranks, judge, report ---", *shared,
+        "if __name__ == '__main__':", "    sys.exit(main_failing())", ""])
+    folder = tmp_path / "finding"
+    folder.mkdir()
+    path = folder / "standalone.py"
+    path.write_text(script)
+    np.savez(folder / "standalone.npz", unused=np.zeros(1))
+    bug = {**os.environ, "LIBRARY_BUG": "1"}
+    checked, executed = traced_check(path, 120, env=bug)
+    assert checked.exit_code == 1 and "BUG PRESENT" in checked.output, checked.output
+    reduced = reduce_source(script, executed)
+    assert "outputs = {'x'" not in reduced  # never ran while the bug was present
+    path.write_text(reduced)
+    from difftest.script_check import check_script
+
+    assert check_script(path, 120, env=bug).exit_code == 1
+    fixed = check_script(path, 120, env={k: v for k, v in os.environ.items() if k != "LIBRARY_BUG"})
+    assert fixed.exit_code == 0 and "ok: the setting runs through" in fixed.output, fixed.output

@@ -19,8 +19,10 @@ from difftest.setting import without_sizes
 from difftest.status import DISAGREEMENTS, FAILURES
 
 # a replica's parameters after a step (partial reduce records each one's beside their mean) are parameters after it
-_PHASE = re.compile(r"^(eval_before|train_step|param_after_step|eval_after_step|replica\d+_after_step)(\d*)$")
-_PHASE_RANK = {"eval_before": 0, "train_step": 1, "param_after_step": 2, "eval_after_step": 3}
+_PHASE = re.compile(
+    r"^(eval_before|train_step|state_after_step|param_after_step|eval_after_step|replica\d+_after_step)(\d*)$")
+# an optimizer's state is updated before the weights it moves: a wrong accumulator is where a wrong weight starts
+_PHASE_RANK = {"eval_before": 0, "train_step": 1, "state_after_step": 2, "param_after_step": 3, "eval_after_step": 4}
 
 
 def normalise_message(message: str) -> str:

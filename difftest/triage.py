@@ -283,7 +283,8 @@ def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance
                 if mine is None or mine.shape != reference.shape:
                     continue
                 with_reference = np.allclose(mine, reference, atol=tol.atol, rtol=tol.rtol)
-                with_failing = np.allclose(mine, bad, atol=tol.atol, rtol=tol.rtol)
+                # the failing setting's tensor may have another shape (it is one way a setting disagrees)
+                with_failing = mine.shape == bad.shape and np.allclose(mine, bad, atol=tol.atol, rtol=tol.rtol)
                 sides["reference" if with_reference else "failing" if with_failing else "neither"].append(name)
             if any(sides.values()):  # no peer at all (a quantized setting's reference is its own): nothing to show
                 finding.pairwise = Pairwise(model, tensor, failing, sides["reference"], sides["failing"],

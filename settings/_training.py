@@ -69,6 +69,7 @@ def record_training(
     train_step: Callable[[Batch], Any],
     full_parameters: Callable[[], dict[str, np.ndarray] | None],
     data_shard: tuple[int, int] | None = None,
+    optimizer_state: Callable[[], dict[str, np.ndarray] | None] | None = None,
 ) -> Outputs | None:
     """Evaluate, train `ctx.steps` steps on this rank's share, evaluate again; full tensors on rank 0.
 
@@ -77,7 +78,9 @@ def record_training(
     share an index. `evaluate` and `train_step` may return None on ranks that hold no output (a pipeline's
     inner stages); rank 0 keeps one answer per share. `train_step` runs forward, backward and the optimizer
     step and returns the share's mean loss; `full_parameters` is collective and returns every parameter
-    under its canonical name on rank 0.
+    under its canonical name on rank 0. `optimizer_state`, where given, is collective too and returns the optimizer's
+    state after each step (`state_after_step<i>/<parameter>.<state>`): an optimizer that keeps state (Adagrad's
+    accumulators) is judged on it, not only on the weights it moved.
     """
     import torch
 
@@ -109,10 +112,12 @@ def record_training(
         loss = train_step(train)
         losses = one_per_share(None if loss is None else float(loss))
         params = full_parameters()
+        state = optimizer_state() if optimizer_state is not None else {}
         if ctx.rank == 0:
-            assert losses is not None and params is not None
+            assert losses is not None and params is not None and state is not None
             outputs[f"train_step{step}/loss"] = loss_record(losses)
             outputs.update({f"param_after_step{step}/{k}": v for k, v in params.items()})
+            outputs.update({f"state_after_step{step}/{k}": v for k, v in state.items()})
     gathered_predictions(f"eval_after_step{ctx.steps}")
     return outputs if ctx.rank == 0 else None
 

@@ -85,7 +85,8 @@ class TorchRecSharding(Setting):
 
         module = model.build("cpu")
         tables = [p for collection in embedding_collections(module).values() for p in collection.parameters()]
-        apply_optimizer_in_backward(torch.optim.SGD, [p for p in tables if p.requires_grad], {"lr": ctx.lr})
+        table_optimizer, options = self.table_optimizer(ctx)
+        apply_optimizer_in_backward(table_optimizer, [p for p in tables if p.requires_grad], options)
         # a fused table is trained whatever its requires_grad says: without an optimizer of its own it gets the
         # sharder's default fused SGD (fbgemm's lr 0.01). TorchRec's way to freeze one is an optimizer that does not
         # move it (torchrec#1990): a frozen table takes gradients (the hook needs them) into SGD with lr 0, and
@@ -102,17 +103,18 @@ class TorchRecSharding(Setting):
                     for config in collection.embedding_bag_configs()}
         try:
             dmp = DistributedModelParallel(module, env=env, plan=plan, sharders=[sharder], device=device)
-        except (ValueError, NotImplementedError, AssertionError) as exc:
-            raise Unsupported(f"TorchRec refused the plan: {type(exc).__name__}: {exc}") from exc
+        except (ValueError, NotImplementedError, AssertionError) as exc:  # its words: an optimizer fbgemm's CPU
+            # kernels lack says "Optimizer adam is not supported in CPU mode"
+            raise Unsupported(f"TorchRec refused the plan or the optimizer: {type(exc).__name__}: {exc}") from exc
         self.load_initial_state(ctx, dmp, model.init_state)
         ctx.notes["plan"] = _plan_summary(dmp.plan, features)
 
         # DMP hands data-parallel tables back as new parameters that require grad, with no optimizer of their own:
         # the dense optimizer trains them, so a frozen one is kept out of it by name
         frozen_names = set(model.spec.frozen)
-        dense = [p for n, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad
+        dense = [(n, p) for n, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad
                  and not any(n == f or n.endswith("." + f) for f in frozen_names)]
-        optimizer = torch.optim.SGD(dense, lr=ctx.lr) if dense else None
+        optimizer = self.dense_optimizer(ctx, dense) if dense else None
 
         def train_step(batch: Any) -> float:
             if optimizer is not None:
@@ -123,9 +125,26 @@ class TorchRecSharding(Setting):
                 self.dense_step(ctx, optimizer)
             return loss.item()
 
-        return record_training(
-            ctx, inputs, lambda b: model.evaluate(dmp, b, ctx.device), train_step, lambda: _full_state(ctx, dmp)
-        )
+        state = self.optimizer_state(ctx, dmp, optimizer)
+        return record_training(ctx, inputs, lambda b: model.evaluate(dmp, b, ctx.device), train_step,
+                               lambda: _full_state(ctx, dmp), optimizer_state=state)
+
+    def table_optimizer(self, ctx: RunContext) -> tuple[type, dict[str, Any]]:
+        """The optimizer TorchRec fuses into the tables' backward, by its class (TorchRec maps it to fbgemm's kernel),
+        with its options: plain SGD here, the reference's."""
+        import torch
+
+        return torch.optim.SGD, {"lr": ctx.lr}
+
+    def dense_optimizer(self, ctx: RunContext, named: list[tuple[str, Any]]) -> Any:
+        """What trains the parameters outside the fused tables (data-parallel tables among them): plain SGD."""
+        import torch
+
+        return torch.optim.SGD([p for _, p in named], lr=ctx.lr)
+
+    def optimizer_state(self, ctx: RunContext, dmp: Any, dense: Any) -> Callable[[], dict | None] | None:
+        """What reads the optimizers' state after a step (collective), or None: plain SGD keeps none."""
+        return None
 
     # hooks, so a planted fault (tests/faults) changes one step and nothing else
     def load_initial_state(self, ctx: RunContext, dmp: Any, state: dict) -> None:
@@ -390,24 +409,28 @@ def _load_full_state(dmp: Any, state: dict) -> None:
 
 def _full_state(ctx: RunContext, dmp: Any) -> dict | None:
     """Every parameter, unsharded, on rank 0 (replicated tensors: rank 0's copy)."""
-    shapes, replicated, mine = {}, set(), {}
-    for name, value in dmp.state_dict().items():
-        shapes[name] = tuple(value.shape)
+    return gather_whole(ctx, dmp.state_dict())
+
+
+def gather_whole(ctx: RunContext, values: dict[str, Any]) -> dict | None:
+    """Each of `values` (sharded, a DTensor, or replicated) whole, on rank 0 (replicated: the copy of the first rank
+    holding it); collective. A name may be held by some ranks only (a fused optimizer's state of a table-wise table
+    lives where the table does)."""
+    mine = {}
+    for name, value in values.items():
         pieces = _local_pieces(value)
-        if pieces is None:
-            replicated.add(name)
-            mine[name] = [((0,) * value.dim(), to_numpy(value))]
-        else:
-            mine[name] = [(offsets, to_numpy(tensor)) for offsets, tensor in pieces]
+        whole = pieces is None
+        mine[name] = (tuple(value.shape), whole, [((0,) * value.dim(), to_numpy(value))] if whole else
+                      [(offsets, to_numpy(tensor)) for offsets, tensor in pieces])
     gathered = gather_to_rank0(ctx, mine)
     if gathered is None:
         return None
-    return {
-        name: gathered[0][name][0][1]
-        if name in replicated
-        else assemble(shape, [piece for rank_pieces in gathered for piece in rank_pieces[name]], name)
-        for name, shape in shapes.items()
-    }
+    full = {}
+    for name in dict.fromkeys(n for rank_values in gathered for n in rank_values):
+        held = [rank_values[name] for rank_values in gathered if name in rank_values]
+        shape, whole, _ = held[0]
+        full[name] = held[0][2][0][1] if whole else assemble(shape, [p for _, _, pieces in held for p in pieces], name)
+    return full
 
 
 # --- what a standalone script runs (plain torch/torchrec: copied into the script as they are) ------------------------

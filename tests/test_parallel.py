@@ -191,3 +191,38 @@ def test_gradient_clipping_clips_as_one_process_does_and_the_infinity_norm_on_an
                    {}, Tolerance(), check_timeout_s=180, message=str(found.example["message"]))
     assert emitted.checked is not None and emitted.checked.reproduces, emitted.checked
     assert "import difftest" not in emitted.path.read_text()  # type: ignore[union-attr]
+
+
+def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does_but_row_wise_adagrad_on_column_shards(
+        tmp_path: Path) -> None:
+    """TorchRec's fused Adagrad matches torch.optim.Adagrad under every sharding, weights and accumulators alike, and
+    fused row-wise Adagrad matches TorchRec's RowWiseAdagrad table-wise; on column shards it keeps one accumulator per
+    shard and trains the table differently (a manifest entry); Adam, which fbgemm's CPU build lacks, is unsupported
+    with TorchRec's words."""
+    from difftest.generate import generate
+    from difftest.spec import RunConfig
+    from difftest.store import Store
+    from difftest.triage import triage
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
+    run_sweep(run_dir, SweepOptions(settings="torchrec-optim/*/table_wise/ws2,torchrec-optim/*/column_wise/ws4"))
+    analysis = analyze(run_dir)
+    verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
+    assert verdicts["torchrec-optim/adagrad/table_wise/ws2"] == verdicts["torchrec-optim/adagrad/column_wise/ws4"] == "ok"
+    assert verdicts["torchrec-optim/rowwise-adagrad/table_wise/ws2"] == "ok", verdicts
+    assert verdicts["torchrec-optim/rowwise-adagrad/column_wise/ws4"] == "inconsistent", verdicts
+    assert verdicts["torchrec-optim/adam/table_wise/ws2"] == "unsupported"
+    store = Store(run_dir)
+    try:  # the accumulators were recorded and compared, not only the weights
+        adam = next(r for r in store.records() if r.setting == "torchrec-optim/adam/table_wise/ws2")
+        assert "Optimizer adam is not supported in CPU mode" in adam.message
+        ok = next(r for r in store.records() if r.setting == "torchrec-optim/adagrad/column_wise/ws4")
+        state = {n: v for n, v in store.load_outputs(ok).items() if n.startswith("state_after_step1/")}
+    finally:
+        store.close()
+    assert state and all(n.endswith(".sum") and v.any() for n, v in state.items()), state
+    compared = analysis.comparisons[analysis.comparisons["setting"] == "torchrec-optim/adagrad/column_wise/ws4"]
+    assert set(state) <= {f"{p}/{t}" for p, t in zip(compared["phase"], compared["tensor"])}
+    found = [f for f in triage(run_dir, analysis) if f.status == "inconsistent" and f.known is not None]
+    assert "torchrec-rowwise-adagrad-column-shards" in {f.known.id for f in found}  # type: ignore[union-attr]

@@ -1,0 +1,197 @@
+"""TorchRec's fused embedding optimizers: the tables trained inside fbgemm's lookup kernel by Adagrad, row-wise Adagrad
+or Adam (`apply_optimizer_in_backward`, as production TorchRec trains them), sharded under every sharding type.
+
+The family's root trains the unsharded model in one process with the optimizer's own PyTorch implementation, the
+documented update rule (`torch.optim.Adagrad`, `torch.optim.Adam`, TorchRec's `RowWiseAdagrad`), the dense part with
+plain SGD in both. Besides the weights, each step records the optimizer's state (`state_after_step<i>/<table>.sum`:
+Adagrad's accumulator; Adam's `exp_avg`, `exp_avg_sq`), read from TorchRec's fused optimizer and from the root's
+`optimizer.state`: a kernel that updates the state wrongly, or a sharding that splits it wrongly, shows before the
+weights it moves. fbgemm's CPU build runs exact SGD, Adagrad and row-wise Adagrad; every other `EmbOptimType` is
+refused by TorchRec ("Optimizer adam is not supported in CPU mode") and recorded unsupported with those words.
+
+Every step trains on the same batch, so dense and sparse (lazy) Adam move the same rows: a row no step touches keeps
+zero moments in both.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from difftest.registry import register_settings, traits_of
+from difftest.setting import Outputs, RunContext, Setting
+from settings._training import build_for_training, canonical_parameters, record_training, sgd_step, to_numpy
+from settings.torchrec_sharding import SHARDING_TYPES, TorchRecSharding, embedding_collections, gather_whole
+
+
+@dataclass(frozen=True)
+class TableOptimizer:
+    """One fused optimizer: the PyTorch class TorchRec maps to its fbgemm kernel (and the root trains with), options
+    beside the learning rate, and the root's state keys in the order of fbgemm's (`momentum1`, `momentum2`)."""
+
+    module: str
+    cls: str
+    options: tuple[tuple[str, float], ...]
+    states: tuple[str, ...]
+    rowwise: bool = False  # one accumulator per row: fbgemm keeps it as a vector, TorchRec's reference as a column
+
+    def load(self) -> type:
+        import importlib
+
+        return getattr(importlib.import_module(self.module), self.cls)  # type: ignore[no-any-return]
+
+
+EPS = 1e-8  # fbgemm's and the reference's alike (their defaults differ: torch's Adagrad 1e-10)
+OPTIMIZERS = {
+    "adagrad": TableOptimizer("torch.optim", "Adagrad", (("eps", EPS),), ("sum",)),
+    "rowwise-adagrad": TableOptimizer("torchrec.optim", "RowWiseAdagrad", (("eps", EPS),), ("sum",), rowwise=True),
+    "adam": TableOptimizer("torch.optim", "Adam", (("eps", EPS),), ("exp_avg", "exp_avg_sq")),
+}
+WORLD_SIZES = (2, 4)
+
+
+class Optimizers:
+    """Several optimizers stepped as one (the tables' and the dense part's)."""
+
+    def __init__(self, *optimizers: Any) -> None:
+        self.optimizers = [o for o in optimizers if o is not None]
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+@dataclass(frozen=True)
+class FusedOptimizerSharding(TorchRecSharding):
+    """TorchRec DMP with an explicit sharding plan, the tables trained by a fused optimizer other than SGD."""
+
+    family: ClassVar[str] = "torchrec-optim"
+    tier_axes: ClassVar[tuple[str, ...]] = ("optimizer",)
+    optimizer: str = "adagrad"
+
+    @property
+    def name(self) -> str:
+        return f"torchrec-optim/{self.optimizer}/{self.sharding}/ws{self.world_size}"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return FusedOptimizerReference(optimizer=self.optimizer).name
+
+    def describe(self) -> str:
+        return f"TorchRec DMP, every table {self.sharding} and trained by fused {self.optimizer}, {self.world_size} ranks"
+
+    def table_optimizer(self, ctx: RunContext) -> tuple[type, dict[str, Any]]:
+        spec = OPTIMIZERS[self.optimizer]
+        return spec.load(), {"lr": ctx.lr, **dict(spec.options)}
+
+    def dense_optimizer(self, ctx: RunContext, named: list[tuple[str, Any]]) -> Any:
+        """Data-parallel tables come back from DMP as plain parameters with no fused optimizer: their users train them
+        with the same optimizer, unfused; the dense layers with SGD, as the root does."""
+        import torch
+
+        tables = [p for n, p in named if _is_table(n)]
+        table_optimizer, options = self.table_optimizer(ctx)
+        dense = [p for n, p in named if not _is_table(n)]
+        return Optimizers(table_optimizer(tables, **options) if tables else None,
+                          torch.optim.SGD(dense, lr=ctx.lr) if dense else None)
+
+    def optimizer_state(self, ctx: RunContext, dmp: Any, dense: Any) -> Callable[[], dict | None] | None:
+        spec = OPTIMIZERS[self.optimizer]
+
+        def read() -> dict | None:
+            values: dict[str, Any] = {}
+            for parameter, states in dmp.fused_optimizer.state_dict()["state"].items():
+                for key, value in states.items():  # `t0.momentum1`, `t0.momentum2`: fbgemm's order
+                    slot = int(key.rpartition("momentum")[2] or 0) - 1
+                    if 0 <= slot < len(spec.states):
+                        values[f"{_canonical(parameter)}.{spec.states[slot]}"] = value
+            values |= unfused_state(dense, dict(dmp.named_parameters()), spec)
+            return gather_whole(ctx, values)
+
+        return read
+
+    def standalone(self, case: Any) -> Any:
+        from difftest.errors import Unsupported
+
+        raise Unsupported("the fused-optimizer family has no standalone script yet (its ISSUE.md and repro.py stand)")
+
+
+@dataclass(frozen=True)
+class FusedOptimizerReference(Setting):
+    """The family's root: the unsharded model in one process, its tables trained by the optimizer's PyTorch class."""
+
+    optimizer: str
+    world_size: int = 1
+    family: ClassVar[str] = "torchrec-optim"
+    deterministic: ClassVar[bool] = True
+    sample_order_free: ClassVar[bool] = True  # one full-batch step: any sample order is as good
+
+    @property
+    def name(self) -> str:
+        return f"torchrec-optim/{self.optimizer}/single/ws1"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return self.name
+
+    def describe(self) -> str:
+        return f"one process, the tables trained by {OPTIMIZERS[self.optimizer].cls} (PyTorch), the rest by SGD"
+
+    def supports(self, spec: Any) -> str | None:
+        if "torchrec" not in traits_of(spec.kind):
+            return f"TorchRec's fused optimizers train EmbeddingBagCollections; model kind {spec.kind!r} has none"
+        return None
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+
+        spec = OPTIMIZERS[self.optimizer]
+        module = build_for_training(model, ctx.device)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        tables = {f"{path}.{n}" for path, c in embedding_collections(module).items() for n, _ in c.named_parameters()}
+        table_params = [p for n, p in named if n in tables]
+        dense = [p for n, p in named if n not in tables]
+        optimizer = Optimizers(spec.load()(table_params, lr=ctx.lr, **dict(spec.options)) if table_params else None,
+                               torch.optim.SGD(dense, lr=ctx.lr) if dense else None)
+        return record_training(
+            ctx, inputs, lambda b: model.evaluate(module, b, ctx.device),
+            lambda b: sgd_step(model, module, optimizer, b, ctx.device),
+            lambda: canonical_parameters(model, module),
+            optimizer_state=lambda: {n: to_numpy(v) for n, v in unfused_state(optimizer, dict(named), spec).items()})
+
+
+def unfused_state(optimizers: Any, parameters: dict[str, Any], spec: TableOptimizer) -> dict[str, Any]:
+    """`<table>.<state>` → the state a PyTorch optimizer (of `optimizers`) keeps for each table among `parameters`,
+    shaped as fbgemm keeps it (a row-wise accumulator as a vector)."""
+    found: dict[str, Any] = {}
+    for optimizer in getattr(optimizers, "optimizers", [optimizers] if optimizers is not None else []):
+        for name, parameter in parameters.items():
+            if _is_table(name) and parameter in optimizer.state:
+                for key in spec.states:
+                    value = optimizer.state[parameter][key]
+                    found[f"{_canonical(name)}.{key}"] = value.reshape(-1) if spec.rowwise else value
+    return found
+
+
+def _is_table(name: str) -> bool:
+    return ".embedding_bags." in f".{name}"
+
+
+def _canonical(name: str) -> str:
+    """A parameter's name in the unsharded model (DMP's wrapper and DDP's add their own prefixes)."""
+    for prefix in ("_dmp_wrapped_module.", "module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+register_settings(
+    [FusedOptimizerReference(optimizer=o) for o in OPTIMIZERS]
+    + [FusedOptimizerSharding(sharding=s, world_size=ws, optimizer=o)
+       for o, s, ws in itertools.product(OPTIMIZERS, SHARDING_TYPES, WORLD_SIZES)]
+)

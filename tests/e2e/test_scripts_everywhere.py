@@ -1,0 +1,109 @@
+"""Every family with an emitter writes a standalone script on every built-in model kind it runs, on seeds other than
+the default job's: an emitter that only works on seed 0's models (a table name it assumed, a layer it expected) fails
+here, not in a user's run."""
+
+from __future__ import annotations
+
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from difftest.analysis import analyze, envelope_spread
+from difftest.generate import generate
+from difftest.oracle import Tolerance
+from difftest.registry import generator_kinds, get_setting, tier
+from difftest.runner.sweep import SweepOptions, run_sweep
+from difftest.setting import Setting
+from difftest.signature import computation_order, first_divergences
+from difftest.spec import RunConfig
+from difftest.standalone_findings import emit
+from difftest.store import Store
+
+SEEDS = (3, 11)
+# an emitter's refusal names what its script cannot hold (a reason of the case's); a defect of ours says so
+DEFECT = "a defect of difftest's"
+
+
+def _families_with_emitters() -> list[str]:
+    """One setting of each family that writes scripts: the default tier's first of it."""
+    chosen: dict[str, str] = {}
+    for setting in tier("default"):
+        if type(setting).standalone is not Setting.standalone and setting.family not in chosen:
+            chosen[setting.family] = setting.name
+    return sorted(chosen.values())
+
+
+@pytest.mark.e2e
+def test_every_emitter_writes_a_script_on_every_kind_over_several_seeds(tmp_path: Path) -> None:
+    import generators  # noqa: F401 -- registers the kinds
+    import settings  # noqa: F401 -- registers the settings
+
+    kinds = tuple(generator_kinds())
+    families = _families_with_emitters()
+    assert len(families) >= 12, families
+    runs = []
+    for seed in SEEDS:
+        run_dir = tmp_path / f"s{seed}"
+        generate(run_dir, RunConfig(seed=seed, models=1, kinds=kinds))
+        models = sorted(p.name for p in (run_dir / "models").iterdir())
+        run_sweep(run_dir, SweepOptions(pairs=tuple((m, s) for m in models for s in families), timeout_s=180))
+        runs.append(run_dir)
+
+    emitted, checked = [], []
+    for run_dir in runs:
+        analysis = analyze(run_dir)
+        divergences = first_divergences(analysis).set_index(["model", "setting"])
+        store = Store(run_dir)
+        try:
+            messages = {(r.model, r.setting): r.message for r in store.records()}
+        finally:
+            store.close()
+        rows = analysis.comparisons[analysis.comparisons["tensor"] != ""]
+        for (model, setting), row in analysis.cases.set_index(["model", "setting"]).iterrows():
+            verdict = str(row["verdict"])
+            if verdict not in ("ok", "inconsistent", "error", "crash"):
+                continue  # unsupported (the setting does not run this kind) or a timeout: no case to write
+            if verdict == "inconsistent":
+                firsts = ["/".join(divergences.loc[(model, setting), ["phase", "tensor"]])]
+            elif verdict == "ok":  # an agreement's script shows it agree (exit 0): from a trained parameter on (what
+                # a training script compares), else from the case's first tensor (what an evaluation's compares)
+                mine = rows[(rows["model"] == model) & (rows["setting"] == setting)]
+                ordered = sorted(mine.itertuples(), key=lambda r: computation_order(r.kind, r.phase, r.tensor))
+                firsts = list(dict.fromkeys([f"{r.phase}/{r.tensor}" for r in ordered
+                                             if r.phase.startswith("param_after_step")][:1]
+                                            + [f"{r.phase}/{r.tensor}" for r in ordered[:1]]))
+            else:
+                firsts = [""]
+            if not firsts:
+                continue  # an agreement with no tensor compared: nothing a script would show
+            status = "inconsistent" if verdict == "ok" else verdict
+            emitted.append((run_dir, model, setting, verdict, status, firsts, messages.get((model, setting), "")))
+    assert len({(m.rsplit("-s", 1)[0], s) for _, m, s, *_ in emitted}) >= 30, "too few cases ran to say anything"
+
+    def write(item: tuple) -> tuple:
+        run_dir, model, setting, _, status, firsts, message = item
+        check = 180.0 if (model.startswith(("dlrm", "transformer")) and run_dir.name == "s3") else 0.0
+        for first in firsts:
+            result = emit(run_dir, f"E{zlib.crc32(f'{model} {setting}'.encode()):08x}", f"{setting} on {model}",
+                          status, run_dir / "models" / model, setting, first, envelope_spread(run_dir, model, setting),
+                          Tolerance(), check_timeout_s=check, message=message)
+            if result.path is not None:
+                break
+        return item, result
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(write, emitted))
+    defects = [f"{item[1]} × {item[2]}: {result.why_not}" for item, result in results
+               if result.path is None and DEFECT in result.why_not]
+    assert not defects, "\n".join(defects)
+    written = [(item, result) for item, result in results if result.path is not None]
+    assert len({get_setting(item[2]).family for item, _ in written}) >= 10, written
+    for item, result in written:
+        if result.checked is None:
+            continue
+        checked.append(item)
+        expected = 0 if item[3] == "ok" else 1
+        assert result.checked.exit_code == expected, (item[1:4], result.checked.output[-2000:])
+    assert len(checked) >= 8, checked

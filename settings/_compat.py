@@ -26,29 +26,23 @@ def fully_shard_for(device: str) -> Callable[..., Any]:
 
 
 class PipelineSchedule:
-    """A `torch.distributed.pipelining` schedule with current torch's `scale_grads` (2.7 on; before, the gradients
-    stay summed over micro-batches: divided here) and `eval` (2.9 on; before, a rank of one stage evaluates through
-    GPipe, the only schedule that ran forward alone, and a forward pass does not depend on the micro-batches' order)."""
+    """A `torch.distributed.pipelining` schedule called as each release documents it: with `scale_grads` where the
+    release has it (2.7 on); before, without, and the gradients stay summed over the micro-batches as that release
+    computes them (PR #144352 made their mean the default: the manifest's `pipelining-grads-summed-over-microbatches`).
+    `eval` where the release has it (2.9 on); before, a rank of one stage evaluates through GPipe, the only schedule
+    that ran forward alone, and a forward pass does not depend on the micro-batches' order."""
 
     def __init__(self, schedule_class: type, stage_arg: Any, microbatches: int, loss_fn: Callable[..., Any],
                  scale_grads: bool = True) -> None:
         self.stages = stage_arg if isinstance(stage_arg, list) else [stage_arg]
         self._stage_arg, self._microbatches = stage_arg, microbatches
-        self._divide_by = 1
         if "scale_grads" in inspect.signature(schedule_class.__init__).parameters:
             self.schedule = schedule_class(stage_arg, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
         else:
             self.schedule = schedule_class(stage_arg, microbatches, loss_fn=loss_fn)
-            self._divide_by = microbatches if scale_grads else 1
 
     def step(self, *args: Any, target: Any, losses: list[Any]) -> Any:
-        output = self.schedule.step(*args, target=target, losses=losses)
-        if self._divide_by > 1:
-            for stage in self.stages:
-                for p in stage.submod.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(self._divide_by)
-        return output
+        return self.schedule.step(*args, target=target, losses=losses)
 
     def eval(self, *args: Any, target: Any) -> Any:
         if hasattr(self.schedule, "eval"):

@@ -36,10 +36,12 @@ class PipelineSchedule:
                  scale_grads: bool = True) -> None:
         self.stages = stage_arg if isinstance(stage_arg, list) else [stage_arg]
         self._stage_arg, self._microbatches = stage_arg, microbatches
-        if "scale_grads" in inspect.signature(schedule_class.__init__).parameters:
-            self.schedule = schedule_class(stage_arg, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-        else:
-            self.schedule = schedule_class(stage_arg, microbatches, loss_fn=loss_fn)
+        options = {"scale_grads": scale_grads} if "scale_grads" in inspect.signature(schedule_class.__init__).parameters \
+            else {}
+        try:
+            self.schedule = schedule_class(stage_arg, microbatches, loss_fn=loss_fn, **options)
+        except ValueError as exc:  # the schedule's own check of its arguments (DualPipeV: micro-batches ≥ stages)
+            raise Unsupported(f"{schedule_class.__name__} refuses this layout: {exc}") from exc
 
     def step(self, *args: Any, target: Any, losses: list[Any]) -> Any:
         return self.schedule.step(*args, target=target, losses=losses)

@@ -44,7 +44,21 @@ SCHEDULES = {
     "looped-bfs": ("ScheduleLoopedBFS", 2, "loop"),
     "interleaved-zero-bubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
     "zbv-zero-bubble": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
+
+
+def uncovered_schedules() -> list[str]:
+    """The schedule classes the installed torch exports that no entry of SCHEDULES runs: what a new release adds
+    (tests/test_parallel.py requires none, so a new schedule is added here or said to be left out)."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    covered = {class_name for class_name, _, _ in SCHEDULES.values()}
+    exported = {name for name, cls in vars(schedules).items() if inspect.isclass(cls) and name.startswith("Schedule")
+                and issubclass(cls, schedules._PipelineSchedule) and not inspect.isabstract(cls)}
+    return sorted(exported - covered)
 
 
 def balanced_split(counts: list[int], stages: int) -> list[int]:
@@ -111,7 +125,7 @@ class Accumulation(Setting):
 
 def _microbatches(batch: Batch, count: int) -> list[Batch]:
     if batch.size % count:
-        raise ValueError(f"a batch of {batch.size} does not split into {count} micro-batches")
+        raise Unsupported(f"the model's batch of {batch.size} does not split into {count} micro-batches")
     size = batch.size // count
     return [batch.slice(i * size, (i + 1) * size) for i in range(count)]
 
@@ -141,6 +155,15 @@ class Pipeline(Setting):
     @property
     def pipeline_ranks(self) -> int:
         return self.world_size // self.data_parallel
+
+    def available(self) -> str | None:
+        import torch
+        from torch.distributed.pipelining import schedules
+
+        class_name = SCHEDULES[self.schedule][0]
+        if not hasattr(schedules, class_name):  # DualPipeV from 2.8, say
+            return f"torch {torch.__version__} has no {class_name} (torch.distributed.pipelining.schedules)"
+        return None
 
     @property
     def reference(self) -> str:  # type: ignore[override]
@@ -394,7 +417,8 @@ def _pipeline_settings() -> list[Setting]:
     settings: list[Setting] = []
     for schedule, (_, _per_rank, _) in SCHEDULES.items():
         for ws in (2, 3, 4):
-            for mb in (ws, 2 * ws):
+            stages = ws * _per_rank  # DualPipeV refuses fewer micro-batches than stages (its documented minimum)
+            for mb in (ws, 2 * ws) if schedule != "dualpipev" else (stages, 2 * stages):
                 settings += [Pipeline(schedule, ws, mb, split) for split in ("balanced", "random")]
     return settings
 

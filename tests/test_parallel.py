@@ -226,3 +226,11 @@ def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does
     assert set(state) <= {f"{p}/{t}" for p, t in zip(compared["phase"], compared["tensor"])}
     found = [f for f in triage(run_dir, analysis) if f.status == "inconsistent" and f.known is not None]
     assert "torchrec-rowwise-adagrad-column-shards" in {f.known.id for f in found}  # type: ignore[union-attr]
+
+
+def test_every_pipeline_schedule_the_installed_torch_exports_is_run() -> None:
+    """A schedule a new torch release adds is a setting here (DualPipeV from 2.8), or this fails and says which."""
+    from settings.pipeline import SCHEDULES, uncovered_schedules
+
+    assert uncovered_schedules() == []
+    assert "ScheduleDualPipeV" in {class_name for class_name, _, _ in SCHEDULES.values()}

@@ -119,7 +119,7 @@ class FusedOptimizerSharding(TorchRecSharding):
     def standalone(self, case: Any) -> Any:
         from difftest.errors import Unsupported
 
-        raise Unsupported("the fused-optimizer family has no standalone script yet (its ISSUE.md and repro.py stand)")
+        raise Unsupported("the fused-optimizer family writes no standalone script (repro.py reproduces the case through difftest)")
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,8 @@ def main() -> int:
     SPREAD.update({name[len("spread."):]: float(v) for name, v in data.items() if name.startswith("spread.")})
     try:  # first: its ranks fork from this process, which must not have started torch's threads yet
         actual, present = run_distributed(data), False
+        if not actual:  # its ranks returned no tensors to judge
+            raise RuntimeError("rank 0 returned no tensors")
     except Exception as exc:  # the setting could not run at all: not the bug this script shows
         print(f"COULD NOT RUN the setting: {type(exc).__name__}: {exc}")
         return 2

@@ -40,7 +40,9 @@ class PipelineSchedule:
             else {}
         try:
             self.schedule = schedule_class(stage_arg, microbatches, loss_fn=loss_fn, **options)
-        except ValueError as exc:  # the schedule's own check of its arguments (DualPipeV: micro-batches ≥ stages)
+        except ValueError as exc:  # the schedule's own check of its micro-batch count (DualPipeV: ≥ stages)
+            if "microbatch" not in str(exc).lower():
+                raise
             raise Unsupported(f"{schedule_class.__name__} refuses this layout: {exc}") from exc
 
     def step(self, *args: Any, target: Any, losses: list[Any]) -> Any:

@@ -29,7 +29,7 @@ from settings.torchrec_sharding import SHARDING_TYPES, TorchRecSharding, embeddi
 @dataclass(frozen=True)
 class TableOptimizer:
     """One fused optimizer: the PyTorch class TorchRec maps to its fbgemm kernel (and the root trains with), options
-    beside the learning rate, and the root's state keys in the order of fbgemm's (`momentum1`, `momentum2`)."""
+    beside the learning rate, and the root's state keys in fbgemm's order (`_state_name`)."""
 
     module: str
     cls: str
@@ -107,10 +107,9 @@ class FusedOptimizerSharding(TorchRecSharding):
         def read() -> dict | None:
             values: dict[str, Any] = {}
             for parameter, states in dmp.fused_optimizer.state_dict()["state"].items():
-                for key, value in states.items():  # `t0.momentum1`, `t0.momentum2`: fbgemm's order
-                    slot = int(key.rpartition("momentum")[2] or 0) - 1
-                    if 0 <= slot < len(spec.states):
-                        values[f"{_canonical(parameter)}.{spec.states[slot]}"] = value
+                for key, value in states.items():
+                    if (state := _state_name(key.rpartition(".")[2], spec)) is not None:
+                        values[f"{_canonical(parameter)}.{state}"] = value
             values |= unfused_state(dense, dict(dmp.named_parameters()), spec)
             return gather_whole(ctx, values)
 
@@ -177,6 +176,13 @@ def unfused_state(optimizers: Any, parameters: dict[str, Any], spec: TableOptimi
                     value = optimizer.state[parameter][key]
                     found[f"{_canonical(name)}.{key}"] = value.reshape(-1) if spec.rowwise else value
     return found
+
+
+def _state_name(fused: str, spec: TableOptimizer) -> str | None:
+    """The reference's name of a fused state: TorchRec calls the first `momentum1` (and a second, where it renames
+    it, `momentum2`); the rest keep fbgemm's names, which are torch's (Adam's `exp_avg_sq`)."""
+    renamed = {f"momentum{i}": state for i, state in enumerate(spec.states, 1)}
+    return renamed.get(fused, fused if fused in spec.states else None)
 
 
 def _is_table(name: str) -> bool:

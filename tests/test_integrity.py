@@ -178,10 +178,13 @@ def test_ctrl_c_is_one_line_that_says_how_to_resume_and_the_rerun_loses_nothing(
     command = [sys.executable, "-m", "difftest.cli", "sweep", str(run_dir), "--settings", "torchrec/ebc/*/ws2",
                "--minimize-budget", "0"]
     # as a terminal's foreground job has it, whatever this test inherited (a shell's background job ignores SIGINT,
-    # and difftest keeps a SIGINT its shell ignored ignored)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # and difftest keeps a SIGINT its shell ignored ignored): a handler of this process's is the default after exec
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited if inherited is not None else signal.SIG_DFL)
     deadline = time.monotonic() + 300
     while len(committed_cases(run_dir)) < 3 and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.1)

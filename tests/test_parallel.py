@@ -203,12 +203,22 @@ def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does
     from difftest.spec import RunConfig
     from difftest.store import Store
     from difftest.triage import triage
+    from settings.torchrec_optimizers import OPTIMIZERS, _state_name
 
+    # TorchRec names a fused optimizer's first state `momentum1`; the rest keep fbgemm's (= torch's) names
+    assert [_state_name(k, OPTIMIZERS["adam"]) for k in ("momentum1", "exp_avg_sq", "weights")] == \
+        ["exp_avg", "exp_avg_sq", None]
+    assert _state_name("momentum1", OPTIMIZERS["rowwise-adagrad"]) == "sum"
     run_dir = tmp_path / "run"
-    generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
-    run_sweep(run_dir, SweepOptions(settings="torchrec-optim/*/table_wise/ws2,torchrec-optim/*/column_wise/ws4"))
+    generate(run_dir, RunConfig(seed=0, models=2, kinds=("dlrm",)))  # the second has frozen parameters
+    run_sweep(run_dir, SweepOptions(settings="torchrec-optim/*/table_wise/ws2,torchrec-optim/*/column_wise/ws4,"
+                                             "torchrec-optim/*/data_parallel/ws2"))
     analysis = analyze(run_dir)
-    verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
+    both = analysis.cases.groupby("setting")["verdict"].agg(lambda v: sorted(set(map(str, v)))).to_dict()
+    assert both["torchrec-optim/adagrad/data_parallel/ws2"] == both["torchrec-optim/adagrad/table_wise/ws2"] == ["ok"]
+    assert both["torchrec-optim/rowwise-adagrad/data_parallel/ws2"] == ["ok"], both
+    first = analysis.cases[analysis.cases["model"] == "dlrm-s0-i0"]
+    verdicts = first.set_index("setting")["verdict"].to_dict()
     assert verdicts["torchrec-optim/adagrad/table_wise/ws2"] == verdicts["torchrec-optim/adagrad/column_wise/ws4"] == "ok"
     assert verdicts["torchrec-optim/rowwise-adagrad/table_wise/ws2"] == "ok", verdicts
     assert verdicts["torchrec-optim/rowwise-adagrad/column_wise/ws4"] == "inconsistent", verdicts

@@ -172,27 +172,49 @@ def test_a_class_keeps_only_the_methods_and_branches_its_case_ran_and_idle_loops
     assert "for name" not in reduced and "print(name)" not in reduced and "return names" in reduced
 
 
-def test_a_failures_reduced_script_still_exits_0_once_the_failure_is_gone(tmp_path: Path) -> None:
-    """A failure's script traced while the bug is present runs nothing after the failing call, so reduction removes
-    what the ranks do after it (their outputs among it); the reduced script must still say "ok", exit 0, on a release
-    where the call no longer fails (stood for by an environment variable here)."""
+def _distributed_script(on_rank: list[str], constants: list[str], entry: str) -> str:
+    """A script of the runtime's own shared part (what every emitted script ends with) around `on_rank`."""
     import inspect
 
     from difftest import standalone_runtime
     from difftest.standalone import RUNTIME_IMPORTS
 
     shared = [textwrap.dedent(inspect.getsource(getattr(standalone_runtime, name))) for name in
-              ("gloo_on_loopback", "rank_main", "run_distributed", "start_ranks", "load_data", "main_failing")]
-    script = "\n".join([
-        '"""A failure."""', *RUNTIME_IMPORTS, "", "LIBRARIES = ('numpy',)", "WORLD_SIZE = 2", "RANK_IMPORTS = ()",
-        "FAILURE = 'ValueError: the library refuses'", "CASE = {}", "",
-        "def on_rank(rank, world_size, data, case):",
-        "    if os.environ.get('LIBRARY_BUG'):",
-        "        raise ValueError('the library refuses')",
-        "    outputs = {'x': np.ones(2)}",
-        "    return outputs if rank == 0 else None", "",
+              ("gloo_on_loopback", "rank_main", "run_distributed", "start_ranks", "judge", "load_data", entry)]
+    return "\n".join([
+        '"""A finding."""', *RUNTIME_IMPORTS, "", "LIBRARIES = ('numpy',)", "WORLD_SIZE = 2", "RANK_IMPORTS = ()",
+        *constants, "CASE = {}", "", *on_rank, "",
         SHARED_MARKER + ": start the ranks, judge, report ---", *shared,
-        "if __name__ == '__main__':", "    sys.exit(main_failing())", ""])
+        "if __name__ == '__main__':", f"    sys.exit({entry}())", ""])
+
+
+def test_a_disagreements_script_whose_ranks_return_nothing_could_not_run(tmp_path: Path) -> None:
+    """No tensors from rank 0 is no verdict (exit 2), never "BUG PRESENT" from judging empty arrays."""
+    from difftest.script_check import check_script
+
+    script = _distributed_script(
+        ["def on_rank(rank, world_size, data, case):", "    return None", "",
+         "def single_process(data, case, dtype):", "    return {'x': np.ones(2)}"],
+        ["TENSORS = ('x',)", "SPREAD = {}", "K = 4.0", "ATOL, RTOL = 1e-5, 1e-5"], "main")
+    folder = tmp_path / "finding"
+    folder.mkdir()
+    (folder / "standalone.py").write_text(script)
+    np.savez(folder / "standalone.npz", unused=np.zeros(1))
+    checked = check_script(folder / "standalone.py", 120)
+    assert checked.exit_code == 2 and "COULD NOT RUN" in checked.output, checked.output
+
+
+def test_a_failures_reduced_script_still_exits_0_once_the_failure_is_gone(tmp_path: Path) -> None:
+    """A failure's script traced while the bug is present runs nothing after the failing call, so reduction removes
+    what the ranks do after it (their outputs among it); the reduced script must still say "ok", exit 0, on a release
+    where the call no longer fails (stood for by an environment variable here)."""
+    script = _distributed_script(
+        ["def on_rank(rank, world_size, data, case):",
+         "    if os.environ.get('LIBRARY_BUG'):",
+         "        raise ValueError('the library refuses')",
+         "    outputs = {'x': np.ones(2)}",
+         "    return outputs if rank == 0 else None"],
+        ["FAILURE = 'ValueError: the library refuses'"], "main_failing")
     folder = tmp_path / "finding"
     folder.mkdir()
     path = folder / "standalone.py"

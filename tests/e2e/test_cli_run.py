@@ -69,10 +69,12 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert not rows[rows.status == "error"].message.str.contains("Connection closed by peer|Read error").any()
     # refusals are kind mismatches, engines refusing fp16 weights, TF-MOT missing, models without the layers a
     # parallelism needs (Linear pairs, positions, a vocabulary projection for loss parallel), CPU-versus-GPU settings
-    # on a machine without one, TFLite's int8 leaving every kernel of a small model in float, each with its reason
+    # on a machine without one, TFLite's int8 leaving every kernel of a small model in float, a fused optimizer
+    # fbgemm's CPU build lacks, each with its reason
     refused = rows[rows.status == "unsupported"]
     assert refused.message.str.contains("kind|refuses float16|tensorflow-model-optimization|layer units|Linear"
-                                        "|positions|vocabulary|CUDA device|tensorflow#53094").all(), \
+                                        "|positions|vocabulary|CUDA device|tensorflow#53094"
+                                        "|not supported in CPU mode").all(), \
         refused.message.unique()
     _check_library_findings(rows, in_tier)
     # the seeds' oracles: resume (bitwise in one process), re-partitioning, PipeDream, partial reduce all hold
@@ -149,10 +151,16 @@ def test_the_readmes_command_as_written_runs_the_default_tier_checks_every_scrip
     assert readme_command() == [".venv/bin/difftest", "run"]
     out = tmp_path / "results" / "default"
     rows = _check_the_job(out, "default", _run_as_written(tmp_path, timeout=1500))
-    # every finding's standalone script was run from the relative run folder, and reproduces on its own
+    # every finding's standalone script was run from the relative run folder, and reproduces on its own; a finding
+    # of a family that writes none (the fused embedding optimizers) says so, and is counted
+    without = []
     for folder in sorted((out / "findings").iterdir()):
         said = (folder / "standalone.txt").read_text().splitlines()[0]
+        if "family writes no standalone script" in said:
+            without.append(folder.name)
+            continue
         assert "reproduces (exit 1)" in said, (folder.name, said)
+    assert len(without) <= 1, without
     # every family of settings ran on the default models
     load_plugins()
     families = {s.family for s in with_references(tier("full"))}

@@ -3,10 +3,13 @@ all-gathered for forward/backward, gradients reduce-scattered to the global mean
 
 Wrapping is per layer (every submodule that holds a parameter is its own FSDP unit, then the root) or the
 whole model as one unit; `reshard_after_forward` frees or keeps the gathered parameters between forward and
-backward. The bf16 variant computes with bf16 parameters and reduces gradients in fp32, judged by a tolerance
-derived from bf16's unit roundoff instead of the fp32 one, in two steps that keep precision and distribution
-apart: on one rank against the fp32 `reference` (what bf16 itself costs), on 2+ ranks against that one-rank
-bf16 run (what sharding adds).
+backward, or (an int) reshards them to that many ranks after forward. The policies `fully_shard` takes are axes
+too: `MixedPrecisionPolicy` as `precision` (the dtype of the parameters in compute, then that of the gradient
+reduction: `bf16` = bf16 parameters reduced in fp32, `bf16-reduce-bf16`, `fp32-reduce-bf16`) and `CPUOffloadPolicy`
+(`offload`: parameters, gradients and the optimizer step on the CPU, parameters copied to the device for compute).
+A reduced-precision variant is judged by a tolerance derived from bf16's unit roundoff instead of the fp32 one, in
+two steps that keep precision and distribution apart: on one rank against the fp32 `reference` (what bf16 itself
+costs), on 2+ ranks against that one-rank run of the same policy (what sharding adds).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ if TYPE_CHECKING:
 # bf16 keeps 8 significant bits: unit roundoff u = 2**-8. A layer rounds its input, its weights and its
 # output (3u); the generated models are at most ~6 layers deep, so outputs may be off by ~18u relative.
 BF16_TOLERANCE = Tolerance(atol=18 * 2**-8, rtol=18 * 2**-8)
+# MixedPrecisionPolicy's (param_dtype, reduce_dtype) by `precision`; None keeps the parameters' own (fp32)
+PRECISIONS = {"fp32": (None, None), "bf16": ("bfloat16", "float32"), "bf16-reduce-bf16": ("bfloat16", "bfloat16"),
+              "fp32-reduce-bf16": (None, "bfloat16")}
 
 
 @dataclass(frozen=True)
@@ -42,26 +48,37 @@ class FullyShard(Setting):
 
     world_size: int
     wrap: str = "per-layer"  # or "whole-model"
-    reshard_after_forward: bool = True
-    precision: str = "fp32"  # or "bf16": bf16 parameters, fp32 gradient reduction and output
+    reshard_after_forward: bool | int = True  # an int: reshard to that many ranks after forward
+    policy: str = "fp32"  # a key of PRECISIONS: the compute dtype, then the gradient reduction's
+    offload: bool = False  # CPUOffloadPolicy
     family: ClassVar[str] = "fsdp2"
-    tier_axes: ClassVar[tuple[str, ...]] = ("wrap", "reshard_after_forward", "precision")
+    tier_axes: ClassVar[tuple[str, ...]] = ("wrap", "reshard_after_forward", "policy", "offload")
 
     @property
     def name(self) -> str:
-        reshard = "reshard" if self.reshard_after_forward else "no-reshard"
-        return f"fsdp2/{self.wrap}/{reshard}/{self.precision}/ws{self.world_size}"
+        reshard = {True: "reshard", False: "no-reshard"}.get(self.reshard_after_forward,  # type: ignore[call-overload]
+                                                             f"reshard-to-{self.reshard_after_forward}")
+        offload = "/offload" if self.offload else ""
+        return f"fsdp2/{self.wrap}/{reshard}/{self.policy}{offload}/ws{self.world_size}"
 
     def describe(self) -> str:
         ranks = f"{self.world_size} ranks" if self.world_size > 1 else "1 rank (nothing sharded)"
-        return (f"FSDP2 over {ranks}, {self.wrap} units, reshard_after_forward="
-                f"{self.reshard_after_forward}, {self.precision} compute")
+        param, reduce = PRECISIONS[self.policy]
+        return (f"FSDP2 over {ranks}, {self.wrap} units, reshard_after_forward={self.reshard_after_forward}, "
+                f"{param or 'fp32'} compute, gradients reduced in {reduce or 'fp32'}"
+                + (", CPUOffloadPolicy" if self.offload else ""))
 
     @property
     def reference(self) -> str:  # type: ignore[override]
-        if self.precision == "fp32" or self.world_size == 1:
+        if self.policy == "fp32" or self.world_size == 1:
             return "reference"
-        return variant_of(FullyShard, self, world_size=1).name
+        return variant_of(FullyShard, self, world_size=1, reshard_after_forward=True, offload=False).name
+
+    @property
+    def precision(self) -> str:  # type: ignore[override]
+        """The arithmetic the envelope is calibrated for: bf16 wherever the policy rounds to it (parameters or
+        gradients)."""
+        return "fp32" if self.policy == "fp32" else "bf16"
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return BF16_TOLERANCE if self.precision == "bf16" else default
@@ -85,7 +102,8 @@ class FullyShard(Setting):
         one whole-model unit), whether they are blocks, and the options."""
         units = [name for name, _ in fsdp2_units(model, module)] if self.wrap == "per-layer" else []
         return {"units": units, "blocks": self.wrap == "per-layer" and model.blocks(module) is not None,
-                "reshard_after_forward": self.reshard_after_forward, "precision": self.precision}
+                "reshard_after_forward": self.reshard_after_forward, "dtypes": PRECISIONS[self.policy],
+                "offload": self.offload}
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, FullyShard, "sharded")
@@ -94,8 +112,7 @@ class FullyShard(Setting):
         from settings._training_script import training_script
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
-        return training_script(case, f"FSDP2 fully_shard ({self.wrap} units, reshard_after_forward="
-                               f"{self.reshard_after_forward}, {self.precision} compute)", self.world_size,
+        return training_script(case, f"FSDP2 fully_shard ({self.describe().partition(', ')[2]})", self.world_size,
                                (fully_shard_for, make_contiguous, mixed_precision, distribute, full_parameters),
                                self.layout(model, model.build("cpu")))
 
@@ -103,17 +120,17 @@ class FullyShard(Setting):
         """Called once the model is sharded, before training (a hook for planted faults)."""
 
 
-def mixed_precision(precision: str, inner: bool) -> Any:
-    """FSDP2's policy for `precision`: for bf16 a block hands bf16 activations to the next and to the root's own
-    layers (torchtitan's policy); a unit per layer (`inner` False) hands back fp32, so what runs between units
-    (activations, pooling) stays fp32."""
+def mixed_precision(dtypes: tuple[str | None, str | None], inner: bool) -> Any:
+    """FSDP2's policy for `dtypes` (a value of PRECISIONS: the parameters' dtype in compute, the gradient
+    reduction's; None keeps the parameters' own). With bf16 parameters a block hands bf16 activations to the next and to the root's own layers
+    (torchtitan's policy); a unit per layer (`inner` False) hands back fp32, so what runs between units (activations,
+    pooling) stays fp32."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision != "bf16":
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                output_dtype=None if inner else torch.float32)
+    param, reduce = (getattr(torch, dtype) if dtype else None for dtype in dtypes)
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce,
+                                output_dtype=torch.float32 if param is not None and not inner else None)
 
 
 def distribute(module: Any, group: Any, device: str, layout: dict[str, Any]) -> Any:
@@ -125,10 +142,15 @@ def distribute(module: Any, group: Any, device: str, layout: dict[str, Any]) -> 
     make_contiguous(module)
     mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
     options = dict(mesh=mesh, reshard_after_forward=layout["reshard_after_forward"])
+    if layout.get("offload"):
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # pinned host memory needs a CUDA driver; on a CPU-only machine the copies are plain CPU tensors
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.startswith("cuda"))
     for name in reversed(layout["units"]):
-        fully_shard(module.get_submodule(name), **options, mp_policy=mixed_precision(layout["precision"],
+        fully_shard(module.get_submodule(name), **options, mp_policy=mixed_precision(layout["dtypes"],
                                                                                       inner=layout["blocks"]))
-    return fully_shard(module, **options, mp_policy=mixed_precision(layout["precision"], inner=False))
+    return fully_shard(module, **options, mp_policy=mixed_precision(layout["dtypes"], inner=False))
 
 
 def fsdp2_units(model: Any, module: Any) -> list[tuple[str, Any]]:
@@ -157,5 +179,7 @@ def make_contiguous(module: Any) -> None:
 register_settings(
     [FullyShard(ws, wrap, reshard) for wrap in ("per-layer", "whole-model") for reshard in (True, False)
      for ws in (2, 3, 4)]
-    + [FullyShard(ws, "per-layer", True, "bf16") for ws in (1, 2, 3, 4)]
+    + [FullyShard(ws, "per-layer", True, policy) for policy in PRECISIONS if policy != "fp32" for ws in (1, 2, 3, 4)]
+    + [FullyShard(4, wrap, 2) for wrap in ("per-layer", "whole-model")]
+    + [FullyShard(ws, "per-layer", True, policy, offload=True) for policy in ("fp32", "bf16") for ws in (2, 4)]
 )

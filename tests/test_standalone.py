@@ -113,7 +113,9 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
 
 # the training settings' scripts: the model's own code (`Generator.standalone_model`) and the setting's wrapper
 TRAINING = ("fsdp2/per-layer/no-reshard/fp32/ws2", "fsdp1/full_shard/ws2", "ddp/bucket-tiny/ws2",
-            "tp/colwise-rowwise/ws2", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4", "ddp/no-sync/ws2")
+            "tp/colwise-rowwise/ws2", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4", "ddp/no-sync/ws2",
+            "fsdp2/whole-model/reshard-to-2/fp32/ws4", "fsdp2/per-layer/reshard/fp32/offload/ws2",
+            "accum/fsdp1/micro2/ws2", "accum/fsdp2-unsharded/micro3/ws2")
 
 
 def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) -> None:
@@ -141,6 +143,14 @@ def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) 
             synchronising = "    (model_loss(module, data, middle, stop, dtype)"
             assert text.count(synchronising) == 1
             emitted.path.write_text(text.replace(synchronising, "    with module.no_sync():\n    " + synchronising))
+            unsynchronised = check_script(emitted.path, timeout_s=120)
+            assert unsynchronised.exit_code == 1 and "BUG PRESENT" in unsynchronised.output, unsynchronised.output
+        if setting.startswith("accum/fsdp2"):  # its agreement is the last micro-batch's reduction: skipped
+            from difftest.script_check import check_script
+
+            last = "last=j == micro_steps - 1"
+            assert text.count(last) == 1
+            emitted.path.write_text(text.replace(last, "last=False"))
             unsynchronised = check_script(emitted.path, timeout_s=120)
             assert unsynchronised.exit_code == 1 and "BUG PRESENT" in unsynchronised.output, unsynchronised.output
     # a failure's script takes the run's steps through the setting and shows it failing as recorded, or, as here

@@ -201,7 +201,8 @@ TIERS = ("default", "full")
 def tier(name: str) -> list[Setting]:
     """The settings of a tier. `full` is every registered setting. `default` covers every class of setting and,
     within it, every value of each parameter the class names in `tier_axes` (each sharding type, schedule,
-    quantization scheme, oracle mode) with the fewest, cheapest settings: a greedy set cover that prefers the
+    quantization scheme, oracle mode) with the fewest, cheapest settings (a class that says it is too costly,
+    `Setting.in_default_tier`, is left to `full`): a greedy set cover that prefers the
     setting adding the most uncovered values, then the smallest scale of 2 or more (`Setting.scale`). A setting that exists to judge its own
     family (an uninterrupted run, a simulator, a one-rank bf16 run) is only a candidate for values nothing else
     covers; it comes in anyway through `with_references` where the tier needs it."""
@@ -216,7 +217,8 @@ def tier(name: str) -> list[Setting]:
     } | {s.name for s in settings if s.judge_only}
     by_class: dict[type, list[Setting]] = {}
     for setting in settings:
-        by_class.setdefault(type(setting), []).append(setting)
+        if type(setting).in_default_tier:
+            by_class.setdefault(type(setting), []).append(setting)
     chosen: list[Setting] = []
     for members in by_class.values():
         members = sorted(members, key=lambda s: (s.name in judges_own_family, s.scale < 2, s.scale, s.name))

@@ -77,6 +77,8 @@ class Setting(abc.ABC):
     # the parameters whose every value the default tier runs at least once (`difftest.registry.tier`), at the
     # smallest world size that has it; none: one setting of the class represents it
     tier_axes: ClassVar[tuple[str, ...]] = ()
+    # False: the class is in the full tier only, for what a case costs (the docs of its family say how much)
+    in_default_tier: ClassVar[bool] = True
     # the arithmetic its result is meant to have ("fp32", "bf16"): the calibrated oracle (`difftest.envelope`)
     # judges it against its root's envelope for that precision
     precision: ClassVar[str] = "fp32"

@@ -26,6 +26,8 @@ from settings import async_pipeline  # noqa: F401
 from settings import resume_tensorflow  # noqa: F401
 from settings import activation_checkpointing  # noqa: F401
 from settings import gradient_clipping  # noqa: F401
+from settings import accumulation  # noqa: F401
+from settings import compiled  # noqa: F401
 from settings import device  # noqa: F401  (last: it registers CUDA runs of settings registered above)
 
 # what the settings import lazily in every rank, loaded once into the server CPU ranks fork from

@@ -193,6 +193,41 @@ def test_gradient_clipping_clips_as_one_process_does_and_the_infinity_norm_on_an
     assert "import difftest" not in emitted.path.read_text()  # type: ignore[union-attr]
 
 
+def test_compiled_training_matches_eager_and_the_shape_tensor_crash_is_a_known_dynamo_bug(tmp_path: Path) -> None:
+    """torch.compile'd training of a native transformer, alone, under DDP (compiled whole) and FSDP2 (units compiled)
+    matches eager training, judged by the envelope, with the graphs it compiled noted; a Keras model converted through
+    onnx2pytorch fails in Dynamo on its shape tensor, triaged to the manifest's entry."""
+    from difftest.generate import generate
+    from difftest.spec import RunConfig
+    from difftest.store import Store
+    from difftest.triage import triage
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer", "keras-transformer")))
+    run_sweep(run_dir, SweepOptions(pairs=(("transformer-s0-i0", "compile/single/ws1"),
+                                           ("transformer-s0-i0", "compile/ddp/ws2"),
+                                           ("transformer-s0-i0", "compile/fsdp2/ws2"),
+                                           ("keras-transformer-s0-i0", "compile/single/ws1")), timeout_s=300))
+    analysis = analyze(run_dir)
+    cases = analysis.cases.set_index(["model", "setting"])
+    for setting in ("compile/single/ws1", "compile/ddp/ws2", "compile/fsdp2/ws2"):
+        assert cases.loc[("transformer-s0-i0", setting), "verdict"] == "ok", setting
+    from difftest.analysis import envelope_spread  # judged by the calibrated envelope, not allclose alone
+
+    assert any(n.startswith("param_after_step1/") for n in envelope_spread(run_dir, "transformer-s0-i0",
+                                                                             "compile/ddp/ws2"))
+    assert cases.loc[("keras-transformer-s0-i0", "compile/single/ws1"), "verdict"] == "error"
+    store = Store(run_dir)
+    try:
+        notes = {r.setting: r.message for r in store.records() if r.model == "transformer-s0-i0"}
+    finally:
+        store.close()
+    assert all("graphs compiled: " in notes[s] and "graphs compiled: 0" not in notes[s]
+               for s in notes if s.startswith("compile/")), notes
+    found = next(f for f in triage(run_dir, analysis) if f.status == "error")
+    assert found.known is not None and found.known.id == "dynamo-size-from-shape-tensor"
+
+
 def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does_but_row_wise_adagrad_on_column_shards(
         tmp_path: Path) -> None:
     """TorchRec's fused Adagrad matches torch.optim.Adagrad under every sharding, weights and accumulators alike, and

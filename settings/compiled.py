@@ -1,0 +1,144 @@
+"""Compiled training: `torch.compile` (TorchDynamo capturing the forward, AOTAutograd the backward, Inductor
+generating C++ kernels for the CPU or Triton for CUDA) of the model, trained with plain SGD, alone or distributed as
+today's recipes compile it: the DDP module compiled whole (Dynamo's DDPOptimizer splits the graph at the bucket
+boundaries, so that each bucket's all-reduce can overlap the backward of the next), or each FSDP2 unit compiled before
+it is sharded (torchtitan's per-block compile, FSDP2's hooks around the compiled blocks).
+
+The one-process compiled run is judged against the eager `reference` by the calibrated fp32 envelope: Inductor fuses
+and reorders arithmetic, which the envelope's reordered and re-threaded runs measure. The distributed runs are judged
+against that compiled one-process run, so that what compiling costs and what distribution adds stay apart. Graph
+breaks and the number of graphs compiled are recorded in the case's notes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from difftest.devices import DATA_PARALLEL, SHARDED, across
+from difftest.errors import Unsupported
+from difftest.registry import register_settings
+from difftest.setting import Outputs, RunContext, Setting
+from difftest.standalone import refuse_changed_hooks
+from settings._compat import fully_shard_for
+from settings._training import build_for_training, to_numpy, train_data_parallel
+from settings.fsdp import fsdp2_units, make_contiguous
+from settings.gradient_clipping import full_parameters
+
+if TYPE_CHECKING:
+    from difftest.standalone import Script, StandaloneCase
+
+WRAPS = {"single": "one process", "ddp": "the DDP module compiled whole",
+         "fsdp2": "each FSDP2 unit compiled, then sharded"}
+
+
+@dataclass(frozen=True)
+class CompiledTraining(Setting):
+    """Plain SGD through `torch.compile`d modules (Inductor), in one process or under DDP or FSDP2."""
+
+    world_size: int
+    wrap: str = "ddp"  # a key of WRAPS
+    family: ClassVar[str] = "compile"
+    tier_axes: ClassVar[tuple[str, ...]] = ("wrap",)
+    # Inductor compiles each model's forward, backward and evaluation graphs anew: 10-40 s a case on 2 cores,
+    # about three times the default job's time if it ran on its nine models
+    in_default_tier: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return f"compile/{self.wrap}/ws{self.world_size}"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return "reference" if self.wrap == "single" else CompiledTraining(1, "single").name
+
+    def describe(self) -> str:
+        ranks = f"over {self.world_size} ranks" if self.world_size > 1 else "in one process"
+        return f"torch.compile (Inductor) training {ranks}: {WRAPS[self.wrap]}"
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        if self.wrap == "single":
+            return frozenset()
+        return across(self.world_size, SHARDED if self.wrap == "fsdp2" else DATA_PARALLEL)
+
+    def available(self) -> str | None:
+        import shutil
+
+        if shutil.which("g++") is None and shutil.which("c++") is None:
+            return "Inductor compiles C++ for the CPU and finds no compiler (install g++: apt-get install g++)"
+        return None
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+        from torch._dynamo.utils import counters
+
+        if self.wrap == "fsdp2":
+            fully_shard_for(ctx.device)
+        torch._dynamo.reset()  # a rank runs many cases: no graph or guard of an earlier model is reused
+        counters.clear()
+        # one compile worker: a pool of compiler subprocesses per rank would oversubscribe the cores the ranks share
+        torch._inductor.config.compile_threads = 1
+        module = build_for_training(model, ctx.device)
+        if not any(p.requires_grad for p in module.parameters()):
+            raise Unsupported("every parameter is frozen: there is nothing to train")
+        wrapped = distribute(module, ctx.group, ctx.device, self.layout(model, module))
+        outputs = train_data_parallel(ctx, model, inputs, wrapped, lambda: read(ctx, model, wrapped))
+        ctx.notes["graphs compiled"] = str(counters["stats"]["unique_graphs"])
+        breaks = counters["graph_break"]
+        ctx.notes["graph breaks"] = (f"{sum(breaks.values())}: " + "; ".join(sorted(breaks))[:300]) if breaks else "0"
+        return outputs
+
+    def layout(self, model: Any, module: Any) -> dict[str, Any]:
+        """What `distribute` needs: the wrapper, and FSDP2's units (as the FSDP2 family shards)."""
+        return {"wrap": self.wrap,
+                "units": [name for name, _ in fsdp2_units(model, module)] if self.wrap == "fsdp2" else []}
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, CompiledTraining)
+
+        from difftest.artifacts import LoadedModel
+        from settings._training_script import training_script
+
+        model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
+        return training_script(case, f"torch.compile (Inductor) training: {WRAPS[self.wrap]}", self.world_size,
+                               (fully_shard_for, make_contiguous, distribute, full_parameters),
+                               self.layout(model, model.build("cpu")))
+
+
+def read(ctx: RunContext, model: Any, wrapped: Any) -> dict[str, Any] | None:
+    """Every parameter whole under its canonical name (DTensors gathered: every rank calls it), on rank 0."""
+    full = {n: to_numpy(t) for n, t in full_parameters(wrapped, model.parameters).items()}
+    return full if ctx.rank == 0 else None
+
+
+def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
+    """The module compiled in place (`nn.Module.compile`: names and parameters unchanged) as the setting compiles it:
+    alone, DDP compiled whole, or each FSDP2 unit compiled and then sharded, innermost first, then the root."""
+    import torch
+
+    wrap = setting["wrap"]
+    if wrap == "single":
+        module.compile()
+        return module
+    if wrap == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(module, device_ids=[torch.device(device)] if device.startswith("cuda") else None,
+                                      process_group=group)
+        ddp.compile()
+        return ddp
+    from torch.distributed.device_mesh import DeviceMesh
+
+    fully_shard = fully_shard_for(device)
+    make_contiguous(module)
+    mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
+    for name in reversed(setting["units"]):
+        unit = module.get_submodule(name)
+        unit.compile()
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
+
+
+register_settings([CompiledTraining(1, "single")]
+                  + [CompiledTraining(ws, wrap) for wrap in ("ddp", "fsdp2") for ws in (2, 4)])

@@ -231,7 +231,12 @@ class DlrmGenerator(Generator):
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         """Predictions of `module` (unsharded or a TorchRec DMP around it) for `batch`."""
-        return model_prediction(module, self.model_inputs(module, batch, device))
+        return self.predict(module, self.model_inputs(module, batch, device))
+
+    def predict(self, module: Any, inputs: tuple[Any, ...]) -> Any:
+        """Predictions from the model's arguments (`model_inputs`): what a TorchRec train pipeline's batch model calls
+        on the fields of its batch."""
+        return model_prediction(module, inputs)
 
     def model_inputs(self, module: Any, batch: Batch, device: str) -> tuple[Any, Any, Any]:
         """(dense tensor, unweighted KJT, weighted KJT) of `batch`, keyed as `module`'s tables are."""

@@ -131,8 +131,8 @@ class TorchRecModelGenerator(DlrmGenerator):
         names = [f for t in _unwrap(module).table_specs for f in t["features"]]
         return torch.from_numpy(batch.dense).to(device), feature_kjt(batch, names, False, device)
 
-    def forward(self, module: Any, batch: Batch, device: str) -> Any:
-        return model_prediction(module, self.model_inputs(module, batch, device))
+    def predict(self, module: Any, inputs: tuple[Any, ...]) -> Any:
+        return model_prediction(module, inputs)
 
     def standalone_model(self, spec: ModelSpec, init_state: dict[str, np.ndarray], model_dir: Any,
                          train: Batch) -> ModelCode:

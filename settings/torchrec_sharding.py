@@ -83,7 +83,7 @@ class TorchRecSharding(Setting):
         from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-        module = model.build("cpu")
+        module = self.sharded_module(model, model.build("cpu"), inputs)
         tables = [p for collection in embedding_collections(module).values() for p in collection.parameters()]
         table_optimizer, options = self.table_optimizer(ctx)
         apply_optimizer_in_backward(table_optimizer, [p for p in tables if p.requires_grad], options)
@@ -115,6 +115,18 @@ class TorchRecSharding(Setting):
         dense = [(n, p) for n, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad
                  and not any(n == f or n.endswith("." + f) for f in frozen_names)]
         optimizer = self.dense_optimizer(ctx, dense) if dense else None
+        train_step, evaluate = self.trainer(ctx, model, dmp, optimizer)
+        state = self.optimizer_state(ctx, dmp, optimizer)
+        return record_training(ctx, inputs, evaluate, train_step, lambda: self.full_state(ctx, dmp),
+                               optimizer_state=state)
+
+    def sharded_module(self, model: Any, module: Any, inputs: Any) -> Any:
+        """What DMP wraps: the model itself (a family that trains through another interface wraps it)."""
+        return module
+
+    def trainer(self, ctx: RunContext, model: Any, dmp: Any, optimizer: Any) -> tuple[Callable, Callable]:
+        """(train_step, evaluate) of the plain loop: forward, backward (the fused tables update inside it), the dense
+        optimizer's step."""
 
         def train_step(batch: Any) -> float:
             if optimizer is not None:
@@ -125,9 +137,11 @@ class TorchRecSharding(Setting):
                 self.dense_step(ctx, optimizer)
             return loss.item()
 
-        state = self.optimizer_state(ctx, dmp, optimizer)
-        return record_training(ctx, inputs, lambda b: model.evaluate(dmp, b, ctx.device), train_step,
-                               lambda: _full_state(ctx, dmp), optimizer_state=state)
+        return train_step, lambda batch: model.evaluate(dmp, batch, ctx.device)
+
+    def full_state(self, ctx: RunContext, dmp: Any) -> dict | None:
+        """Every parameter, unsharded, under the model's names, on rank 0 (collective)."""
+        return _full_state(ctx, dmp)
 
     def table_optimizer(self, ctx: RunContext) -> tuple[type, dict[str, Any]]:
         """The optimizer TorchRec fuses into the tables' backward, by its class (TorchRec maps it to fbgemm's kernel),
@@ -175,7 +189,7 @@ class TorchRecSharding(Setting):
 
     # --- a standalone script (difftest.standalone) ------------------------------------------------
     def standalone(self, case: StandaloneCase) -> Script:
-        refuse_changed_hooks(self, TorchRecSharding, "load_initial_state")
+        refuse_changed_hooks(self, TorchRecSharding, "load_initial_state", "sharded_module", "trainer", "full_state")
         tables = case.generator.embedding_tables(case.spec)
         if tables is None:
             raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")

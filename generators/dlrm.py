@@ -2,7 +2,9 @@
 
 prediction = sigmoid(mean(over(cat[dense_mlp(dense), pooled embeddings by feature name]))), loss = BCE.
 Everything is drawn from numpy generators seeded by (seed, index), so specs, weights and inputs do not
-depend on torch's RNG or version.
+depend on torch's RNG or version. Dense widths are multiples of 4, but in every third model (index 2, 5, 8, …) none
+divides by 2, 3 or 4, so the dense layers shard unevenly under FSDP2 and tensor parallel; embedding dimensions stay
+multiples of 4 (fbgemm's kernels want them so).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 from difftest.generator import EmbeddingTable, Generator, ModelCode, order_by_words
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
-from generators.inputs import Batch, jagged_feature
+from generators.inputs import UNEVEN_SIZES, Batch, jagged_feature
 
 KIND = "dlrm"
 
@@ -47,8 +49,10 @@ def _draw_tables(rng: np.random.Generator, weighted: bool, first_feature: int) -
     return tables
 
 
-def _mlp_sizes(rng: np.random.Generator, max_layers: int) -> list[int]:
-    return [int(4 * rng.integers(1, 9)) for _ in range(int(rng.integers(1, max_layers + 1)))]
+def _mlp_sizes(rng: np.random.Generator, max_layers: int, uneven: bool) -> list[int]:
+    """Widths of 4 to 32 in steps of 4; in the uneven variant widths no world size from 2 to 4 divides."""
+    return [int(rng.choice(UNEVEN_SIZES[1:11]) if uneven else 4 * rng.integers(1, 9))
+            for _ in range(int(rng.integers(1, max_layers + 1)))]
 
 
 # where a DLRM tensor sits in its computation, by the words its name holds: tables, dense arch, interaction, over arch,
@@ -63,12 +67,13 @@ class DlrmGenerator(Generator):
 
     def spec(self, seed: int, index: int) -> ModelSpec:
         rng = _rng(seed, index)
+        uneven = index % 3 == 2  # every third model: dense widths that do not shard evenly (tables' dims stay 4k)
         unweighted = _draw_tables(rng, weighted=False, first_feature=0)
         weighted = _draw_tables(rng, weighted=True, first_feature=0)
         params = {
             "dense_in": int(rng.integers(1, 17)),
-            "dense_arch": _mlp_sizes(rng, 3),
-            "over_arch": _mlp_sizes(rng, 2) + [int(rng.integers(1, 5))],
+            "dense_arch": _mlp_sizes(rng, 3, uneven),
+            "over_arch": _mlp_sizes(rng, 2, uneven) + [int(rng.integers(1, 5))],
             "tables": unweighted + weighted,
             "max_bag": int(rng.integers(1, 6)),
         }

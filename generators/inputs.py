@@ -21,3 +21,8 @@ def jagged_feature(
     values = np.where(rng.random(total) < 0.3, rng.choice(hot, size=total), uniform_ids)
     weights = rng.uniform(0.5, 1.5, size=total).astype(np.float32) if weighted else None
     return JaggedFeature(lengths.astype(np.int64), values.astype(np.int64), weights)
+
+
+# sizes no world size from 2 to 4 divides (1 and the numbers prime to 6 below 60): what the uneven model variants
+# draw widths, heads and vocabularies from, so that shards come out of different sizes
+UNEVEN_SIZES = tuple(n for n in range(1, 60) if n % 2 and n % 3)

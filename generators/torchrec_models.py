@@ -43,6 +43,7 @@ class TorchRecModelGenerator(DlrmGenerator):
 
     def spec(self, seed: int, index: int) -> ModelSpec:
         rng = _rng(self.kind, seed, index)
+        uneven = index % 3 == 2  # as the dlrm kind: dense widths no world size from 2 to 4 divides
         dim = int(4 * rng.integers(1, 5))
         tables, feature = [], 0
         for t in range(int(rng.integers(1, 5))):
@@ -56,12 +57,12 @@ class TorchRecModelGenerator(DlrmGenerator):
         if architecture == "DeepFM":
             params.update(hidden=int(4 * rng.integers(1, 9)), deep_fm_dimension=int(rng.integers(1, 9)))
         else:
-            params.update(dense_arch=_mlp_sizes(rng, 2) + [dim], over_arch=_mlp_sizes(rng, 2) + [1])
+            params.update(dense_arch=_mlp_sizes(rng, 2, uneven) + [dim], over_arch=_mlp_sizes(rng, 2, uneven) + [1])
         if architecture == "DLRM_DCN":
             params.update(dcn_layers=int(rng.integers(1, 4)), dcn_rank=int(rng.integers(1, 5)))
         if architecture == "DLRM_Projection":
-            params.update(branch1=_mlp_sizes(rng, 1) + [dim * int(rng.integers(1, 4))],
-                          branch2=_mlp_sizes(rng, 1) + [dim * int(rng.integers(1, 4))])
+            params.update(branch1=_mlp_sizes(rng, 1, uneven) + [dim * int(rng.integers(1, 4))],
+                          branch2=_mlp_sizes(rng, 1, uneven) + [dim * int(rng.integers(1, 4))])
         frozen: tuple[str, ...] = ()
         if index % 2 == 1:
             names = sorted(self.parameter_shapes(params))

@@ -9,7 +9,11 @@ length. Rotary position embeddings are computed from positions in every forward 
 float64 throughout. Training is next-token prediction: cross-entropy over the vocabulary at every position.
 
 Head counts are multiples of 4 and the sequence length a multiple of 4, so every world size up to 4 divides the
-heads (tensor parallel) and the positions (sequence parallel).
+heads (tensor parallel) and the positions (sequence parallel) — except in every third model (index 2, 5, 8, …), the
+uneven variant, where head counts (6 or 10), head widths (3 or 5), the feed-forward width and the vocabulary (none
+divisible by 2, 3 or 4) and the sequence length (5 or 6) leave shards of different sizes: FSDP2's dim-0 shards, the
+column- and row-wise shards of tensor parallel, the vocabulary shards of loss parallel. A plan whose heads or
+positions do not split over the ranks is refused, as torchtitan's is.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from difftest.errors import Unsupported
 from difftest.generator import Generator, order_by_words
 from difftest.registry import register_generator
 from difftest.spec import ModelSpec
-from generators.inputs import Batch
+from generators.inputs import UNEVEN_SIZES, Batch
 
 KIND = "transformer"
 
@@ -43,17 +47,18 @@ class TransformerGenerator(Generator):
 
     def spec(self, seed: int, index: int) -> ModelSpec:
         rng = _rng(seed, index)
-        kv_heads = int(rng.choice([4, 8]))
+        uneven = index % 3 == 2
+        kv_heads = int(rng.choice([6, 10] if uneven else [4, 8]))
         params = {
             "layers": int(rng.integers(1, 4)),
             "kv_heads": kv_heads,
             "heads": kv_heads * int(rng.choice([1, 2])),  # more query than key/value heads: grouped-query attention
-            "head_dim": int(rng.choice([2, 4])),
+            "head_dim": int(rng.choice([3, 5] if uneven else [2, 4])),
             "norm": str(rng.choice(["rmsnorm", "layernorm"])),
             "ffn": str(rng.choice(["swiglu", "gelu"])),
-            "hidden": int(4 * rng.integers(2, 9)),
-            "vocab": int(4 * rng.integers(4, 13)),
-            "seq_len": int(rng.choice([4, 8])),
+            "hidden": int(rng.choice(UNEVEN_SIZES[1:8]) if uneven else 4 * rng.integers(2, 9)),
+            "vocab": int(rng.choice(UNEVEN_SIZES[5:16]) if uneven else 4 * rng.integers(4, 13)),
+            "seq_len": int(rng.choice([5, 6] if uneven else [4, 8])),
             "tied": bool(rng.random() < 0.3),
         }
         frozen: tuple[str, ...] = ()

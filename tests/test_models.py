@@ -40,6 +40,22 @@ def test_a_kind_is_reproducible_from_seed_and_index(kind: str) -> None:
     assert batch["train"].size == 12 and not np.array_equal(batch["train"].labels, batch["eval"].labels)
 
 
+@pytest.mark.parametrize("kind", ("transformer", "dlrm", "torchrec-dlrm"))
+def test_every_third_model_draws_widths_no_world_size_divides(kind: str) -> None:
+    """Index 2, 5, 8, ... is the uneven variant: its dense widths (and a transformer's feed-forward, vocabulary and
+    head width) divide by none of 2, 3 and 4, so every sharding cuts them into shards of different sizes; the others
+    keep even widths."""
+    generator = get_generator(kind)
+    for index in range(6):
+        params = generator.spec(11, index).params
+        widths = ([params["hidden"], params["vocab"], params["head_dim"]] if kind == "transformer"
+                  else params["dense_arch"][:-1] + params["over_arch"][:-1])
+        if index % 3 == 2:
+            assert widths and all(w % 2 and w % 3 for w in widths), (index, params)
+        else:
+            assert all(w % 2 == 0 for w in widths), (index, params)
+
+
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_the_chain_of_units_computes_the_forward_bit_for_bit(kind: str) -> None:
     import torch

@@ -6,11 +6,14 @@ with every signature the campaign has seen (`signatures.json`, one entry per roo
 the finding's signature) and with the manifest: a known or already seen cause is counted, never minimised or given a
 script again; a new one is minimised, gets its checked standalone script and ISSUE.md in its round, and is announced
 in one line. A campaign stops at its time or case budget and resumes after any interruption: a round's run folder
-resumes as every run does (nothing committed runs again), and a round counts once it is marked done.
+resumes as every run does (nothing committed runs again), and a round counts once it is marked done. A campaign
+belongs to the difftest release and library stack it began on (`stack.json`): its signatures and counts mean nothing
+across stacks, so another stack is told in one line, and `--fresh` moves the old campaign aside and starts anew.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from collections.abc import Callable
@@ -22,6 +25,7 @@ from difftest.artifacts import atomic_write_text
 from difftest.errors import UserError
 
 CAMPAIGN_FILE = "campaign.json"
+STACK_FILE = "stack.json"  # the difftest release and the library versions the campaign began on
 SIGNATURES_FILE = "signatures.json"
 ROUND_DONE = "round.done"  # in a round's folder once its findings are counted
 
@@ -108,17 +112,55 @@ class CampaignEvents:
     round_done: Callable[[RoundResult], None] = lambda result: None
 
 
-def start(folder: Path, config: CampaignConfig) -> CampaignConfig:
-    """Make the campaign folder, or check that an existing one asks the same (one line otherwise)."""
+def made_by() -> dict[str, Any]:
+    """This difftest's release and the libraries a finding can live in, as `difftest --version` shows them."""
+    from importlib import metadata
+
+    from difftest import stack
+
+    return {"difftest": metadata.version("difftest"), **stack.current()["libraries"]}
+
+
+def stack_change(before: dict[str, Any], now: dict[str, Any]) -> str:
+    """What differs between two `made_by` records, as `name old -> new` (absent: "none")."""
+    return ", ".join(f"{name} {before.get(name, 'none')} -> {now.get(name, 'none')}"
+                     for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name))
+
+
+def start(folder: Path, config: CampaignConfig, fresh: bool = False) -> CampaignConfig:
+    """Make the campaign folder, or check that an existing one asks the same and was made on this stack (one line
+    otherwise). `fresh`: an existing campaign is moved aside (`<folder>.old-<time>`) and a new one begun."""
+    if fresh and folder.exists():
+        kept = folder.with_name(f"{folder.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        folder.rename(kept)
     existing = CampaignConfig.load(folder)
     if existing is not None:
         if existing != config:
             raise UserError(f"{folder} holds a campaign with other options ({json.dumps(asdict(existing))}); run it "
                             "with the same options to resume it, or start a new one in another folder")
+        recorded, now = _recorded_stack(folder), made_by()
+        if recorded is not None and recorded != now:
+            raise UserError(f"{folder} holds a campaign begun on another stack ({stack_change(recorded, now)}): its "
+                            "signatures and counts would mix stacks; rerun with --fresh to start anew (the old "
+                            "campaign is moved aside, kept), or give another folder")
+        if recorded is None:  # begun by a difftest that kept no record: this stack adopts it
+            atomic_write_text(json.dumps(now, indent=1), folder / STACK_FILE)
         return existing
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(json.dumps(asdict(config), indent=1), folder / CAMPAIGN_FILE)
+    atomic_write_text(json.dumps(made_by(), indent=1), folder / STACK_FILE)
     return config
+
+
+def _recorded_stack(folder: Path) -> dict[str, Any] | None:
+    path = folder / STACK_FILE
+    if not path.is_file():
+        return None
+    try:
+        recorded = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UserError(f"{path}: damaged ({exc}); rerun with --fresh to start anew (the old campaign is kept)") from None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def rounds_done(folder: Path) -> list[Path]:
@@ -166,16 +208,25 @@ def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[.
 
 
 def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], hours: float | None = None,
-                 cases: int | None = None, events: CampaignEvents | None = None) -> list[RoundResult]:
+                 cases: int | None = None, events: CampaignEvents | None = None,
+                 fresh: bool = False) -> list[RoundResult]:
     """Rounds until `hours` (of this call) or `cases` (of the whole campaign) are spent; a round begun and not done
-    (an interrupted call) is the first to run, and resumes."""
+    (an interrupted call) is the first to run, and resumes. A full disk stops the campaign with one line: what the
+    round committed stays, and the same command resumes it once there is room."""
     events = events or CampaignEvents()
-    config = start(folder, config)
+    config = start(folder, config, fresh)
     deadline = time.time() + hours * 3600 if hours is not None else None
     results = []
     number = len(rounds_done(folder)) + 1
     while (deadline is None or time.time() < deadline) and (cases is None or cases_done(folder) < cases):
-        results.append(run_round(folder, config, number, run, events))
+        try:
+            results.append(run_round(folder, config, number, run, events))
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise UserError(f"{folder}: the disk is full ({exc.strerror}) in round {number}; the campaign stopped "
+                            f"with {len(rounds_done(folder))} round(s) counted and what round {number} committed "
+                            "kept: free space and run the same command to resume") from None
         number += 1
     return results
 

@@ -709,6 +709,7 @@ def campaign(
     jobs: JobsOpt = None,
     timeout: TimeoutOpt = 120.0,
     report: Annotated[bool, typer.Option("--report", help="Print the causes the campaign has seen (first seen, how often, upstream) and stop.")] = False,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Start anew in FOLDER: an existing campaign there (another stack's, or damaged) is moved to FOLDER.old-<time>, kept.")] = False,
     plugin: PluginOpt = None,
 ) -> None:
     """Hunt for hours: rounds of freshly drawn models under the selected settings, each judged and triaged as a run;
@@ -740,7 +741,7 @@ def campaign(
                                               style="bold", highlight=False),
         round_done=lambda r: console.print(f"round {r.number}: {r.cases} cases in {r.seconds:.0f}s, {len(r.new)} new "
                                            f"cause(s), {r.counted} finding(s) of causes seen before", highlight=False))
-    run_campaign(folder, config, one_round, hours=hours, cases=cases, events=events)
+    run_campaign(folder, config, one_round, hours=hours, cases=cases, events=events, fresh=fresh)
     _print_campaign(folder, report_rows(folder))
 
 

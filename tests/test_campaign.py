@@ -49,3 +49,33 @@ def test_a_campaign_counts_what_it_has_seen_and_works_only_on_what_is_new(tmp_pa
     other = CliRunner().invoke(app, ["campaign", str(folder), "--cases", "40", "--kind", "transformer"])
     assert other.exit_code != 0 and "other options" in str(other.exception)
     assert json.loads((folder / "campaign.json").read_text())["kind"] == "dlrm"
+
+
+def test_a_campaign_of_another_stack_is_one_line_and_fresh_keeps_it_aside(tmp_path: Path) -> None:
+    """A campaign folder begun on other library versions is refused in one line naming the change; `--fresh` moves it
+    aside (kept) and begins anew; a full disk stops a campaign in one line, what it committed kept."""
+    import errno
+
+    import pytest
+
+    from difftest.campaign import STACK_FILE, CampaignConfig, run_campaign, start
+    from difftest.errors import UserError
+
+    folder, config = tmp_path / "hunt", CampaignConfig(kind="dlrm")
+    start(folder, config)
+    recorded = json.loads((folder / STACK_FILE).read_text())
+    assert recorded["torch"] and recorded["difftest"]
+    assert start(folder, config) == config  # the same stack resumes
+    (folder / STACK_FILE).write_text(json.dumps({**recorded, "torch": "2.6.0+cpu"}))
+    with pytest.raises(UserError, match=r"another stack \(torch 2\.6\.0\+cpu -> .*--fresh"):
+        start(folder, config)
+    start(folder, config, fresh=True)
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("hunt.old-")]
+    assert len(kept) == 1 and json.loads((kept[0] / STACK_FILE).read_text())["torch"] == "2.6.0+cpu"
+    assert json.loads((folder / STACK_FILE).read_text()) == recorded
+
+    def full_disk(where: Path, seed: int, focus: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(where))
+
+    with pytest.raises(UserError, match="disk is full .* in round 1; .* run the same command to resume"):
+        run_campaign(folder, config, full_disk, cases=10)

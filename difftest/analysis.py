@@ -115,7 +115,7 @@ def envelope_spread(run_dir: Path, model: str, setting: str, tol: Tolerance = To
 # what an analysis writes into the run folder (and ISSUE.md per finding): an analysis that judges fewer cases than the
 # last one moves these aside before it writes its own
 DERIVED_FILES = ("comparisons.csv", "inconsistencies.csv", "summary.csv", "by_feature.csv", "first_divergence.csv",
-                 "findings.csv", "findings.md", "report.html")
+                 "findings.csv", "findings.md", "report.html", "summary.json", "junit.xml")
 
 
 def judged_before(run_dir: Path) -> int | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from difftest.artifacts import atomic_write_text
+from difftest.ci_summary import cause_key
 from difftest.errors import UserError
 
 CAMPAIGN_FILE = "campaign.json"
@@ -71,11 +72,6 @@ class Seen:
     def minimised_here(self) -> bool:
         """Whether the campaign itself minimised it (a cause no manifest entry explains)."""
         return self.upstream == "new"
-
-
-def signature_key(finding: Any) -> str:
-    """What makes two findings one cause across rounds: the manifest's entry, else the signature."""
-    return str(finding.known.id) if finding.known is not None else str(finding.signature)
 
 
 def load_seen(folder: Path) -> dict[str, Seen]:
@@ -181,10 +177,10 @@ def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[.
     events.round_started(number, where)
     started = time.time()
     seen = load_seen(folder)
-    result = run(where, seed, lambda f: f.known is None and signature_key(f) not in seen)
+    result = run(where, seed, lambda f: f.known is None and cause_key(f) not in seen)
     new, counted = [], 0
     for f in result.findings:
-        key = signature_key(f)
+        key = cause_key(f)
         if key in seen:
             entry = seen[key]
             counted += 1

@@ -88,6 +88,7 @@ OracleOpt = Annotated[str, typer.Option(
     "legitimate results (difftest.envelope), D3's allclose where no envelope applies; d3: allclose only. Both "
     "verdicts are written either way (verdict, d3_verdict).")]
 FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 when any case is inconsistent, errored, crashed or timed out.")]
+BaselineOpt = Annotated[Path | None, typer.Option("--baseline", help="Accepted causes: a JSON list of cause keys, or an earlier run's summary.json. Exit 1 only when a finding's cause is not in it (summary.json and junit.xml mark the accepted ones).")]
 # the built-in kinds, written out so that --help needs no import of torch (a test keeps the list in step)
 BUILTIN_KINDS = ("dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer", "sequential", "keras-dag", "keras-transformer")
 KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
@@ -359,10 +360,25 @@ class _ConsoleEvents(PipelineEvents):
                           "please report it to difftest, not upstream)", style="yellow", highlight=False)
 
 
-def _analyze(out: Path, options: PipelineOptions, fail: bool = False, new_only: bool = False) -> None:
-    """The pipeline after a sweep, shown on the terminal; exit 1 with `fail` while a case is not ok."""
+def _analyze(out: Path, options: PipelineOptions, fail: bool = False, new_only: bool = False,
+             baseline: Path | None = None) -> None:
+    """The pipeline after a sweep, shown on the terminal; exit 1 with `fail` while a case is not ok, or with a
+    `baseline` while a finding's cause is not in it."""
+    import dataclasses
+
+    from difftest.ci_summary import SUMMARY_FILE, cause_key, load_baseline
+
+    if baseline is not None:
+        options = dataclasses.replace(options, baseline=frozenset(load_baseline(absolute(baseline))))
     result = run_pipeline(out, options, _ConsoleEvents(out, options))
     _print_findings(out, result.findings, result.minimised, result.report, new_only)
+    if options.baseline is not None:
+        unaccepted = [f for f in result.findings if cause_key(f) not in options.baseline]
+        out_console.print(f"baseline {shown(absolute(baseline or out))}: {len(result.findings) - len(unaccepted)} "
+                          f"finding(s) accepted, {len(unaccepted)} not" + (f" ({', '.join(f.id for f in unaccepted)}; "
+                          f"their causes are in {shown(out / SUMMARY_FILE)})" if unaccepted else ""), highlight=False)
+        if unaccepted:
+            raise typer.Exit(1)
     if fail and any(result.analysis.count(s) for s in NOT_OK):
         raise typer.Exit(1)
 
@@ -421,6 +437,7 @@ def run(
     backend: BackendOpt = None,
     plugin: PluginOpt = None,
     fail_on_inconsistency: FailOpt = False,
+    baseline: BaselineOpt = None,
     minimize_budget: MinimizeOpt = 20.0,
     model: Annotated[str | None, typer.Option("--model", help="Your own model: MODULE:ATTRIBUTE naming a difftest.ModelAdapter (docs/your-model.md); the run takes that kind only.")] = None,
 ) -> None:
@@ -449,7 +466,7 @@ def run(
     judging = _options(atol, rtol, oracle, minimize_budget, timeout, device)
     _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where, backend=backend,
            judging=judging)
-    _analyze(out, judging, fail_on_inconsistency)
+    _analyze(out, judging, fail_on_inconsistency, baseline=baseline)
 
 
 @app.command()
@@ -563,6 +580,7 @@ def analyze(
     rtol: RtolOpt = 1e-4,
     oracle: OracleOpt = "calibrated",
     fail_on_inconsistency: FailOpt = False,
+    baseline: BaselineOpt = None,
     minimize_budget: MinimizeOpt = 20.0,
     timeout: TimeoutOpt = 120.0,
     device: DeviceOpt = "cpu",
@@ -573,7 +591,8 @@ def analyze(
     minimize.json, run/}) and write report.html. A run whose sweep is still going is judged and triaged as far as
     it has got (not minimised). Also callable as `difftest triage`."""
     _record_command(absolute(run_dir))
-    _analyze(absolute(run_dir), _options(atol, rtol, oracle, minimize_budget, timeout, device), fail_on_inconsistency, new_only)
+    _analyze(absolute(run_dir), _options(atol, rtol, oracle, minimize_budget, timeout, device), fail_on_inconsistency,
+             new_only, baseline)
 
 
 # the one command under its older name: scripts that call `difftest triage` keep working

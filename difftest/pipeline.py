@@ -37,6 +37,8 @@ class PipelineOptions:
     # which findings deserve minimisation and a checked script (default: all); a campaign spends neither on what the
     # manifest or an earlier round already explains
     focus: Callable[[Finding], bool] | None = None
+    # the causes a baseline accepts (`difftest.ci_summary`): summary.json and junit.xml mark them; None: no baseline
+    baseline: frozenset[str] | None = None
 
 
 class PipelineEvents:
@@ -109,6 +111,7 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     """judge → triage → minimise → standalone scripts → report, on a swept (or still sweeping) run folder; a run
     still being swept gets no scripts (its findings are not final)."""
     from difftest import integrity
+    from difftest.ci_summary import summarise
     from difftest.issue_report import write_issues
     from difftest.report import write_report
     from difftest.standalone_findings import StandaloneScripts
@@ -134,6 +137,7 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
         write_findings(run_dir, findings)  # again: it names each finding's script
         events.standalone(emitted, time.perf_counter() - started)
     write_issues(run_dir, analysis, findings, minimised)
+    summarise(run_dir, analysis, findings, set(options.baseline) if options.baseline is not None else None)
     report = write_report(run_dir, analysis, findings, minimised, options.tolerance)
     if not analysis.sweep_running:
         integrity.keep_last_good(run_dir)

@@ -10,10 +10,10 @@ float64 throughout. Training is next-token prediction: cross-entropy over the vo
 
 Head counts are multiples of 4 and the sequence length a multiple of 4, so every world size up to 4 divides the
 heads (tensor parallel) and the positions (sequence parallel) — except in every third model (index 2, 5, 8, …), the
-uneven variant, where head counts (6 or 10), head widths (3 or 5), the feed-forward width and the vocabulary (none
-divisible by 2, 3 or 4) and the sequence length (5 or 6) leave shards of different sizes: FSDP2's dim-0 shards, the
-column- and row-wise shards of tensor parallel, the vocabulary shards of loss parallel. A plan whose heads or
-positions do not split over the ranks is refused, as torchtitan's is.
+uneven variant, where head counts (6 or 10), the feed-forward width and the vocabulary (none divisible by 2, 3 or 4)
+and the sequence length (5 or 6) leave shards of different sizes: FSDP2's dim-0 shards, the column- and row-wise
+shards of tensor parallel, the vocabulary shards of loss parallel. A plan whose heads or positions do not split over
+the ranks is refused, as torchtitan's is; a head's width stays even (rotary embeddings rotate its two halves).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class TransformerGenerator(Generator):
             "layers": int(rng.integers(1, 4)),
             "kv_heads": kv_heads,
             "heads": kv_heads * int(rng.choice([1, 2])),  # more query than key/value heads: grouped-query attention
-            "head_dim": int(rng.choice([3, 5] if uneven else [2, 4])),
+            "head_dim": int(rng.choice([2, 4])),  # even: rotary embeddings rotate the two halves of a head
             "norm": str(rng.choice(["rmsnorm", "layernorm"])),
             "ffn": str(rng.choice(["swiglu", "gelu"])),
             "hidden": int(rng.choice(UNEVEN_SIZES[1:8]) if uneven else 4 * rng.integers(2, 9)),

@@ -71,24 +71,31 @@ class TensorParallel(Setting):
     world_size: int
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    dtensor_activations: bool = False  # a kind's own plan with every column-wise output kept a DTensor
     family: ClassVar[str] = "tp"
     tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel",)
 
     @property
     def name(self) -> str:
         loss = "/loss-parallel" if self.loss_parallel else ""
-        return f"tp/{'sequence-parallel' if self.sequence_parallel else 'colwise-rowwise'}{loss}/ws{self.world_size}"
+        dtensors = "/dtensor-activations" if self.dtensor_activations else ""
+        return (f"tp/{'sequence-parallel' if self.sequence_parallel else 'colwise-rowwise'}{loss}{dtensors}"
+                f"/ws{self.world_size}")
 
     def describe(self) -> str:
         detail = ", row-wise outputs reduce-scattered onto the sequence dim" if self.sequence_parallel else ""
         detail += ", cross-entropy on vocabulary-sharded logits" if self.loss_parallel else ""
+        detail += ", the column-wise outputs kept DTensors" if self.dtensor_activations else ""
         return f"tensor parallel over {self.world_size} ranks{detail}"
 
     def plan(self, model: Any, module: Any, inputs: Any, device: str) -> dict[str, Any]:
         """Module name → ParallelStyle over this setting's `world_size` tensor-parallel ranks."""
         own = model.tp_plan(module, self.world_size, self.sequence_parallel, self.loss_parallel)
         if own is not None:
-            return own
+            return keep_dtensor_activations(own) if self.dtensor_activations else own
+        if self.dtensor_activations:
+            raise Unsupported("a plan difftest derives keeps every column-wise output a DTensor already; this variant "
+                              "runs a kind's own plan (a transformer's) with its column-wise outputs kept DTensors")
         return {name: self.style(spec) for name, spec in self.derived_plan(model, module, inputs, device).items()}
 
     def style(self, spec: dict[str, Any]) -> Any:
@@ -181,9 +188,10 @@ class TensorParallel(Setting):
         if self.loss_parallel:
             described += "; the cross-entropy on the vocabulary-sharded logits under loss_parallel()"
         return training_script(case, f"Tensor parallel (parallelize_module; {described})", self.world_size,
-                               (parallel_style, whole_outputs_and_gradients, stepping, distribute, full_parameters,
-                                *((backward_on_share,) if self.loss_parallel else ())),
-                               {"plan": plan, "data_parallel": 1, "loss_parallel": self.loss_parallel, **fields})
+                               (parallel_style, keep_dtensor_activations, whole_outputs_and_gradients, stepping,
+                                distribute, full_parameters, *((backward_on_share,) if self.loss_parallel else ())),
+                               {"plan": plan, "data_parallel": 1, "loss_parallel": self.loss_parallel,
+                                "dtensor_activations": self.dtensor_activations, **fields})
 
 
 def own_plan(case: StandaloneCase, model: Any, module: Any, world_size: int, sequence_parallel: bool,
@@ -212,6 +220,19 @@ def parallel_style(spec: dict[str, Any]) -> Any:
     if spec["shard_dim"] is not None:
         return RowwiseParallel(output_layouts=Shard(spec["shard_dim"]), use_local_output=False)
     return RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
+
+
+def keep_dtensor_activations(plan: dict[str, Any]) -> dict[str, Any]:
+    """`plan` with every ColwiseParallel's output kept a DTensor (`use_local_output=False`): what runs between a
+    column-wise and a row-wise layer (attention's views, rotary slices and concatenation, head repetition, the
+    attention itself, a gated activation) runs on DTensors under DTensor's sharding rules, uneven shards included,
+    and the row-wise layer takes the DTensor as it is. The remedy pytorch#150336 proposes for uneven widths."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    for style in plan.values():
+        if isinstance(style, ColwiseParallel):
+            style.use_local_output = False
+    return plan
 
 
 def whole_outputs_and_gradients(module: Any, keep_sharded: Any = lambda: False) -> None:
@@ -244,7 +265,10 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("tp",))
-    parallelize_module(module, mesh, model_tp_plan(module, *setting["own_plan"]) if "own_plan" in setting else
+    own = model_tp_plan(module, *setting["own_plan"]) if "own_plan" in setting else None
+    if own is not None and setting.get("dtensor_activations"):
+        own = keep_dtensor_activations(own)
+    parallelize_module(module, mesh, own if own is not None else
                        {name: parallel_style(spec) for name, spec in setting["plan"].items()})
     # a script only trains: a loss-parallel model hands its loss the logits sharded, as the setting's training does
     whole_outputs_and_gradients(module, keep_sharded=lambda: setting.get("loss_parallel", False))
@@ -386,4 +410,16 @@ class LossParallel(TensorParallel):
     loss_parallel: bool = True
 
 
+@dataclass(frozen=True)
+class DTensorActivations(TensorParallel):
+    """A kind's own tensor-parallel plan with every column-wise output kept a DTensor (`use_local_output=False`).
+
+    A class of its own, so the default tier runs it beside the plan as its authors apply it: it exercises DTensor's
+    sharding rules on whatever runs between the layers (views, slices, concatenation, attention), on uneven shards
+    too."""
+
+    dtensor_activations: bool = True
+
+
 register_settings(cls(ws, sp) for cls in (TensorParallel, LossParallel) for sp in (False, True) for ws in (2, 4))
+register_settings(DTensorActivations(ws) for ws in (2, 4))

@@ -42,16 +42,21 @@ def test_a_kind_is_reproducible_from_seed_and_index(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ("transformer", "dlrm", "torchrec-dlrm"))
 def test_every_third_model_draws_widths_no_world_size_divides(kind: str) -> None:
-    """Index 2, 5, 8, ... is the uneven variant: its dense widths (and a transformer's feed-forward, vocabulary and
-    head width) divide by none of 2, 3 and 4, so every sharding cuts them into shards of different sizes; the others
+    """Index 2, 5, 8, ... is the uneven variant: its dense widths (and a transformer's feed-forward width and
+    vocabulary) divide by none of 2, 3 and 4, so every sharding cuts them into shards of different sizes; the others
     keep even widths."""
     generator = get_generator(kind)
     for index in range(6):
         params = generator.spec(11, index).params
-        widths = ([params["hidden"], params["vocab"], params["head_dim"]] if kind == "transformer"
+        widths = ([params["hidden"], params["vocab"]] if kind == "transformer"
                   else params["dense_arch"][:-1] + params["over_arch"][:-1])
         if index % 3 == 2:
             assert widths and all(w % 2 and w % 3 for w in widths), (index, params)
+            # and it is a model its kind computes: a forward pass on its batch runs and is finite
+            spec = generator.spec(11, index)
+            module = generator.build(spec, generator.init_state(spec), "cpu")
+            prediction = generator.forward(module, generator.inputs(spec, 12)["train"], "cpu")
+            assert bool(prediction.isfinite().all()), (index, params)
         else:
             assert all(w % 2 == 0 for w in widths), (index, params)
 

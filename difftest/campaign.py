@@ -9,6 +9,8 @@ in one line. A campaign stops at its time or case budget and resumes after any i
 resumes as every run does (nothing committed runs again), and a round counts once it is marked done. A campaign
 belongs to the difftest release and library stack it began on (`stack.json`): its signatures and counts mean nothing
 across stacks, so another stack is told in one line, and `--fresh` moves the old campaign aside and starts anew.
+Disk stays bounded: once a round is counted, the outputs of its ok cases are deleted (their verdicts and distances
+stay in its CSVs; `pruned.json` says so), and a campaign past its disk budget stops with one line.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class CampaignEvents:
     round_started: Callable[[int, Path], None] = lambda number, folder: None
     new_signature: Callable[[Seen], None] = lambda seen: None
     round_done: Callable[[RoundResult], None] = lambda result: None
+    pruned: Callable[[Path, int, int], None] = lambda where, files, freed: None  # a round's ok outputs deleted
 
 
 def made_by() -> dict[str, Any]:
@@ -168,10 +171,10 @@ def cases_done(folder: Path) -> int:
 
 
 def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[..., Any],
-              events: CampaignEvents) -> RoundResult:
+              events: CampaignEvents, prune: bool = True) -> RoundResult:
     """One round: `run(round_folder, seed, focus)` generates, sweeps and analyses a run folder (the CLI's job, its
     minimisation and scripts only for findings `focus` accepts) and returns its pipeline result; its findings are then
-    counted against what the campaign has seen."""
+    counted against what the campaign has seen, and (`prune`) the outputs of its ok cases deleted."""
     seed = config.first_seed + number
     where = folder / "rounds" / f"r{number:04d}-s{seed}"
     events.round_started(number, where)
@@ -200,23 +203,67 @@ def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[.
     atomic_write_text(json.dumps({"cases": cases, "seed": seed, "seconds": time.time() - started}), where / ROUND_DONE)
     done = RoundResult(number, where, cases, time.time() - started, new, counted)
     events.round_done(done)
+    if prune:
+        prune_round(where, events)  # after the round counts: an interruption in between leaves it whole, pruned later
     return done
+
+
+def prune_round(where: Path, events: CampaignEvents) -> None:
+    """Delete the outputs of a counted round's ok cases (the store's rows and the round's CSVs keep their verdicts
+    and distances; the cases its analysis found not ok — inconsistencies.csv — keep theirs) and mark it pruned."""
+    import pandas as pd
+
+    from difftest.integrity import PRUNED_FILE
+    from difftest.status import Status
+    from difftest.store import Store
+
+    if (where / PRUNED_FILE).is_file():
+        return
+    not_ok = pd.read_csv(where / "inconsistencies.csv", usecols=["model", "setting"])
+    keep = set(zip(not_ok["model"], not_ok["setting"], strict=True))
+    store = Store(where)
+    try:
+        files = [store.outputs_dir / r.outputs for r in store.records()
+                 if r.status == Status.OK and r.outputs and (r.model, r.setting) not in keep]
+    finally:
+        store.close()
+    freed = 0
+    for path in files:
+        if path.is_file():
+            freed += path.stat().st_size
+            path.unlink()
+    atomic_write_text(json.dumps({"deleted": len(files), "bytes": freed, "why": "outputs of ok cases, deleted once "
+                                  "the campaign counted the round"}), where / PRUNED_FILE)
+    events.pruned(where, len(files), freed)
+
+
+def disk_used(folder: Path) -> int:
+    """Bytes of every file under `folder`."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], hours: float | None = None,
                  cases: int | None = None, events: CampaignEvents | None = None,
-                 fresh: bool = False) -> list[RoundResult]:
+                 fresh: bool = False, max_disk_bytes: float | None = None,
+                 keep_outputs: bool = False) -> list[RoundResult]:
     """Rounds until `hours` (of this call) or `cases` (of the whole campaign) are spent; a round begun and not done
     (an interrupted call) is the first to run, and resumes. A full disk stops the campaign with one line: what the
-    round committed stays, and the same command resumes it once there is room."""
+    round committed stays, and the same command resumes it once there is room. Past `max_disk_bytes` (counted after
+    each round, its ok outputs pruned unless `keep_outputs`) the campaign stops with one line too."""
     events = events or CampaignEvents()
     config = start(folder, config, fresh)
+    for done_round in rounds_done(folder) if not keep_outputs else []:  # counted, interrupted before its pruning
+        prune_round(done_round, events)
     deadline = time.time() + hours * 3600 if hours is not None else None
     results = []
     number = len(rounds_done(folder)) + 1
     while (deadline is None or time.time() < deadline) and (cases is None or cases_done(folder) < cases):
+        if max_disk_bytes is not None and (used := disk_used(folder)) > max_disk_bytes:
+            raise UserError(f"{folder} holds {used / 1e9:.2f} GB, past --max-disk {max_disk_bytes / 1e9:g} GB (the "
+                            f"ok cases' outputs of its {len(rounds_done(folder))} rounds already deleted): the campaign "
+                            "stopped; move rounds aside or raise --max-disk, and the same command goes on")
         try:
-            results.append(run_round(folder, config, number, run, events))
+            results.append(run_round(folder, config, number, run, events, prune=not keep_outputs))
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise

@@ -729,6 +729,8 @@ def campaign(
     timeout: TimeoutOpt = 120.0,
     report: Annotated[bool, typer.Option("--report", help="Print the causes the campaign has seen (first seen, how often, upstream) and stop.")] = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Start anew in FOLDER: an existing campaign there (another stack's, or damaged) is moved to FOLDER.old-<time>, kept.")] = False,
+    max_disk: Annotated[float, typer.Option("--max-disk", min=0, help="Disk budget of the campaign folder in GB, checked before each round (the ok cases' outputs of counted rounds are deleted anyway).")] = 5.0,
+    keep_outputs: Annotated[bool, typer.Option("--keep-outputs", help="Keep the outputs of ok cases (by default deleted once their round is counted; a round keeping them can be analysed again).")] = False,
     plugin: PluginOpt = None,
 ) -> None:
     """Hunt for hours: rounds of freshly drawn models under the selected settings, each judged and triaged as a run;
@@ -759,16 +761,20 @@ def campaign(
         new_signature=lambda s: console.print(f"NEW: {escape(s.title)} (round {s.first_round}; {s.example})",
                                               style="bold", highlight=False),
         round_done=lambda r: console.print(f"round {r.number}: {r.cases} cases in {r.seconds:.0f}s, {len(r.new)} new "
-                                           f"cause(s), {r.counted} finding(s) of causes seen before", highlight=False))
-    run_campaign(folder, config, one_round, hours=hours, cases=cases, events=events, fresh=fresh)
+                                           f"cause(s), {r.counted} finding(s) of causes seen before", highlight=False),
+        pruned=lambda where, files, freed: console.print(f"{shown(where)}: deleted the outputs of {files} ok case(s) "
+                                                         f"({freed / 1e6:.1f} MB)", highlight=False))
+    run_campaign(folder, config, one_round, hours=hours, cases=cases, events=events, fresh=fresh,
+                 max_disk_bytes=max_disk * 1e9, keep_outputs=keep_outputs)
     _print_campaign(folder, report_rows(folder))
 
 
 def _print_campaign(folder: Path, rows: list[Any]) -> None:
-    from difftest.campaign import cases_done, rounds_done
+    from difftest.campaign import cases_done, disk_used, rounds_done
 
     table = Table("cause", "upstream", "first round", "rounds", "cases", "where", title=f"{shown(folder)}: "
-                  f"{len(rounds_done(folder))} rounds, {cases_done(folder)} cases, {len(rows)} distinct causes")
+                  f"{len(rounds_done(folder))} rounds, {cases_done(folder)} cases, {len(rows)} distinct causes, "
+                  f"{disk_used(folder) / 1e6:.0f} MB on disk" if folder.is_dir() else f"{shown(folder)}: no campaign")
     for s in rows:
         table.add_row(escape(s.title[:90]), s.upstream, str(s.first_round), str(len(s.rounds)), str(s.cases), s.example)
     out_console.print(table)

@@ -25,6 +25,9 @@ CONFIG_ENTRY = "run.json#config"  # the digest of run.json's configuration (ever
 RECORDED_KEYS = ("stack", "earlier_stacks", FILES_KEY, "commands")  # what run.json holds beside the configuration
 STORE_FILE = "store.sqlite"
 LAST_GOOD_STORE = "store.last-good.sqlite"  # a copy of the store as the last sweep or analysis left it, checked
+# in a run folder whose ok cases' outputs were deleted once judged (a campaign's counted round): its judgements stand in
+# its CSVs and findings, and nothing is judged from it again
+PRUNED_FILE = "pruned.json"
 
 
 class Problem(enum.Enum):
@@ -185,7 +188,12 @@ def store_damage(run_dir: Path) -> str | None:
 
 
 def check_store(run_dir: Path) -> None:
-    """Raise `DamagedRun` with one line when the store is damaged: nothing derived from it is written."""
+    """Raise `DamagedRun` with one line when the store is damaged, `UserError` when the run's ok outputs were pruned:
+    nothing derived from it is written."""
+    if (run_dir / PRUNED_FILE).is_file():
+        raise UserError(f"{run_dir}: the outputs of its ok cases were deleted once judged ({run_dir / PRUNED_FILE}, "
+                        "a campaign's counted round): its verdicts stand in comparisons.csv, findings.md and "
+                        "findings/<id>/ (each finding's minimal case runs alone); judge its models again in a new run")
     why = store_damage(run_dir)
     if why is None:
         return

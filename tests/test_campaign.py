@@ -24,7 +24,7 @@ def _campaign(folder: Path, *extra: str) -> str:
 
 def test_a_campaign_counts_what_it_has_seen_and_works_only_on_what_is_new(tmp_path: Path) -> None:
     folder = tmp_path / "hunt"
-    said = _campaign(folder, "--cases", "18")  # two rounds of 9 cases
+    said = _campaign(folder, "--cases", "18", "--keep-outputs")  # two rounds of 9 cases, every output kept
     rounds = rounds_done(folder)
     assert [r.name for r in rounds] == ["r0001-s1001", "r0002-s1002"]
     seen = load_seen(folder)
@@ -40,7 +40,7 @@ def test_a_campaign_counts_what_it_has_seen_and_works_only_on_what_is_new(tmp_pa
     assert all(not (second / f.name / "minimize.json").exists() for f in second.iterdir())
     # an interrupted round (begun, not marked done) is resumed, nothing run again; then the campaign goes on
     (rounds[1] / "round.done").unlink()
-    again = _campaign(folder, "--cases", "27")
+    again = _campaign(folder, "--cases", "27", "--keep-outputs")
     assert "ran 0" in again.replace("\n", " ") and [r.name for r in rounds_done(folder)][-1] == "r0003-s1003"
     assert load_seen(folder)[planted.key].rounds == [1, 2, 3]
     assert load_seen(folder)[planted.key].cases == planted.cases + 1  # round 2 not counted twice
@@ -49,6 +49,21 @@ def test_a_campaign_counts_what_it_has_seen_and_works_only_on_what_is_new(tmp_pa
     other = CliRunner().invoke(app, ["campaign", str(folder), "--cases", "40", "--kind", "transformer"])
     assert other.exit_code != 0 and "other options" in str(other.exception)
     assert json.loads((folder / "campaign.json").read_text())["kind"] == "dlrm"
+    # by default a counted round keeps no ok case's outputs (the earlier rounds are pruned when the campaign goes on),
+    # keeps the failing cases' and its verdicts; analysing it again is one line
+    kept_before = sum(1 for _ in (rounds_done(folder)[0] / "outputs").rglob("*.safetensors"))
+    pruned = _campaign(folder, "--cases", "36")
+    assert "deleted the outputs of" in pruned and len(rounds_done(folder)) == 4
+    for done in rounds_done(folder):
+        assert (done / "pruned.json").is_file() and (done / "comparisons.csv").is_file()
+    left = sum(1 for _ in (rounds_done(folder)[0] / "outputs").rglob("*.safetensors"))
+    assert 0 < left < kept_before  # the planted fault's failing case keeps its outputs
+    again = CliRunner().invoke(app, ["analyze", str(rounds_done(folder)[0])])
+    assert again.exit_code != 0 and "deleted once judged" in str(again.exception), (again.output, again.exception)
+    # past its disk budget a campaign stops with one line
+    over = CliRunner().invoke(app, ["campaign", str(folder), "--kind", "dlrm", "--settings", SETTINGS, "--plugin",
+                                    PLANTED, "--minimize-budget", "15", "--cases", "45", "--max-disk", "0.000001"])
+    assert over.exit_code != 0 and "past --max-disk" in str(over.exception), (over.output, over.exception)
 
 
 def test_a_campaign_of_another_stack_is_one_line_and_fresh_keeps_it_aside(tmp_path: Path) -> None:

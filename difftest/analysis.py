@@ -17,7 +17,7 @@ from difftest.registry import calibrations_of, capabilities_of, get_setting, loa
 from difftest.run_folder import list_models, sweep_in_progress
 from difftest.setting import Outputs, Setting, SettingRole
 from difftest.spec import ModelSpec
-from difftest.status import STATUSES
+from difftest.status import PENDING, STATUSES, Status
 from difftest.store import CaseRecord, Store
 
 CSV_COLUMNS = [
@@ -45,7 +45,7 @@ class Analysis:
 
     @property
     def inconsistencies(self) -> pd.DataFrame:
-        return self.comparisons[self.comparisons["status"] != "ok"]
+        return self.comparisons[self.comparisons["status"] != Status.OK]
 
     def count(self, status: str) -> int:
         return int((self.cases["verdict"] == status).sum())
@@ -79,7 +79,7 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
                 continue  # a model deleted from the run after its cases ran
             judged = judge.judge(record, spec)
             if judged is None:
-                judged = Judgement("pending")  # judged once the sweep has run its reference and calibrations
+                judged = Judgement(PENDING)  # judged once the sweep has run its reference and calibrations
             rows.extend(judged.rows)
             verdicts.append({"model": record.model, "kind": spec.kind, "setting": record.setting,
                              "verdict": judged.verdict, "d3_verdict": judged.d3_verdict or judged.verdict,
@@ -167,7 +167,7 @@ class Judgement:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
-_PENDING = "pending"  # what an envelope is while a calibration it is made of has still to run
+_PENDING = PENDING  # what an envelope is while a calibration it is made of has still to run
 
 
 class Judge:
@@ -198,7 +198,7 @@ class Judge:
         key = (model, reference)
         if key not in self._outputs:
             ref = self.records.get(key)
-            self._outputs[key] = _load(self.store, ref) if ref is not None and ref.status == "ok" else None
+            self._outputs[key] = _load(self.store, ref) if ref is not None and ref.status == Status.OK else None
         return self._outputs[key]
 
     def envelope(self, model: str, setting: Setting | None) -> tuple[Envelope | None, str]:
@@ -240,17 +240,17 @@ class Judge:
         reference = setting.reference if setting is not None else "reference"
         base = {"model": record.model, "input": spec.input_id, "kind": spec.kind, "setting": record.setting,
                 "reference": reference}
-        if record.status != "ok":
+        if record.status != Status.OK:
             return Judgement(record.status, rows=[_case_row(base, record.status, record.message)])
         if record.setting == reference:
-            return Judgement("ok")
+            return Judgement(Status.OK)
         if self._missing(record.model, reference):
             return None
         expected = self._reference_outputs(record.model, reference)
         if expected is None:
             ref = self.records.get((record.model, reference))
             why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
-            return Judgement("error", rows=[_case_row(base, "error", f"cannot judge: the reference case {why}")])
+            return Judgement(Status.ERROR, rows=[_case_row(base, Status.ERROR, f"cannot judge: the reference case {why}")])
         envelope, why_not = self.envelope(record.model, setting)
         if why_not == _PENDING:
             return None
@@ -268,7 +268,7 @@ def judge_outputs(actual: Outputs, expected: Outputs, envelope: Envelope | None,
         # (a bound `allowed/<name>` goes with its tensor)
         actual = {k: v for k, v in actual.items() if setting.judges(k.removeprefix(BOUND_PREFIX))}
     comparisons = compare(actual, expected, setting.tolerance(tol) if setting is not None else tol)
-    mismatch = setting.mismatch_status if setting is not None else "inconsistent"
+    mismatch = setting.mismatch_status if setting is not None else Status.INCONSISTENT
     rows, finals, d3 = [], [], []
     for c in comparisons:
         name = f"{c.phase}/{c.tensor}"
@@ -278,11 +278,11 @@ def judge_outputs(actual: Outputs, expected: Outputs, envelope: Envelope | None,
         finals.append(ok)
         d3.append(c.consistent)
         rows.append({**base, **{k: v for k, v in asdict(c).items() if k != "consistent"},
-                     "status": "ok" if ok else mismatch, "message": c.message or message,
+                     "status": Status.OK if ok else mismatch, "message": c.message or message,
                      "calibrated_linf": judged.linf if judged else math.nan,
                      "calibrated_ratio": judged.ratio if judged else math.nan,
-                     "d3_status": "ok" if c.consistent else mismatch})
-    return Judgement("ok" if all(finals) else mismatch, "ok" if all(d3) else mismatch,
+                     "d3_status": Status.OK if c.consistent else mismatch})
+    return Judgement(Status.OK if all(finals) else mismatch, Status.OK if all(d3) else mismatch,
                      "yes" if envelope is not None else f"no: {why_not}",
                      max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan), rows)
 
@@ -326,7 +326,7 @@ def _by_feature(cases: pd.DataFrame, specs: dict[str, ModelSpec]) -> pd.DataFram
 
 
 def _summarise(cases: pd.DataFrame, key: str) -> pd.DataFrame:
-    pending = ["pending"] if (cases["verdict"] == "pending").any() else []  # a snapshot of a running sweep
+    pending = [PENDING] if (cases["verdict"] == PENDING).any() else []  # a snapshot of a running sweep
     table = pd.crosstab(cases[key], cases["verdict"]).reindex(columns=list(STATUSES) + pending, fill_value=0)
     table.insert(0, "cases", table.sum(axis=1))
     table["worst_linf"] = cases.groupby(key)["worst_linf"].max()

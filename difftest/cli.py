@@ -20,7 +20,7 @@ from difftest.oracle import Tolerance
 from difftest.paths import absolute, shown
 from difftest.pipeline import PipelineEvents, PipelineOptions, run_pipeline
 from difftest.progress import SweepProgress
-from difftest.status import NOT_OK
+from difftest.status import NOT_OK, Status
 
 if TYPE_CHECKING:
     from difftest.analysis import Analysis
@@ -309,12 +309,13 @@ class _ConsoleEvents(PipelineEvents):
             style = "red" if any(row.get(s, 0) for s in NOT_OK) else None
             table.add_row(str(index), *cells, style=style)
         out_console.print(table)
-        counts = {s: analysis.count(s) for s in NOT_OK + ("unsupported",)}
+        counts = {s: analysis.count(s) for s in NOT_OK + (Status.UNSUPPORTED,)}
         cases = analysis.cases
         judged = cases[cases["calibrated"] == "yes"]
         out_console.print(
             f"calibrated oracle: {len(judged)} cases judged against their root's float64 envelope; it flags "
-            f"{int((judged['verdict'] != 'ok').sum())}, D3's allclose {int((judged['d3_verdict'] != 'ok').sum())} of "
+            f"{int((judged['verdict'] != Status.OK).sum())}, D3's allclose "
+            f"{int((judged['d3_verdict'] != Status.OK).sum())} of "
             f"them (columns verdict / d3_verdict of {shown(out / 'comparisons.csv')})", highlight=False)
         out_console.print(
             f"{len(analysis.cases)} cases: " + ", ".join(f"{k} {v}" for k, v in counts.items())

@@ -21,6 +21,7 @@ from difftest.errors import UserError
 from difftest.render import render
 from difftest.standalone import STANDALONE_FILE
 from difftest.standalone_findings import recorded_run, why_no_script
+from difftest.status import Status
 
 if TYPE_CHECKING:
     from difftest.analysis import Analysis
@@ -65,7 +66,7 @@ def evidence(run_dir: Path, analysis: Analysis, model: str, setting: str, tensor
     compared = rows.dropna(subset=["linf"])
     if compared.empty:
         return None
-    failing = compared[compared["status"] != "ok"]
+    failing = compared[compared["status"] != Status.OK]
     named = compared[compared["phase"] + "/" + compared["tensor"] == tensor]
     pool = named if not named.empty else failing if not failing.empty else compared
     worst: pd.Series = pool.loc[pool["linf"].idxmax()]

@@ -26,6 +26,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from difftest.errors import UserError
+from difftest.status import Status
 
 MANIFEST = Path(__file__).with_name("known_issues.toml")
 # a library by the name the manifest uses -> the distributions that install it (CPU and CUDA builds)
@@ -92,7 +93,7 @@ class KnownIssue:
             return False
         if self.traits and not set(self.traits) & set(traits):
             return False
-        return not (self.calibrated_only and d3_status and d3_status != "ok")
+        return not (self.calibrated_only and d3_status and d3_status != Status.OK)
 
     def reproduces_on(self, versions: Mapping[str, str | None]) -> bool | None:
         """Whether the installed release of its library is one it is known on; None if the library is missing."""

@@ -30,6 +30,7 @@ from difftest.errors import UserError
 from difftest.generate import ModelBuilders, try_materialise
 from difftest.registry import all_settings, get_generator, get_setting, kind_unavailable, loaded_plugins
 from difftest.spec import ModelSpec, RunConfig
+from difftest.status import Status
 
 if TYPE_CHECKING:
     from difftest.runner.executor import SweepOptions
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 PER_FINDING_PER_ROUND = 8  # proposals a finding runs per round: a round's time is what every finding is charged
 MIN_BATCH = 12  # splits over 1, 2, 3 and 4 ranks
 ALONE = "(the example, alone)"
-FIRST_TRY_COST_S = {"crash": 4.0, "timeout": 120.0}  # measured here: a crash's group restart is 3-4 s
+FIRST_TRY_COST_S: dict[str, float] = {Status.CRASH: 4.0, Status.TIMEOUT: 120.0}  # measured here: a crash's group restart is 3-4 s
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ def _start(run_dir: Path, findings: list[Finding], budget_s: float,
         m = Minimisation(finding.id, finding.signature, original, original, status=finding.status, budget_s=budget_s)
         if (why := kind_unavailable(spec.kind)) is not None:  # its smaller models cannot be made on this machine
             m.active, m.outcome = False, f"not minimised: the {spec.kind} generator {why}"
-        elif finding.status == "timeout" and budget_s < 2 * timeout_s:
+        elif finding.status == Status.TIMEOUT and budget_s < 2 * timeout_s:
             m.active, m.outcome = False, (f"not minimised: each try waits for the {timeout_s:g} s timeout; "
                                           f"a --minimize-budget of {2 * timeout_s:g} s or more tries")
         work.append(m)
@@ -320,7 +321,7 @@ def resign(m: Minimisation, round_no: int, chosen: list[Trial], signed: dict[tup
     if round_no == 1:
         alone = next((t for t in chosen if t.change == ALONE), None)
         if alone is None or alone not in won:
-            got = " and ".join(sorted(signed.get((alone.model_id, alone.setting), {"ok"}))) if alone else "not built"
+            got = " and ".join(sorted(signed.get((alone.model_id, alone.setting), {Status.OK}))) if alone else "not built"
             m.active, m.outcome = False, f"not minimised: the example alone does not reproduce ({got})"
             return
         won.remove(alone)
@@ -359,8 +360,8 @@ def minimize(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
         if on_done is not None:
             on_done(previous)
     verdicts = {(c.model, c.setting): c.d3_verdict for c in analysis.cases.itertuples()}
-    needs_envelope = {f.id for f in findings if f.status == "inconsistent"
-                      and verdicts.get((f.example["model"], f.example["setting"])) == "ok"}
+    needs_envelope = {f.id for f in findings if f.status == Status.INCONSISTENT
+                      and verdicts.get((f.example["model"], f.example["setting"])) == Status.OK}
     options = SweepOptions(timeout_s=timeout_s, device=device, plugins=plugins)
     scratch = Path(tempfile.mkdtemp(prefix=".minimize-", dir=run_dir))
     warm = WarmGroups()

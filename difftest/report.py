@@ -17,6 +17,7 @@ from difftest import stack
 from difftest.analysis import Analysis
 from difftest.artifacts import atomic_write_text
 from difftest.signature import setting_family
+from difftest.status import PENDING, Status
 
 if TYPE_CHECKING:
     from difftest.minimize import Minimisation
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
 
 REPORT = "report.html"
 # verdict → (heatmap code, colour); the order is the colour bar's
-VERDICT_COLOURS = {"ok": "#2e9d5b", "unsupported": "#c9ccd1", "pending": "#eeeeee", "error": "#e8a33d",
-                   "timeout": "#9b59b6", "crash": "#8c1c13", "nondeterministic": "#3d7fe8", "inconsistent": "#e0403a"}
+VERDICT_COLOURS = {Status.OK: "#2e9d5b", Status.UNSUPPORTED: "#c9ccd1", PENDING: "#eeeeee", Status.ERROR: "#e8a33d",
+                   Status.TIMEOUT: "#9b59b6", Status.CRASH: "#8c1c13", Status.NONDETERMINISTIC: "#3d7fe8", Status.INCONSISTENT: "#e0403a"}
 EXACT = 1e-12  # where an error of exactly 0 is drawn on a log axis
 
 _STYLE = """
@@ -95,7 +96,7 @@ def heatmap_rows(cases: pd.DataFrame) -> tuple[list[str], list[str]]:
 
     if cases.empty:
         return [], []
-    failing = (~cases["verdict"].isin(("ok", "unsupported", "pending"))).groupby(cases["setting"]).sum()
+    failing = (~cases["verdict"].isin((Status.OK, Status.UNSUPPORTED, PENDING))).groupby(cases["setting"]).sum()
     ordered = sorted(failing.index, key=lambda name: (-int(failing[name]), name))
     return [n for n in ordered if not is_calibration(n)], [n for n in ordered if is_calibration(n)]
 
@@ -132,7 +133,7 @@ def _heatmap(cases: pd.DataFrame, settings: list[str], title: str,
     z = grid.apply(lambda column: column.map(codes)).to_numpy(dtype=float)
     # on hover, an unsupported (or failed) cell says why: the reason the setting gave
     why = reasons or {}
-    text = [[("not run" if not isinstance(verdict, str) else verdict if verdict in ("ok", "inconsistent")
+    text = [[("not run" if not isinstance(verdict, str) else verdict if verdict in (Status.OK, Status.INCONSISTENT)
               else f"{verdict}: {why.get((model, setting), '')[:160]}")
              for model, verdict in zip(grid.columns, row, strict=True)] for setting, row in zip(grid.index,
                                                                                                grid.to_numpy(), strict=True)]

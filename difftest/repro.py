@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from difftest.errors import UserError
-from difftest.status import NOT_OK
+from difftest.status import NOT_OK, Status
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Reproduction:
                              "the envelope of legitimate results (above 1 is a finding)")
             if self.reference_value is not None:
                 lines.append(f"  at its worst element: reference {self.reference_value!r}, setting {self.setting_value!r}")
-        if self.message and self.verdict != "ok":
+        if self.message and self.verdict != Status.OK:
             lines.append(f"  {self.message[:600]}")
         if self.signature:
             lines.append(f"  signature: {self.signature}")
@@ -95,7 +95,7 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
                                 & (analysis.comparisons["setting"] == setting)]
     compared = rows.dropna(subset=["linf"])
     worst = compared.loc[compared["linf"].idxmax()] if not compared.empty else (rows.iloc[0] if not rows.empty else None)
-    failed = rows[rows["status"] != "ok"]
+    failed = rows[rows["status"] != Status.OK]
     from difftest.signature import signatures
 
     result = Reproduction(model, setting, case["verdict"], str(failed.iloc[0]["message"]) if not failed.empty else "",
@@ -165,7 +165,7 @@ if __name__ == "__main__":  # the ranks are spawned processes that import this f
     if result.reproduces:
         print(f"fails, but not as the finding did: its signature was\\n  {{SIGNATURE}}")
         sys.exit(3)
-    sys.exit(4 if result.verdict == "unsupported" else 0)
+    sys.exit(4 if result.verdict == Status.UNSUPPORTED else 0)
 '''
 
 

@@ -16,6 +16,7 @@ import pandas as pd
 
 from difftest import stack
 from difftest.errors import UserError
+from difftest.status import Status
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def _verdicts(run_dir: Path) -> pd.DataFrame:
         raise UserError(f"{path}: missing; run `difftest analyze {run_dir}` first")
     rows = pd.read_csv(path, dtype=str, keep_default_na=False, usecols=["model", "setting", "status", "message"])
     # a case's verdict is its worst comparison's: any row not ok makes the case not ok
-    ranked = rows.assign(bad=rows["status"] != "ok").sort_values("bad", ascending=False, kind="stable")
+    ranked = rows.assign(bad=rows["status"] != Status.OK).sort_values("bad", ascending=False, kind="stable")
     return ranked.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])
 
 
@@ -95,6 +96,6 @@ def diff_runs(run_a: Path, run_b: Path) -> RunDiff:
     for key in sorted(common):
         before, after = verdicts_a.loc[key], verdicts_b.loc[key]
         if before["status"] != after["status"]:
-            message = after["message"] if after["status"] != "ok" else before["message"]
+            message = after["message"] if after["status"] != Status.OK else before["message"]
             result.changed.append(VerdictChange(key[0], key[1], before["status"], after["status"], message))
     return result

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import numpy as np
 
+from difftest.status import Status
+
 if TYPE_CHECKING:  # torch is imported by workers only
     import torch.distributed as dist
     from _typeshed import DataclassInstance
@@ -73,7 +75,7 @@ class Setting(abc.ABC):
     # the setting whose outputs this one is judged against (itself for a reference)
     reference: ClassVar[str] = "reference"
     # the verdict when its outputs differ from the reference's beyond its tolerance
-    mismatch_status: ClassVar[str] = "inconsistent"
+    mismatch_status: ClassVar[str] = Status.INCONSISTENT
     # the parameters whose every value the default tier runs at least once (`difftest.registry.tier`), at the
     # smallest world size that has it; none: one setting of the class represents it
     tier_axes: ClassVar[tuple[str, ...]] = ()

@@ -16,7 +16,7 @@ from difftest.analysis import Analysis
 from difftest.errors import UserError
 from difftest.registry import capabilities_of, get_setting
 from difftest.setting import without_sizes
-from difftest.status import DISAGREEMENTS, FAILURES
+from difftest.status import DISAGREEMENTS, FAILURES, Status
 
 # a replica's parameters after a step (partial reduce records each one's beside their mean) are parameters after it
 _PHASE = re.compile(
@@ -137,7 +137,7 @@ def setting_parameters(setting_name: str) -> tuple[str, dict[str, str]]:
 def separating_values(cases: pd.DataFrame) -> dict[str, set[tuple[str, str]]]:
     """Per setting class, the parameter values under which most cases disagree and elsewhere few do
     (`sharding='row_wise'` for the quantized row-wise MEAN bags): the values a bug follows."""
-    judged = cases[cases["verdict"].isin(("ok",) + DISAGREEMENTS)]  # what ran and was compared
+    judged = cases[cases["verdict"].isin((Status.OK,) + DISAGREEMENTS)]  # what ran and was compared
     table = [(cls, key, value, verdict in DISAGREEMENTS) for setting, verdict in zip(judged["setting"], judged["verdict"])
              for cls, params in [setting_parameters(setting)] for key, value in params.items()]
     if not table:

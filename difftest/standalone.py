@@ -25,6 +25,7 @@ import numpy as np
 
 from difftest import standalone_runtime
 from difftest.errors import Unsupported
+from difftest.status import Status
 
 if TYPE_CHECKING:
     from difftest.batch import Batch
@@ -134,11 +135,11 @@ def failure_pattern(status: str, message: str) -> str:
     that killed a rank (`process 0 terminated with signal SIGFPE`), or the exception's type and its words before the
     first value (a minimised case fails with other sizes); "" for a disagreement. A failure it cannot tell (a
     timeout, a message without an exception type) is no script's."""
-    if status not in ("error", "crash", "timeout"):  # a disagreement (or an ok case: the script shows it agree)
+    if status not in (Status.ERROR, Status.CRASH, Status.TIMEOUT):  # a disagreement (or an ok case: the script shows it agree)
         return ""
-    if status == "crash" and (signal := _SIGNAL.search(message)):
+    if status == Status.CRASH and (signal := _SIGNAL.search(message)):
         return rf"signal {signal[1]}\b"
-    if status == "error" and (raised := _EXCEPTION.match(message.strip())):
+    if status == Status.ERROR and (raised := _EXCEPTION.match(message.strip())):
         return re.escape(f"{raised[1]}: {raised[2].strip()}")
     raise Unsupported(f"its failure ({status}: {message[:80]!r}) is not one a script can recognise "
                       "(a timeout, or no exception type or signal in its message)")

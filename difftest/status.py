@@ -19,6 +19,9 @@ class Status(enum.StrEnum):
 
 
 STATUSES = tuple(Status)
+# the verdict of a case an analysis cannot judge yet (its reference or a calibration run has still to run): a verdict of
+# a running sweep's snapshot, never a case's status
+PENDING = "pending"
 FAILURES = (Status.ERROR, Status.CRASH, Status.TIMEOUT)  # it did not finish
 DISAGREEMENTS = (Status.INCONSISTENT, Status.NONDETERMINISTIC)  # it finished with other numbers
 NOT_OK = DISAGREEMENTS + FAILURES  # what a finding is made of

@@ -61,7 +61,8 @@ _CHECKSUM_COLUMNS = ("outputs_sha256", "row_sha256")
 def _row_digest(record: CaseRecord, outputs_sha256: str | None) -> str:
     """The checksum of a committed row: SQLite checks its pages' structure, not the values in them (a flipped bit in
     a status or a message reads back as another value), so each row carries its own."""
-    fields = (record.model, record.setting, record.status, record.message, record.rank, record.wall_s,
+    # the status as its plain value: a `Status` member and the string SQLite hands back must sign alike
+    fields = (record.model, record.setting, str(record.status), record.message, record.rank, record.wall_s,
               record.outputs, outputs_sha256)
     return hashlib.sha256(repr(fields).encode()).hexdigest()
 

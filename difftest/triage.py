@@ -47,7 +47,7 @@ from difftest.signature import (
     setting_family,
     setting_sizes,
 )
-from difftest.status import CONSEQUENCE, DISAGREEMENTS, FAILURES
+from difftest.status import CONSEQUENCE, DISAGREEMENTS, FAILURES, Status
 from difftest.store import Store
 
 FINDINGS_COLUMNS = ["id", "rank", "consequence", "status", "upstream", "known_issue", "references", "merged", "title", "signature", "cases", "models",
@@ -134,7 +134,7 @@ def _features(run_dir: Path) -> dict[str, set[str]]:
 def _distinguishing(failing: pd.DataFrame, cases: pd.DataFrame, features: dict[str, set[str]]) -> list[str]:
     """What every failing case has and at most half of the passing cases of the same setting families have."""
     families = set(failing["setting"].map(setting_family))
-    passing = cases[cases["setting"].map(setting_family).isin(families) & (cases["verdict"] == "ok")]
+    passing = cases[cases["setting"].map(setting_family).isin(families) & (cases["verdict"] == Status.OK)]
     if passing.empty:
         return []
 
@@ -262,7 +262,7 @@ def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance
             failing_setting = _registered(failing)
             if failing_setting is None:
                 continue
-            by_setting = {r.setting: r for r in records if r.model == model and r.status == "ok" and r.outputs}
+            by_setting = {r.setting: r for r in records if r.model == model and r.status == Status.OK and r.outputs}
 
             def value(setting: str) -> np.ndarray | None:
                 try:

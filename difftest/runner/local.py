@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from difftest.runner.executor import BucketKey, ExecutorReport, SweepContext
 from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
 from difftest.runner.scheduler import WorkQueue, ranks_at_once
+from difftest.status import Status
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -109,14 +110,14 @@ class GroupRunner:
         while True:
             if self.group is None and self._failed_starts >= 2:
                 # the group cannot start at all: say so for every remaining case rather than retrying each
-                return CaseResult("crash", message=f"worker group: {self._start_failure}", reusable=False)
+                return CaseResult(Status.CRASH, message=f"worker group: {self._start_failure}", reusable=False)
             if self.group is None:
                 try:
                     self.group = self.supply.replacement() if self._broken_before else self.supply.first()
                     self._failed_starts, self._served = 0, 0
                 except GroupStartError as exc:
                     self._start_failure, self._failed_starts = str(exc), self._failed_starts + 1
-                    return CaseResult("crash", message=f"worker group: {exc}", reusable=False)
+                    return CaseResult(Status.CRASH, message=f"worker group: {exc}", reusable=False)
             try:
                 result = self.group.run_case(request, self.timeout_s)
             except GroupBroken:
@@ -125,7 +126,7 @@ class GroupRunner:
             self._served += 1
             # a setting with per-process state (a TF strategy and its servers) that failed may have left that state
             # broken, and the case's sockets were cut: its processes are not trusted with the next case
-            kept_state_broken = process_affinity and result.status not in ("ok", "unsupported")
+            kept_state_broken = process_affinity and result.status not in (Status.OK, Status.UNSUPPORTED)
             if not result.reusable or kept_state_broken:
                 self.group.kill()
                 self.group, self._broken_before = None, True

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from difftest.logs import log_tail
 from difftest.runner import worker
+from difftest.status import Status
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -242,7 +243,7 @@ class WorkerGroup:
         while len(replies) < self.world_size:
             pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
             ready = wait(list(pending) + list(sentinels), timeout=max(0.0, deadline - time.perf_counter()))
-            if not ready and any(reply[1] != "ok" for reply in replies.values()):
+            if not ready and any(reply[1] != Status.OK for reply in replies.values()):
                 # the others are still stuck in something the failed rank will never join (not a collective with
                 # it: closing its world has cut those): the failure is the finding, the group is replaced
                 self.kill()
@@ -251,7 +252,7 @@ class WorkerGroup:
                 self.kill()
                 silent = sorted(set(range(self.world_size)) - set(replies))
                 return CaseResult(
-                    "timeout",
+                    Status.TIMEOUT,
                     message=f"no answer from rank(s) {silent} after {timeout_s:.0f}s; rank {silent[0]} log: "
                     f"{_tail(self.log_paths[silent[0]])}",
                     rank=silent[0],
@@ -263,7 +264,7 @@ class WorkerGroup:
                     rank = pending[handle]
                     try:
                         replies[rank] = self.conns[rank].recv()  # `handle` itself
-                        if replies[rank][1] != "ok":
+                        if replies[rank][1] != Status.OK:
                             deadline = min(deadline, time.perf_counter() + ERROR_GRACE_S)
                         continue
                     except EOFError:
@@ -278,7 +279,7 @@ class WorkerGroup:
         process.join(EXIT_WAIT_S)
         message = f"rank {rank} {_describe_exit(process.exitcode, self.log_paths[rank])}; log: {_tail(self.log_paths[rank])}"
         self.kill()
-        return CaseResult("crash", message=message, rank=rank, wall_s=time.perf_counter() - started, reusable=False)
+        return CaseResult(Status.CRASH, message=message, rank=rank, wall_s=time.perf_counter() - started, reusable=False)
 
     def _combine(self, replies: dict[int, tuple[Any, ...]], started: float, reusable: bool = True) -> CaseResult:
         wall = time.perf_counter() - started
@@ -286,7 +287,7 @@ class WorkerGroup:
         # every rank answered: the ranks are back in their serving loop, and each opens a fresh world before the
         # next case, so a failed case leaves nothing behind (`_await_ready` proves it or replaces the group)
         reusable = reusable and len(replies) == self.world_size
-        failed = [r for r, reply in replies.items() if reply[1] != "ok"]  # error, unsupported, inconsistent (invariant)
+        failed = [r for r, reply in replies.items() if reply[1] != Status.OK]  # error, unsupported, inconsistent (invariant)
         if failed:
             # the rank that failed first is the cause, whatever its status; later ones were cut off by it (a closed
             # connection), so a refusal on one rank is not reported as the read error it left its peer
@@ -295,9 +296,9 @@ class WorkerGroup:
                               compute_s=compute)
         outputs = replies[0][2]
         if outputs is None:
-            return CaseResult("error", message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=reusable,
+            return CaseResult(Status.ERROR, message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=reusable,
                               compute_s=compute)
-        return CaseResult("ok", outputs=outputs, message=replies[0][3], wall_s=wall, compute_s=compute)
+        return CaseResult(Status.OK, outputs=outputs, message=replies[0][3], wall_s=wall, compute_s=compute)
 
     @property
     def alive(self) -> bool:

@@ -35,6 +35,7 @@ from difftest.runner.executor import BucketKey, ExecutorConfig, ExecutorReport, 
 from difftest.runner.local import GroupRunner
 from difftest.runner.pool import CaseRequest, CaseResult
 from difftest.runner.scheduler import UNBOUNDED, WorkQueue
+from difftest.status import Status
 
 if TYPE_CHECKING:
     from difftest.runner.executor import Case
@@ -235,7 +236,7 @@ class RayExecutor:
                 reason = self._refusal(ray, key[0], device)
                 if reason:
                     for case in cases:
-                        report(case, CaseResult("unsupported", message=reason))
+                        report(case, CaseResult(Status.UNSUPPORTED, message=reason))
                 else:
                     runnable[key] = cases
             self.stats.nodes = len(self._live_nodes(ray))
@@ -299,7 +300,7 @@ class RayExecutor:
                 gang = _Gang.start(ray, self, sweep, key)
             except _Unplaceable as exc:
                 for lost in [case, *queue.drain(key)]:
-                    report(lost, CaseResult("unsupported", message=str(exc)))
+                    report(lost, CaseResult(Status.UNSUPPORTED, message=str(exc)))
                 return None
             gang.start_s = time.perf_counter() - placing
         config = sweep.config
@@ -334,7 +335,7 @@ class RayExecutor:
         logging.getLogger("difftest").warning("gang lost under %s on %s (%s): %s", case.setting.name, case.model_id,
                                               type(exc).__name__, first)
         if losses >= MAX_GANG_LOSSES:
-            report(case, CaseResult("crash", message=f"its gang was lost {losses} times (node or host process gone; "
+            report(case, CaseResult(Status.CRASH, message=f"its gang was lost {losses} times (node or host process gone; "
                                                      f"last: {type(exc).__name__}: {first})"))
             return
         with self._lock:

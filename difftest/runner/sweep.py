@@ -17,6 +17,7 @@ from difftest.runner.local import LocalExecutor, WarmGroups
 from difftest.runner.pool import CaseResult
 from difftest.setting import Outputs, Setting
 from difftest.spec import RunConfig
+from difftest.status import Status
 from difftest.store import CaseRecord, Store
 
 
@@ -120,7 +121,7 @@ def run_sweep(
             on_planned([case for case, _ in refused] + [case for bucket in pending.values() for case in bucket],
                        len(refused))
         for case, reason in refused:
-            record(case, CaseRecord(case.model_id, case.setting.name, "unsupported", reason), None)
+            record(case, CaseRecord(case.model_id, case.setting.name, Status.UNSUPPORTED, reason), None)
 
         def report_result(case: Case, result: CaseResult) -> None:
             record(case, CaseRecord(case.model_id, case.setting.name, result.status, result.message, result.rank,

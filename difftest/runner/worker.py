@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from difftest.status import Status
+
 _CACHED_MODELS: dict[str, Any] = {}
 # The cyclic garbage collector's permanent generation (`gc.freeze`) holds what outlives every case: the imports, frozen
 # by the server ranks fork from (`difftest.runner.rank_imports`), and those a case makes later, frozen when the rank
@@ -223,7 +225,7 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
         if message[0] == "stop":
             return
         request = message[1]
-        status, payload, text, ctx, failed_at, compute_s = "ok", None, "", None, None, 0.0
+        status, payload, text, ctx, failed_at, compute_s = Status.OK, None, "", None, None, 0.0
         try:
             _reset_global_state(request.seed)
             setting = get_setting(request.setting)
@@ -249,18 +251,18 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
                 compute_s = time.perf_counter() - started  # the setting's own time: the floor the engine adds to
             text = "; ".join(f"{k}: {v}" for k, v in ctx.notes.items())
         except Unsupported as exc:
-            status, text, failed_at = "unsupported", str(exc), time.time()
+            status, text, failed_at = Status.UNSUPPORTED, str(exc), time.time()
         except InvariantViolated as exc:
-            status, text, failed_at = "inconsistent", f"invariant broken: {exc}"[:4000], time.time()
+            status, text, failed_at = Status.INCONSISTENT, f"invariant broken: {exc}"[:4000], time.time()
         except Exception as exc:  # a setting that raises is a finding, recorded with its traceback tail
-            status, failed_at = "error", time.time()
+            status, failed_at = Status.ERROR, time.time()
             tail = "".join(traceback.format_exception(exc)[-3:]).strip().replace("\n", " | ")
             text = f"{type(exc).__name__}: {exc} || {tail}"[:4000]
         conn.send(("done", status, payload if config.rank == 0 else None, text, compute_s, failed_at))
         payload = ctx = None
         serial += 1
         try:
-            _close_world(failed=status != "ok", store_port=store.port)
+            _close_world(failed=status != Status.OK, store_port=store.port)
             _open_world(config, store, serial, timeout)
         except Exception as exc:  # the parent replaces this group; nothing of a case is lost
             conn.send(("broken", f"{type(exc).__name__}: {exc}"[:1000]))

@@ -167,9 +167,6 @@ class Judgement:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
-_PENDING = PENDING  # what an envelope is while a calibration it is made of has still to run
-
-
 class Judge:
     """Judges one case at a time against its setting's reference (`Setting.reference`) on the tensors it `judges`: by
     the calibrated oracle where its root was calibrated (`oracle="calibrated"`), else by the fixed D3 one. Reference
@@ -202,7 +199,7 @@ class Judge:
         return self._outputs[key]
 
     def envelope(self, model: str, setting: Setting | None) -> tuple[Envelope | None, str]:
-        """The envelope judging `setting` on `model`, or why the D3 verdict stands (`_PENDING`: not yet known)."""
+        """The envelope judging `setting` on `model`, or why the D3 verdict stands (`PENDING`: not yet known)."""
         if self.oracle != "calibrated":
             return None, "d3 oracle chosen"
         if setting is None or setting.role is SettingRole.CALIBRATION:
@@ -214,7 +211,7 @@ class Judge:
         root = root_of(setting)
         centre_name, run_names = calibrations_of(root, setting.precision)
         if any(self._missing(model, name) for name in [centre_name, *run_names] if name is not None):
-            return None, _PENDING
+            return None, PENDING
         key = (model, root.name, setting.precision)
         if key not in self._envelopes:
             self._envelopes[key] = self._measure(model, root, setting.precision, centre_name, run_names)
@@ -252,7 +249,7 @@ class Judge:
             why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
             return Judgement(Status.ERROR, rows=[_case_row(base, Status.ERROR, f"cannot judge: the reference case {why}")])
         envelope, why_not = self.envelope(record.model, setting)
-        if why_not == _PENDING:
+        if why_not == PENDING:
             return None
         actual = _load(self.store, record)
         return judge_outputs(actual, expected, envelope, why_not, setting, self.tol, base, record.message)

@@ -27,8 +27,8 @@ from difftest.setting import Outputs, RunContext, Setting
 from difftest.standalone import refuse_changed_hooks
 from settings._compat import fully_shard_for
 from settings._training import build_for_training, record_training, to_numpy
-from settings.fsdp import fsdp2_units, make_contiguous
-from settings.gradient_clipping import distribute, full_parameters
+from settings.fsdp import make_contiguous
+from settings.gradient_clipping import distribute, full_parameters, wrapper_layout
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
@@ -96,10 +96,7 @@ class GradientAccumulation(Setting):
         return record_training(ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device), train_step, read)
 
     def layout(self, model: Any, module: Any) -> dict[str, Any]:
-        """What `distribute` needs: the wrapper, and FSDP2's units (as the FSDP2 family shards)."""
-        fsdp2 = self.wrap.startswith("fsdp2")
-        return {"wrap": "fsdp2" if fsdp2 else self.wrap,
-                "units": [name for name, _ in fsdp2_units(model, module)] if fsdp2 else []}
+        return wrapper_layout(model, module, "fsdp2" if self.wrap.startswith("fsdp2") else self.wrap)
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, GradientAccumulation)

@@ -21,9 +21,9 @@ from difftest.registry import register_settings
 from difftest.setting import Outputs, RunContext, Setting
 from difftest.standalone import refuse_changed_hooks
 from settings._compat import fully_shard_for
-from settings._training import build_for_training, to_numpy, train_data_parallel
-from settings.fsdp import fsdp2_units, make_contiguous
-from settings.gradient_clipping import full_parameters
+from settings._training import build_for_training, gathered_parameters, train_data_parallel
+from settings.fsdp import make_contiguous
+from settings.gradient_clipping import full_parameters, wrapper_layout
 
 if TYPE_CHECKING:
     from difftest.standalone import Script, StandaloneCase
@@ -83,16 +83,14 @@ class CompiledTraining(Setting):
         if not any(p.requires_grad for p in module.parameters()):
             raise Unsupported("every parameter is frozen: there is nothing to train")
         wrapped = distribute(module, ctx.group, ctx.device, self.layout(model, module))
-        outputs = train_data_parallel(ctx, model, inputs, wrapped, lambda: read(ctx, model, wrapped))
+        outputs = train_data_parallel(ctx, model, inputs, wrapped, lambda: gathered_parameters(ctx, model, wrapped))
         ctx.notes["graphs compiled"] = str(counters["stats"]["unique_graphs"])
         breaks = counters["graph_break"]
         ctx.notes["graph breaks"] = (f"{sum(breaks.values())}: " + "; ".join(sorted(breaks))[:300]) if breaks else "0"
         return outputs
 
     def layout(self, model: Any, module: Any) -> dict[str, Any]:
-        """What `distribute` needs: the wrapper, and FSDP2's units (as the FSDP2 family shards)."""
-        return {"wrap": self.wrap,
-                "units": [name for name, _ in fsdp2_units(model, module)] if self.wrap == "fsdp2" else []}
+        return wrapper_layout(model, module, self.wrap)
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, CompiledTraining)
@@ -104,12 +102,6 @@ class CompiledTraining(Setting):
         return training_script(case, f"torch.compile (Inductor) training: {WRAPS[self.wrap]}", self.world_size,
                                (fully_shard_for, make_contiguous, distribute, full_parameters),
                                self.layout(model, model.build("cpu")))
-
-
-def read(ctx: RunContext, model: Any, wrapped: Any) -> dict[str, Any] | None:
-    """Every parameter whole under its canonical name (DTensors gathered: every rank calls it), on rank 0."""
-    full = {n: to_numpy(t) for n, t in full_parameters(wrapped, model.parameters).items()}
-    return full if ctx.rank == 0 else None
 
 
 def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:

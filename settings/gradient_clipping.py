@@ -80,9 +80,7 @@ class GradientClipping(Setting):
         return clipped_training(ctx, model, inputs, wrapped, NORMS[self.norm])
 
     def layout(self, model: Any, module: Any) -> dict[str, Any]:
-        """What `distribute` needs: the wrapper, and FSDP2's units (as the FSDP2 family shards)."""
-        return {"wrap": self.wrap,
-                "units": [name for name, _ in fsdp2_units(model, module)] if self.wrap == "fsdp2" else []}
+        return wrapper_layout(model, module, self.wrap)
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, GradientClipping)
@@ -116,6 +114,11 @@ class ClipReference(GradientClipping):
     @property
     def collectives(self) -> frozenset[str]:
         return frozenset()
+
+
+def wrapper_layout(model: Any, module: Any, wrap: str) -> dict[str, Any]:
+    """What `distribute` needs: the wrapper, and FSDP2's units (as the FSDP2 family shards them)."""
+    return {"wrap": wrap, "units": [name for name, _ in fsdp2_units(model, module)] if wrap == "fsdp2" else []}
 
 
 def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:

@@ -26,11 +26,24 @@ from typing import Any
 from difftest.artifacts import atomic_write_text
 from difftest.ci_summary import cause_key
 from difftest.errors import UserError
+from difftest.sampling import (
+    Cell,
+    CellRecord,
+    RoundPlan,
+    Sampling,
+    cell_totals,
+    draw,
+    records_from_json,
+    records_to_json,
+    round_cells,
+)
 
 CAMPAIGN_FILE = "campaign.json"
 STACK_FILE = "stack.json"  # the difftest release and the library versions the campaign began on
 SIGNATURES_FILE = "signatures.json"
 ROUND_DONE = "round.done"  # in a round's folder once its findings are counted
+PLAN_FILE = "plan.json"  # in a round's folder before it runs: what it was drawn to run (`RoundPlan`)
+CELLS_FILE = "cells.json"  # in a round's folder once counted: what each (family × kind) cell gave (`CellRecord`)
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,8 @@ class CampaignConfig:
     first_seed: int = 1000  # round r draws its models from seed first_seed + r
     minimize_budget_s: float = 20.0
     plugins: tuple[str, ...] = ()
+    sampling: str = str(Sampling.GUIDED)  # how rounds pick their cells (`difftest.sampling`)
+    families_per_round: int = 4
 
     @classmethod
     def load(cls, folder: Path) -> CampaignConfig | None:
@@ -99,13 +114,78 @@ class RoundResult:
     seconds: float
     new: list[Seen]
     counted: int  # findings of causes already seen or known
+    plan: RoundPlan | None = None
+
+
+@dataclass(frozen=True)
+class Universe:
+    """The cells a campaign draws from: every (setting family × model kind) pair where some selected setting of the
+    family runs on this machine and supports some model variant of the kind; `settings_of` a family's selected
+    settings (their references and calibrations the sweep adds by itself)."""
+
+    cells: list[Cell]
+    settings_of: dict[str, list[str]]
+
+
+def universe(config: CampaignConfig) -> Universe:
+    from difftest.registry import generator_kinds, get_generator, kind_unavailable, load_plugins, select_settings
+    from difftest.sampling import INDEX_CYCLE
+    from difftest.setting import SettingRole
+
+    load_plugins(config.plugins)
+    settings = [s for s in select_settings(config.settings, config.tier)
+                if s.role is not SettingRole.CALIBRATION and s.available() is None]
+    judged = {s.family for s in settings if s.role is SettingRole.JUDGED}  # a family of roots alone judges nothing
+    settings_of: dict[str, list[str]] = {}
+    for s in settings:
+        if s.family in judged:
+            settings_of.setdefault(s.family, []).append(s.name)
+    kinds = [k for k in (generator_kinds() if config.kind == "all" else [config.kind]) if kind_unavailable(k) is None]
+    cells = []
+    for kind in kinds:
+        variants = [get_generator(kind).spec(config.first_seed, index) for index in range(INDEX_CYCLE)]
+        for family in sorted(settings_of):
+            if any(s.family == family and s.supports(v) is None for s in settings for v in variants):
+                cells.append(Cell(family, kind))
+    if not cells:
+        raise UserError(f"campaign: no selected setting supports any model of kind {config.kind!r} on this machine; "
+                        "`difftest settings list` shows what runs here")
+    return Universe(cells, settings_of)
+
+
+def family_of(setting: str) -> str:
+    """The family a setting name belongs to (a calibration's or reference's too)."""
+    from difftest.registry import get_setting
+
+    try:
+        return get_setting(setting).family
+    except UserError:  # a plugin's setting this process has not loaded
+        return setting.split("/")[0]
+
+
+def cell_records(folder: Path) -> dict[Cell, CellRecord]:
+    """What every counted round gave, per cell."""
+    return cell_totals([records_from_json((where / CELLS_FILE).read_text()) for where in rounds_done(folder)
+                        if (where / CELLS_FILE).is_file()])
+
+
+def round_plan(folder: Path, where: Path, config: CampaignConfig, space: Universe, number: int) -> RoundPlan:
+    """The plan a round was drawn (kept in its folder: a resumed round runs what it began), else a new draw from
+    what the counted rounds gave."""
+    if (where / PLAN_FILE).is_file():
+        return RoundPlan.load(where / PLAN_FILE)
+    plan = draw(space.cells, cell_records(folder), Sampling(config.sampling), space.settings_of,
+                config.families_per_round, number, config.first_seed)
+    where.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(plan.to_json(), where / PLAN_FILE)
+    return plan
 
 
 @dataclass
 class CampaignEvents:
     """What a campaign tells as it goes (the CLI prints it)."""
 
-    round_started: Callable[[int, Path], None] = lambda number, folder: None
+    round_started: Callable[[int, Path, RoundPlan], None] = lambda number, folder, plan: None
     new_signature: Callable[[Seen], None] = lambda seen: None
     round_done: Callable[[RoundResult], None] = lambda result: None
     pruned: Callable[[Path, int, int], None] = lambda where, files, freed: None  # a round's ok outputs deleted
@@ -171,16 +251,18 @@ def cases_done(folder: Path) -> int:
 
 
 def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[..., Any],
-              events: CampaignEvents, prune: bool = True) -> RoundResult:
-    """One round: `run(round_folder, seed, focus)` generates, sweeps and analyses a run folder (the CLI's job, its
-    minimisation and scripts only for findings `focus` accepts) and returns its pipeline result; its findings are then
-    counted against what the campaign has seen, and (`prune`) the outputs of its ok cases deleted."""
+              events: CampaignEvents, prune: bool = True, space: Universe | None = None) -> RoundResult:
+    """One round: its plan drawn (`round_plan`), then `run(round_folder, seed, focus, plan)` generates, sweeps and
+    analyses a run folder (the CLI's job, its minimisation and scripts only for findings `focus` accepts) and returns
+    its pipeline result; its findings are then counted against what the campaign has seen, what each cell gave
+    recorded, and (`prune`) the outputs of its ok cases deleted."""
     seed = config.first_seed + number
     where = folder / "rounds" / f"r{number:04d}-s{seed}"
-    events.round_started(number, where)
+    plan = round_plan(folder, where, config, space or universe(config), number)
+    events.round_started(number, where, plan)
     started = time.time()
     seen = load_seen(folder)
-    result = run(where, seed, lambda f: f.known is None and cause_key(f) not in seen)
+    result = run(where, seed, lambda f: f.known is None and cause_key(f) not in seen, plan)
     new, counted = [], 0
     for f in result.findings:
         key = cause_key(f)
@@ -199,9 +281,15 @@ def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[.
             entry.cases += len(f.rows)
             entry.rounds = sorted(set(entry.rounds) | {number})
     save_seen(folder, seen)
+    # the causes this round showed the campaign first, known to the manifest or not (also where an interruption came
+    # between counting them and this line): what guided sampling rewards
+    new_settings = [list(f.rows["setting"]) for f in result.findings if seen[cause_key(f)].first_round == number]
+    atomic_write_text(records_to_json(round_cells(
+        result.analysis.cases, result.analysis.comparisons, plan.kind, new_settings, family_of)), where / CELLS_FILE)
     cases = len(result.analysis.cases)
-    atomic_write_text(json.dumps({"cases": cases, "seed": seed, "seconds": time.time() - started}), where / ROUND_DONE)
-    done = RoundResult(number, where, cases, time.time() - started, new, counted)
+    atomic_write_text(json.dumps({"cases": cases, "seed": seed, "seconds": time.time() - started,
+                                  "finished": time.time()}), where / ROUND_DONE)
+    done = RoundResult(number, where, cases, time.time() - started, new, counted, plan)
     events.round_done(done)
     if prune:
         prune_round(where, events)  # after the round counts: an interruption in between leaves it whole, pruned later
@@ -255,6 +343,7 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
     for done_round in rounds_done(folder) if not keep_outputs else []:  # counted, interrupted before its pruning
         prune_round(done_round, events)
     deadline = time.time() + hours * 3600 if hours is not None else None
+    space = universe(config)
     results = []
     number = len(rounds_done(folder)) + 1
     while (deadline is None or time.time() < deadline) and (cases is None or cases_done(folder) < cases):
@@ -263,7 +352,7 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
                             f"ok cases' outputs of its {len(rounds_done(folder))} rounds already deleted): the campaign "
                             "stopped; move rounds aside or raise --max-disk, and the same command goes on")
         try:
-            results.append(run_round(folder, config, number, run, events, prune=not keep_outputs))
+            results.append(run_round(folder, config, number, run, events, prune=not keep_outputs, space=space))
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise

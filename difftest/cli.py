@@ -140,7 +140,7 @@ def model_counts(models: int | None, models_of: str | None, kind: str,
 
 
 def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: float, batch_size: int,
-              plugins: tuple[str, ...], models_of: str = "") -> None:
+              plugins: tuple[str, ...], models_of: str = "", first_index: int = 0) -> None:
     from difftest.generate import generate
     from difftest.registry import generator_kinds, get_generator, kind_unavailable, load_plugins
     from difftest.spec import RunConfig
@@ -169,7 +169,7 @@ def _generate(out: Path, models: int, seed: int, kind: str, steps: int, lr: floa
                         f"{', '.join(generator_kinds())} (and those a --plugin registers)")
     counts = {k: n for k, n in named.items() if k in kinds}  # kinds left out above stay out
     config = RunConfig(seed=seed, models=models, kinds=kinds, models_of=counts, steps=steps, lr=lr,
-                       batch_size=batch_size, plugins=plugins)
+                       batch_size=batch_size, plugins=plugins, first_index=first_index)
     with _progress() as progress:
         task = progress.add_task("generate", total=sum(config.count(k) for k in kinds), detail="")
         generate(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m), on_repaired=_tell_repaired)
@@ -728,6 +728,11 @@ def campaign(
     minimize_budget: MinimizeOpt = 20.0,
     jobs: JobsOpt = None,
     timeout: TimeoutOpt = 120.0,
+    sampling: Annotated[str, typer.Option("--sampling", help="How each round picks the (setting family × model kind) cells it runs: guided (toward cells that gave new causes or near misses, 30% of the chance spread over all) or uniform.")] = "guided",
+    families_per_round: Annotated[int, typer.Option("--families-per-round", min=1, help="Setting families a round runs (on one model kind).")] = 4,
+    executor: ExecutorOpt = "local",
+    address: AddressOpt = None,
+    cpus_per_rank: CpusPerRankOpt = 1.0,
     report: Annotated[bool, typer.Option("--report", help="Print the causes the campaign has seen (first seen, how often, upstream) and stop.")] = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Start anew in FOLDER: an existing campaign there (another stack's, or damaged) is moved to FOLDER.old-<time>, kept.")] = False,
     max_disk: Annotated[float, typer.Option("--max-disk", min=0, help="Disk budget of the campaign folder in GB, checked before each round (the ok cases' outputs of counted rounds are deleted anyway).")] = 5.0,
@@ -737,8 +742,10 @@ def campaign(
     """Hunt for hours: rounds of freshly drawn models under the selected settings, each judged and triaged as a run;
     a cause the manifest or an earlier round explains is counted, a new one minimised, scripted and announced. Resumes
     after any interruption."""
-    from difftest.campaign import CampaignConfig, CampaignEvents, report_rows, run_campaign
+    from difftest.campaign import CampaignConfig, CampaignEvents, RoundResult, report_rows, run_campaign
+    from difftest.campaign_page import write_live_page
     from difftest.pipeline import run_pipeline
+    from difftest.sampling import RoundPlan, Sampling
 
     folder = absolute(folder)
     if report:
@@ -747,26 +754,39 @@ def campaign(
     if hours is None and cases is None:
         raise UserError("campaign: give --hours H or --cases N (how long to hunt)")
     plugins = tuple(plugin or ())
-    config = CampaignConfig(settings, tier, kind, models, seed, minimize_budget, plugins)
+    if sampling not in {str(s) for s in Sampling}:
+        raise UserError(f"--sampling {sampling!r}: write one of {', '.join(map(str, Sampling))}")
+    config = CampaignConfig(settings, tier, kind, models, seed, minimize_budget, plugins, sampling, families_per_round)
+    cluster = _executor(executor, address, cpus_per_rank)
 
-    def one_round(where: Path, round_seed: int, focus: Callable[[Finding], bool]) -> Any:
+    def one_round(where: Path, round_seed: int, focus: Callable[[Finding], bool], plan: RoundPlan) -> Any:
         import dataclasses
 
         judging = dataclasses.replace(_options(5e-4, 1e-4, "calibrated", minimize_budget, timeout, "cpu"), focus=focus)
-        _generate(where, models, round_seed, kind, 1, 0.1, 24, plugins, "")
-        _sweep(where, settings, None, jobs, timeout, "cpu", plugins, tier=tier, judging=judging)
+        _generate(where, models, round_seed, plan.kind, 1, 0.1, plan.batch_size, plugins, "", plan.first_index)
+        _sweep(where, ",".join(plan.settings), None, jobs, timeout, "cpu", plugins, judging=judging, executor=cluster)
         return run_pipeline(where, judging)
 
+    def round_done(r: RoundResult) -> None:
+        console.print(f"round {r.number}: {r.cases} cases in {r.seconds:.0f}s, {len(r.new)} new cause(s), "
+                      f"{r.counted} finding(s) of causes seen before", highlight=False)
+        write_live_page(folder, running=True)  # written after every round; once more, not reloading, at the end
+
     events = CampaignEvents(
-        round_started=lambda n, where: console.print(f"campaign round {n}: {shown(where)}", highlight=False),
+        round_started=lambda n, where, plan: console.print(
+            f"campaign round {n}: {shown(where)}: {plan.kind} (batch {plan.batch_size}, from index {plan.first_index}) "
+            f"× {', '.join(plan.families)} ({len(plan.settings)} settings, {plan.sampling})", highlight=False),
         new_signature=lambda s: console.print(f"NEW: {escape(s.title)} (round {s.first_round}; {s.example})",
                                               style="bold", highlight=False),
-        round_done=lambda r: console.print(f"round {r.number}: {r.cases} cases in {r.seconds:.0f}s, {len(r.new)} new "
-                                           f"cause(s), {r.counted} finding(s) of causes seen before", highlight=False),
+        round_done=round_done,
         pruned=lambda where, files, freed: console.print(f"{shown(where)}: deleted the outputs of {files} ok case(s) "
                                                          f"({freed / 1e6:.1f} MB)", highlight=False))
-    run_campaign(folder, config, one_round, hours=hours, cases=cases, events=events, fresh=fresh,
-                 max_disk_bytes=max_disk * 1e9, keep_outputs=keep_outputs)
+    try:
+        run_campaign(folder, config, one_round, hours=hours, cases=cases, events=events, fresh=fresh,
+                     max_disk_bytes=max_disk * 1e9, keep_outputs=keep_outputs)
+    finally:
+        if folder.is_dir():
+            write_live_page(folder, running=False)
     _print_campaign(folder, report_rows(folder))
 
 

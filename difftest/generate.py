@@ -187,7 +187,7 @@ def generate(run_dir: Path, config: RunConfig, on_model: Callable[[str], None] |
     ids, beyond_repair = [], []
     for kind in config.kinds:
         generator = get_generator(kind)
-        for index in range(config.count(kind)):
+        for index in range(config.first_index, config.first_index + config.count(kind)):
             spec = generator.spec(config.seed, index)
             model_dir = run_dir / "models" / spec.model_id
             broken = sorted(p for p in damaged if p.parent == model_dir)

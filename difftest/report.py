@@ -29,7 +29,7 @@ VERDICT_COLOURS = {Status.OK: "#2e9d5b", Status.UNSUPPORTED: "#c9ccd1", PENDING:
                    Status.TIMEOUT: "#9b59b6", Status.CRASH: "#8c1c13", Status.NONDETERMINISTIC: "#3d7fe8", Status.INCONSISTENT: "#e0403a"}
 EXACT = 1e-12  # where an error of exactly 0 is drawn on a log axis
 
-_STYLE = """
+PAGE_STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #1d1d1f; }
 table { border-collapse: collapse; font-size: 13px; } td, th { border: 1px solid #ddd; padding: 4px 6px; vertical-align: top; }
 #findings { width: 100%; table-layout: fixed; } #findings td { overflow-wrap: anywhere; }
@@ -73,7 +73,7 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list[Finding], min
     d3 = analysis.cases["d3_verdict"].value_counts()
     page = render(
         "report.html.j2", run_name=run_dir.name, run_dir=str(run_dir), written=time.strftime("%Y-%m-%d %H:%M:%S"),
-        stack=stack.describe(stack.recorded(run_dir)), style=Markup(_STYLE), sweep_running=analysis.sweep_running,
+        stack=stack.describe(stack.recorded(run_dir)), style=Markup(PAGE_STYLE), sweep_running=analysis.sweep_running,
         calibrated=int((analysis.cases["calibrated"] == "yes").sum()), total=len(analysis.cases),
         counts=[(v, int(counts.get(v, 0)), int(d3.get(v, 0))) for v in VERDICT_COLOURS
                 if counts.get(v, 0) or d3.get(v, 0)],

@@ -60,6 +60,8 @@ class RunConfig:
     lr: float = 0.1
     batch_size: int = 24
     plugins: tuple[str, ...] = field(default_factory=tuple)
+    # the index of each kind's first model (a campaign's rounds start at others, so every model variant comes round)
+    first_index: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)

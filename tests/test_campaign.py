@@ -3,6 +3,7 @@ minimised and scripted in the round that first shows it, and an interrupted camp
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -38,9 +39,22 @@ def test_a_campaign_counts_what_it_has_seen_and_works_only_on_what_is_new(tmp_pa
     assert (first / finding / "minimize.json").is_file() and (first / finding / "standalone.txt").is_file()
     assert not (second / finding / "minimize.json").exists() and not (second / finding / "standalone.txt").exists()
     assert all(not (second / f.name / "minimize.json").exists() for f in second.iterdir())
-    # an interrupted round (begun, not marked done) is resumed, nothing run again; then the campaign goes on
+    # each round keeps the plan it was drawn and what each cell gave; the live page shows the cause and the families
+    plan = (rounds[1] / "plan.json").read_text()
+    assert {"faults", "torchrec"} <= set(json.loads(plan)["families"])
+    cells = json.loads((rounds[0] / "cells.json").read_text())
+    assert {(c["family"], c["kind"]) for c in cells} >= {("faults", "dlrm"), ("torchrec", "dlrm")}
+    first_causes = {key for key, s in load_seen(folder).items() if s.first_round == 1}
+    assert sum(c["new"] for c in cells if c["family"] == "faults") == 1
+    assert sum(c["new"] for c in cells) == len(first_causes)  # each cause once, in the family its cases ran
+    page = (folder / "report.html").read_text()
+    assert planted.title in html.unescape(page) and "Where the time went" in page and "faults" in page
+    assert 'http-equiv="refresh"' not in page  # written last when the campaign stopped
+    # an interrupted round (begun, not marked done) is resumed with its own plan, nothing run again; then the campaign
+    # goes on
     (rounds[1] / "round.done").unlink()
     again = _campaign(folder, "--cases", "27", "--keep-outputs")
+    assert (rounds[1] / "plan.json").read_text() == plan
     assert "ran 0" in again.replace("\n", " ") and [r.name for r in rounds_done(folder)][-1] == "r0003-s1003"
     assert load_seen(folder)[planted.key].rounds == [1, 2, 3]
     assert load_seen(folder)[planted.key].cases == planted.cases + 1  # round 2 not counted twice
@@ -89,8 +103,98 @@ def test_a_campaign_of_another_stack_is_one_line_and_fresh_keeps_it_aside(tmp_pa
     assert len(kept) == 1 and json.loads((kept[0] / STACK_FILE).read_text())["torch"] == "2.6.0+cpu"
     assert json.loads((folder / STACK_FILE).read_text()) == recorded
 
-    def full_disk(where: Path, seed: int, focus: object) -> None:
+    def full_disk(where: Path, seed: int, focus: object, plan: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(where))
 
     with pytest.raises(UserError, match="disk is full .* in round 1; .* run the same command to resume"):
         run_campaign(folder, config, full_disk, cases=10)
+
+
+def test_guided_sampling_favours_what_gave_new_causes_and_keeps_a_floor_for_the_rest() -> None:
+    from difftest.sampling import BATCH_SIZES, EXPLORE, Cell, CellRecord, Sampling, chances, draw
+
+    gave = Cell("pipeline", "dlrm")
+    quiet = Cell("ddp", "dlrm")
+    untried = Cell("fsdp2", "dlrm")
+    dead = Cell("tensorflow", "dlrm")  # every case unsupported
+    cells = [gave, quiet, untried, dead]
+    records = {gave: CellRecord(rounds=2, cases=40, runnable=40, new=1),
+               quiet: CellRecord(rounds=6, cases=120, runnable=120),
+               dead: CellRecord(rounds=1, cases=9, runnable=0)}
+    guided = chances(cells, records, Sampling.GUIDED)
+    assert abs(sum(guided.values()) - 1) < 1e-9
+    assert guided[gave] > guided[untried] > guided[quiet] > guided[dead]
+    assert guided[dead] == EXPLORE / len(cells)  # the floor of uniform exploration, nothing more
+    uniform = chances(cells, records, Sampling.UNIFORM)
+    assert set(uniform.values()) == {1 / len(cells)}
+
+    settings_of = {c.family: [f"{c.family}/a", f"{c.family}/b"] for c in cells}
+    plan = draw(cells, records, Sampling.GUIDED, settings_of, 2, number=5, seed=1000)
+    assert plan == draw(cells, records, Sampling.GUIDED, settings_of, 2, number=5, seed=1000)  # a resume draws alike
+    assert len(plan.families) == 2 and plan.kind == "dlrm" and plan.batch_size in BATCH_SIZES
+    assert plan.settings == tuple(s for f in plan.families for s in settings_of[f]) and plan.first_index == 5 % 3
+    drawn = [draw(cells, records, Sampling.GUIDED, settings_of, 1, number=n, seed=1000).families[0] for n in range(400)]
+    assert drawn.count("pipeline") > drawn.count("ddp") > 0 and drawn.count("tensorflow") > 0
+
+
+def test_a_rounds_cells_count_cases_near_misses_and_each_new_cause_once_per_family() -> None:
+    import pandas as pd
+
+    from difftest.sampling import Cell, round_cells
+
+    cases = pd.DataFrame({"model": ["m"] * 4, "setting": ["ddp/a/ws2", "ddp/b/ws2", "tp/a/ws2", "tp/b/ws2"],
+                          "verdict": ["ok", "ok", "inconsistent", "unsupported"], "wall_s": [1.0, 2.0, 0.5, None]})
+    comparisons = pd.DataFrame({
+        "model": ["m"] * 4, "setting": ["ddp/a/ws2", "ddp/a/ws2", "ddp/b/ws2", "tp/a/ws2"],
+        "status": ["ok", "ok", "ok", "inconsistent"], "calibrated_ratio": [0.1, 0.7, None, 5.0],
+        "bound_ratio": [None, None, 0.2, None]})
+    family = lambda setting: setting.split("/")[0]
+    records = round_cells(cases, comparisons, "dlrm", [["tp/a/ws2", "tp/a/ws3"]], family)
+    ddp, tp = records[Cell("ddp", "dlrm")], records[Cell("tp", "dlrm")]
+    assert (ddp.cases, ddp.runnable, ddp.seconds, ddp.near_misses, ddp.not_ok, ddp.new) == (2, 2, 3.0, 1, 0, 0)
+    assert (tp.cases, tp.runnable, tp.near_misses, tp.not_ok, tp.new, tp.rounds) == (2, 1, 0, 1, 1, 1)
+
+
+def test_a_campaign_killed_mid_round_resumes_with_nothing_lost_or_repeated(tmp_path: Path) -> None:
+    """`kill -9` of the campaign and its workers while round 2 sweeps: the same command resumes round 2 where its
+    store stopped (its committed cases not run again), counts it once, and goes on."""
+    import os
+    import re
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "hunt"
+    command = [sys.executable, "-m", "difftest.cli", "campaign", str(folder), "--kind", "dlrm", "--settings", SETTINGS,
+               "--plugin", PLANTED, "--minimize-budget", "15", "--cases", "27"]
+    started = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def committed(round_name: str) -> int:
+        stores = list((folder / "rounds").glob(f"{round_name}/store.sqlite"))
+        if not stores:
+            return 0
+        try:
+            with sqlite3.connect(f"file:{stores[0]}?mode=ro", uri=True, timeout=1) as db:
+                return int(db.execute("SELECT count(*) FROM cases").fetchone()[0])
+        except sqlite3.Error:  # created, its table not yet
+            return 0
+
+    deadline = time.time() + 300
+    while committed("r0002-*") < 2 and started.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(started.pid, signal.SIGKILL)
+    started.wait()
+    assert started.returncode == -signal.SIGKILL, "the campaign ended before it could be killed mid-round"
+    assert [r.name for r in rounds_done(folder)] == ["r0001-s1001"]
+    assert committed("r0002-*") >= 2
+    said = _campaign(folder, "--cases", "27").replace("\n", " ")
+
+
+    total, done, ran = map(int, re.search(r"sweep: (\d+) cases, (\d+) already done, ran (\d+)", said).groups())
+    assert done >= 1 and done + ran == total, said  # round 2 resumed: what it had committed is not run again
+    assert [r.name for r in rounds_done(folder)] == ["r0001-s1001", "r0002-s1002", "r0003-s1003"]
+    assert json.loads((rounds_done(folder)[1] / "round.done").read_text())["cases"] == total
+    planted = next(s for s in load_seen(folder).values() if "faults" in s.key)
+    assert planted.rounds == [1, 2, 3] and planted.cases == 3  # each round's failing case counted once

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from difftest.errors import Unsupported
+
 
 @dataclass
 class JaggedFeature:
@@ -71,8 +73,9 @@ class Batch:
 
     def shard(self, rank: int, world_size: int) -> Batch:
         """The contiguous share of rank `rank`; the global batch must divide evenly."""
-        if self.size % world_size:
-            raise ValueError(f"batch of {self.size} samples does not split over {world_size} ranks")
+        if self.size % world_size:  # the run's batch size does not suit the setting: nothing a library did
+            raise Unsupported(f"batch of {self.size} samples does not split over {world_size} ranks (--batch-size "
+                              "24 or a multiple of it splits everywhere)")
         per_rank = self.size // world_size
         return self.slice(rank * per_rank, (rank + 1) * per_rank)
 

@@ -27,7 +27,9 @@ EXPLORE = 0.3  # guided: the share of the probability spread uniformly over ever
 NEAR_MISS = 0.5  # an ok case whose worst calibrated ratio reaches this (≤ 1 is within the envelope) is a near miss
 NEW_WEIGHT = 4.0  # a new cause counts as this many near misses
 PRIOR = 1.0  # the optimistic prior: a cell never tried scores PRIOR / PRIOR
-BATCH_SIZES = (12, 24, 36)  # a round's batch size: multiples of 12 (they split over 1–4 ranks)
+# a round's batch size: multiples of the default 24, so every share a setting takes of it splits as the default's does
+# (a resumable run serves half the batch per step, over up to 4 ranks; pipelines cut a rank's share in micro-batches)
+BATCH_SIZES = (24, 48)
 INDEX_CYCLE = 3  # model variants repeat every 3 indices (index % 3 == 2: uneven widths): rounds step through them
 
 

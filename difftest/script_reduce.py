@@ -235,12 +235,32 @@ def _shared_start(lines: list[str]) -> int:
 
 
 def prune_unexecuted(source: str, executed: set[int]) -> str:
-    """`source` less what never ran, before the shared part (never touched)."""
+    """`source` less what never ran, before the shared part (never touched). A definition that never ran but is named
+    by what stays (a call on the line that failed, before it was reached) stays whole."""
+    keep: set[str] = set()
+    while True:
+        pruned = _prune(source, executed, keep)
+        tree = ast.parse(pruned)
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+        named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        missing = (named - defined) & _definitions(source) - keep
+        if not missing:
+            return pruned
+        keep |= missing
+
+
+def _definitions(source: str) -> set[str]:
+    return {n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+
+
+def _prune(source: str, executed: set[int], keep: set[str]) -> str:
     tree = ast.parse(source)
     edits = _Edits(source)
     marker = _shared_start(edits.lines)
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.lineno < marker:
+            if node.name in keep:
+                continue
             if not _body_ran(node.body, executed):
                 edits.delete(*_span(node))
             else:  # a class: its methods never called and their branches never taken go too

@@ -78,7 +78,6 @@ class TorchRecSharding(Setting):
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch
         from torchrec.distributed import DistributedModelParallel
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.types import ShardingEnv
         from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
         from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -95,18 +94,19 @@ class TorchRecSharding(Setting):
         if frozen:
             apply_optimizer_in_backward(torch.optim.SGD, frozen, {"lr": 0.0})
 
-        sharder = EmbeddingBagCollectionSharder()
+        initial = self.initial_state(model, module)  # read before DMP shards `module` in place
+        sharder = self.sharder()
         env = ShardingEnv.from_process_group(ctx.group)
         device = torch.device(ctx.device)
         plan = self._plan(ctx, module, sharder)
         features = {config.name: list(config.feature_names) for collection in embedding_collections(module).values()
-                    for config in collection.embedding_bag_configs()}
+                    for config in table_configs(collection)}
         try:
             dmp = DistributedModelParallel(module, env=env, plan=plan, sharders=[sharder], device=device)
         except (ValueError, NotImplementedError, AssertionError) as exc:  # its words: an optimizer fbgemm's CPU
             # kernels lack says "Optimizer adam is not supported in CPU mode"
             raise Unsupported(f"TorchRec refused the plan or the optimizer: {type(exc).__name__}: {exc}") from exc
-        self.load_initial_state(ctx, dmp, model.init_state)
+        self.load_initial_state(ctx, dmp, initial)
         ctx.notes["plan"] = _plan_summary(dmp.plan, features)
 
         # DMP hands data-parallel tables back as new parameters that require grad, with no optimizer of their own:
@@ -142,6 +142,16 @@ class TorchRecSharding(Setting):
     def full_state(self, ctx: RunContext, dmp: Any) -> dict | None:
         """Every parameter, unsharded, under the model's names, on rank 0 (collective)."""
         return _full_state(ctx, dmp)
+
+    def sharder(self) -> Any:
+        """What shards the collections (`sharded_module`'s): bags here."""
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+        return EmbeddingBagCollectionSharder()
+
+    def initial_state(self, model: Any, module: Any) -> dict[str, Any]:
+        """The initial weights of what DMP wraps (`module`), under its names: the model's own here."""
+        return dict(model.init_state)
 
     def table_optimizer(self, ctx: RunContext) -> tuple[type, dict[str, Any]]:
         """The optimizer TorchRec fuses into the tables' backward, by its class (TorchRec maps it to fbgemm's kernel),
@@ -216,7 +226,7 @@ class TorchRecSharding(Setting):
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
                   "device": "cpu", "batch": batch.size, "tables": table_list},
-            functions=(embedding_collections, collection_tables, table_kinds, sharding_plan, _generator,
+            functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
                        *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size),
                        _local_pieces, _load_full_state, standalone_tables, standalone_features, _pooled,
                        single_process, on_rank),
@@ -276,17 +286,24 @@ def sharding_plan(module: Any, sharder: Any, sharding: str, plan_seed: int, worl
 
 
 def embedding_collections(module: Any) -> dict[str, Any]:
-    """Qualified name → EmbeddingBagCollection of every collection in an unsharded model, in module order (where a
-    sharding plan names them: the `dlrm` kind's `sparse`, TorchRec DLRM's `sparse_arch.embedding_bag_collection`)."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    """Qualified name → EmbeddingBagCollection (or EmbeddingCollection) of every collection in an unsharded model, in
+    module order (where a sharding plan names them: the `dlrm` kind's `sparse`, TorchRec DLRM's
+    `sparse_arch.embedding_bag_collection`)."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-    return {name: m for name, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)}
+    return {name: m for name, m in module.named_modules() if isinstance(m, EmbeddingBagCollection | EmbeddingCollection)}
+
+
+def table_configs(collection: Any) -> list[Any]:
+    """A collection's table configs: a bag collection's or a sequence collection's."""
+    configs = getattr(collection, "embedding_bag_configs", None) or collection.embedding_configs
+    return list(configs())
 
 
 def collection_tables(collection: Any) -> list[dict[str, Any]]:
     """The tables of a collection, in its order, as the plan generators read them (name, embedding dim)."""
     return [{"name": c.name, "embedding_dim": c.embedding_dim, "num_embeddings": c.num_embeddings}
-            for c in collection.embedding_bag_configs()]
+            for c in table_configs(collection)]
 
 
 def _planner_plan(module: Any, sharder: Any, world_size: int, local_size: int, device: str, group: Any) -> Any:

@@ -308,3 +308,28 @@ def test_every_pipeline_schedule_the_installed_torch_exports_is_run() -> None:
 
     assert uncovered_schedules() == []
     assert "ScheduleDualPipeV" in {class_name for class_name, _, _ in SCHEDULES.values()}
+
+
+def test_sequence_embeddings_shard_like_one_process_and_data_parallel_is_fbgemms_known_bug(tmp_path: Path) -> None:
+    """The model's tables as EmbeddingCollections: table/row/column-wise shards train like the unsharded collections
+    (judged by the calibrated envelope: the root computes in float64 for it), data-parallel tables hit fbgemm's CPU
+    dense lookup that pools under PoolingMode.NONE (a known finding), and index dedup, with no CPU kernel here, is
+    unsupported with the probe's reason."""
+    from difftest.generate import generate
+    from difftest.spec import RunConfig
+    from difftest.triage import triage
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
+    run_sweep(run_dir, SweepOptions(settings="torchrec-seq/*/all-ids/ws2,torchrec-seq/row_wise/dedup/ws2"))
+    analysis = analyze(run_dir)
+    verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
+    for sharding in ("table_wise", "row_wise", "column_wise"):
+        assert verdicts[f"torchrec-seq/{sharding}/all-ids/ws2"] == "ok", verdicts
+    assert verdicts["torchrec-seq/data_parallel/all-ids/ws2"] == "error"
+    assert verdicts["torchrec-seq/row_wise/dedup/ws2"] == "unsupported"
+    compared = analysis.comparisons[analysis.comparisons["setting"] == "torchrec-seq/row_wise/all-ids/ws2"]
+    assert compared["calibrated_ratio"].notna().all() and {"eval_before", "param_after_step1"} <= set(compared["phase"])
+    assert any(t.startswith("seq.") for t in compared["tensor"])
+    found = {f.known.id for f in triage(run_dir, analysis) if f.known is not None}
+    assert "fbgemm-dense-tbe-cpu-pools-sequence" in found

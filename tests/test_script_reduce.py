@@ -120,6 +120,30 @@ def test_an_else_taken_replaces_its_if_and_a_block_left_empty_keeps_a_pass() -> 
     compile(reduced, "reduced", "exec")
 
 
+def test_a_definition_named_on_the_line_that_failed_stays_though_it_never_ran() -> None:
+    """A failure's trace: the line `out = shape(lookup(x))` ran, `lookup` raised, `shape` was never called; removing
+    `shape` would leave a NameError where the library's exception was."""
+    source = textwrap.dedent('''\
+        def shape(values):
+            return helper(values)
+
+        def helper(values):
+            return values
+
+        def unused():
+            return 0
+
+        def main(x):
+            out = shape(lookup(x))
+            return out
+        ''')
+    executed = _lines(source, "def main", "out = shape")
+    reduced = prune_unexecuted(source, executed)
+    assert "def shape" in reduced and "def helper" in reduced  # named by what stays, and what that names
+    assert "def unused" not in reduced
+    compile(reduced, "reduced", "exec")
+
+
 def test_unused_definitions_go_until_none_is_left_and_docstrings_but_the_scripts_own() -> None:
     source = '"""Own."""\nimport a, b\nfrom c import d, e\n\ndef f():\n    """Doc."""\n    return g()\n\n' \
              'def g():\n    return d\n\ndef h():\n    return h()\n\nprint(b)\n'

@@ -211,10 +211,11 @@ def tier(name: str) -> list[Setting]:
         return settings
     if name != "default":
         raise UserError(f"unknown tier {name!r}; tiers: {', '.join(TIERS)}")
-    judges_own_family = {  # a family is a module of settings; a plugin's planted fault judges nothing of it
-        s.reference for s in settings
-        if s.reference != s.name and type(get_setting(s.reference)).__module__ == type(s).__module__
-    } | {s.name for s in settings if s.judge_only}
+    # the roots that exist to judge their own family (`Setting.judges_family`), whatever module holds them; a plugin's
+    # planted fault, judged against a family's root, judges nothing of it
+    judges_own_family = {s.reference for s in settings
+                         if s.reference != s.name and get_setting(s.reference).judges_family(s.family)}
+    judges_own_family |= {s.name for s in settings if s.judge_only}
     by_class: dict[type, list[Setting]] = {}
     for setting in settings:
         if type(setting).in_default_tier:

@@ -134,6 +134,14 @@ class Setting(abc.ABC):
         their reference, never as a representative of its family."""
         return False
 
+    # families besides its own this setting is the root of (the pipeline schedules' gradient-accumulation root)
+    judged_families: ClassVar[tuple[str, ...]] = ()
+
+    def judges_family(self, family: str) -> bool:
+        """Whether this setting, as a root, exists to judge settings of `family` (the default tier then takes it only
+        for values nothing else covers)."""
+        return family == self.family or family in self.judged_families
+
     @property
     def role(self) -> SettingRole:
         if self.reference == self.name:

@@ -87,6 +87,7 @@ class Accumulation(Setting):
     momentum: float = 0.0
     steps: int = 0  # 0: the run's steps
     family: ClassVar[str] = "accumulate"
+    judged_families: ClassVar[tuple[str, ...]] = ("pipeline",)  # the schedules are judged against it
     size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "microbatches", "steps"})
 
     @property

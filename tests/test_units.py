@@ -244,6 +244,17 @@ def test_collectives_gloo_does_not_carry_on_cuda_are_refused_and_nothing_else() 
     assert collective_refusal("cuda", "gloo", 2, SHARDED) is not None
 
 
+def test_the_default_tier_follows_declared_families_not_the_modules_that_hold_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Moving a setting class to another module changes nothing: what judges a family is declared
+    (`Setting.family`, `judged_families`), not read off `__module__`."""
+    load_plugins()
+    before = [s.name for s in tier("default")]
+    for i, cls in enumerate({type(s) for s in all_settings()}):
+        monkeypatch.setattr(cls, "__module__", f"elsewhere{i}")
+    assert [s.name for s in tier("default")] == before
+
+
 def test_settings_list_names_gives_one_full_name_per_line_per_tier() -> None:
     from typer.testing import CliRunner
 

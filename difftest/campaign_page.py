@@ -51,7 +51,7 @@ def family_rows(folder: Path) -> list[dict[str, object]]:
     by_family: dict[str, dict[str, float]] = {}
     for cell, record in cell_records(folder).items():
         row = by_family.setdefault(cell.family, dict.fromkeys(
-            ("rounds", "cases", "seconds", "new", "near_misses", "not_ok"), 0.0))
+            ("rounds", "cases", "seconds", "new", "near_miss_rounds", "not_ok"), 0.0))
         for name in row:
             row[name] += getattr(record, name)
     total = sum(r["seconds"] for r in by_family.values()) or 1.0

@@ -799,6 +799,16 @@ def _print_campaign(folder: Path, rows: list[Any]) -> None:
     for s in rows:
         table.add_row(escape(s.title[:90]), s.upstream, str(s.first_round), str(len(s.rounds)), str(s.cases), s.example)
     out_console.print(table)
+    if not folder.is_dir():
+        return
+    from difftest.campaign_page import family_rows
+
+    spent = Table("family", "rounds", "cases", "seconds", "share", "causes first seen", "rounds near",
+                  title="where the time went (the cases' own wall time)")
+    for r in family_rows(folder):
+        spent.add_row(str(r["family"]), f"{r['rounds']:.0f}", f"{r['cases']:.0f}", f"{r['seconds']:.0f}",
+                      f"{r['share']:.0%}", f"{r['new']:.0f}", f"{r['near_miss_rounds']:.0f}")
+    out_console.print(spent)
 
 
 @app.command()

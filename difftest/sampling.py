@@ -2,8 +2,9 @@
 
 A round runs one model kind under a few setting families (`RoundPlan`); the cells are every (family, kind) pair the
 campaign's settings and kinds make. Uniform sampling draws every cell alike. Guided sampling scores each cell by what
-its earlier rounds gave (`CellRecord`): a cause the campaign had not seen counts most, a near-miss (an ok case whose worst tensor came within
-`NEAR_MISS` of its envelope: the area is close to breaking) counts too, and the score is a rate per round tried, with
+its earlier rounds gave (`CellRecord`): a cause the campaign had not seen counts most, a round with a near miss (an ok
+case whose worst tensor came within `NEAR_MISS` of its calibrated envelope: the area is close to breaking) counts too,
+and the score is a rate per round tried, with
 an optimistic prior, so a cell never tried scores as well as one that gave something once in a while and a cell tried
 often with nothing to show sinks. A share `EXPLORE` of the probability is spread over every cell whatever the scores:
 the floor of uniform exploration. A cell whose cases were all unsupported gives nothing to find and is left out of
@@ -24,8 +25,10 @@ if TYPE_CHECKING:
     import pandas as pd
 
 EXPLORE = 0.3  # guided: the share of the probability spread uniformly over every cell
-NEAR_MISS = 0.5  # an ok case whose worst calibrated ratio reaches this (≤ 1 is within the envelope) is a near miss
-NEW_WEIGHT = 4.0  # a new cause counts as this many near misses
+# an ok case whose worst calibrated ratio reaches this (≤ 1 is within the envelope) is a near miss; a ratio to a fixed
+# bound (D3's allclose, a quantization scheme's error bound) is no envelope of the model's own noise and counts not
+NEAR_MISS = 0.5
+NEW_WEIGHT = 4.0  # a cause not seen before counts as this many rounds with a near miss
 PRIOR = 1.0  # the optimistic prior: a cell never tried scores PRIOR / PRIOR
 # a round's batch size: multiples of the default 24, so every share a setting takes of it splits as the default's does
 # (a resumable run serves half the batch per step, over up to 4 ranks; pipelines cut a rank's share in micro-batches)
@@ -56,7 +59,7 @@ class CellRecord:
     runnable: int = 0  # cases that were not unsupported
     seconds: float = 0.0  # the cases' wall time
     new: int = 0  # causes the campaign had not seen before, whose cases fell in the cell
-    near_misses: int = 0
+    near_miss_rounds: int = 0  # rounds in which one of its ok cases came within NEAR_MISS of its envelope
     not_ok: int = 0
 
     def add(self, other: CellRecord) -> None:
@@ -88,10 +91,10 @@ class RoundPlan:
 
 
 def score(record: CellRecord) -> float:
-    """What guided sampling expects of one more round of a cell: new causes and near misses per round tried."""
+    """What guided sampling expects of one more round of a cell: causes not seen before and rounds that came near, per round tried."""
     if record.rounds and not record.runnable:
         return 0.0  # every case it ran was unsupported: nothing to find there
-    return (PRIOR + NEW_WEIGHT * record.new + record.near_misses) / (PRIOR + record.rounds)
+    return (PRIOR + NEW_WEIGHT * record.new + record.near_miss_rounds) / (PRIOR + record.rounds)
 
 
 def chances(cells: list[Cell], records: dict[Cell, CellRecord], sampling: Sampling) -> dict[Cell, float]:
@@ -132,8 +135,8 @@ def draw(cells: list[Cell], records: dict[Cell, CellRecord], sampling: Sampling,
 def round_cells(cases: pd.DataFrame, comparisons: pd.DataFrame, kind: str, new_cases: list[list[str]],
                 family_of: Callable[[str], str]) -> dict[Cell, CellRecord]:
     """What a finished round gave, per cell, from its analysis: its cases (`cases`: model, setting, verdict, wall_s),
-    their wall time, near misses (`comparisons`: cases whose every tensor is ok, the worst within `NEAR_MISS` of its
-    envelope) and the cells its new causes fell in (`new_cases`: per new cause, the settings of its cases; a cause
+    their wall time, whether it came near (`comparisons`: a case whose every tensor is ok, the worst calibrated ratio
+    within `NEAR_MISS` of its envelope) and the cells its new causes fell in (`new_cases`: per new cause, the settings of its cases; a cause
     counts once per cell). A setting outside the plan (a reference or calibration the sweep added) counts under its
     own family."""
     import pandas as pd
@@ -152,13 +155,13 @@ def round_cells(cases: pd.DataFrame, comparisons: pd.DataFrame, kind: str, new_c
         record.seconds += 0.0 if pd.isna(wall_s) else float(wall_s)
         record.not_ok += verdict not in (Status.OK, Status.UNSUPPORTED)
     if len(comparisons):
-        ratio = comparisons["calibrated_ratio"].fillna(comparisons["bound_ratio"])
-        by_case = pd.DataFrame({"ok": comparisons["status"] == str(Status.OK), "ratio": ratio}).groupby(
+        by_case = pd.DataFrame({"ok": comparisons["status"] == str(Status.OK),
+                                "ratio": comparisons["calibrated_ratio"]}).groupby(
             [comparisons["model"], comparisons["setting"]])
         worst = by_case["ratio"].max()[by_case["ok"].all()]
         for (_, setting), value in worst.items():
             if NEAR_MISS <= value <= 1.0:
-                cell(family_of(setting)).near_misses += 1
+                cell(family_of(setting)).near_miss_rounds = 1  # a round came near, however many cases did
     for settings in new_cases:
         for family in {family_of(setting) for setting in settings}:
             cell(family).new += 1

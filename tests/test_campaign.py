@@ -142,17 +142,21 @@ def test_a_rounds_cells_count_cases_near_misses_and_each_new_cause_once_per_fami
 
     from difftest.sampling import Cell, round_cells
 
-    cases = pd.DataFrame({"model": ["m"] * 4, "setting": ["ddp/a/ws2", "ddp/b/ws2", "tp/a/ws2", "tp/b/ws2"],
-                          "verdict": ["ok", "ok", "inconsistent", "unsupported"], "wall_s": [1.0, 2.0, 0.5, None]})
+    cases = pd.DataFrame({"model": ["m"] * 5,
+                          "setting": ["ddp/a/ws2", "ddp/b/ws2", "ddp/c/ws2", "tp/a/ws2", "quant/a"],
+                          "verdict": ["ok", "ok", "ok", "inconsistent", "unsupported"],
+                          "wall_s": [1.0, 2.0, 1.5, 0.5, None]})
     comparisons = pd.DataFrame({
-        "model": ["m"] * 4, "setting": ["ddp/a/ws2", "ddp/a/ws2", "ddp/b/ws2", "tp/a/ws2"],
-        "status": ["ok", "ok", "ok", "inconsistent"], "calibrated_ratio": [0.1, 0.7, None, 5.0],
-        "bound_ratio": [None, None, 0.2, None]})
+        "model": ["m"] * 6, "setting": ["ddp/a/ws2", "ddp/a/ws2", "ddp/b/ws2", "ddp/c/ws2", "tp/a/ws2", "quant/a"],
+        "status": ["ok", "ok", "ok", "ok", "inconsistent", "ok"], "calibrated_ratio": [0.1, 0.7, 0.8, None, 5.0, None],
+        "bound_ratio": [None, None, None, 0.95, None, 0.9]})
     family = lambda setting: setting.split("/")[0]
     records = round_cells(cases, comparisons, "dlrm", [["tp/a/ws2", "tp/a/ws3"]], family)
-    ddp, tp = records[Cell("ddp", "dlrm")], records[Cell("tp", "dlrm")]
-    assert (ddp.cases, ddp.runnable, ddp.seconds, ddp.near_misses, ddp.not_ok, ddp.new) == (2, 2, 3.0, 1, 0, 0)
-    assert (tp.cases, tp.runnable, tp.near_misses, tp.not_ok, tp.new, tp.rounds) == (2, 1, 0, 1, 1, 1)
+    ddp, tp, quant = (records[Cell(f, "dlrm")] for f in ("ddp", "tp", "quant"))
+    # two cases came near: one round that came near; a ratio to a fixed bound (quant's, D3's) is no envelope
+    assert (ddp.cases, ddp.runnable, ddp.seconds, ddp.near_miss_rounds, ddp.not_ok, ddp.new) == (3, 3, 4.5, 1, 0, 0)
+    assert (tp.cases, tp.runnable, tp.near_miss_rounds, tp.not_ok, tp.new, tp.rounds) == (1, 1, 0, 1, 1, 1)
+    assert (quant.near_miss_rounds, quant.runnable) == (0, 0)
 
 
 def test_a_campaign_killed_mid_round_resumes_with_nothing_lost_or_repeated(tmp_path: Path) -> None:

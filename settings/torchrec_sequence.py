@@ -243,7 +243,7 @@ class SequenceSharding(TorchRecSharding):
             libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "dedup": DEDUP[self.dedup], "local_world_size": case.local_world_size,
-                  "device": "cpu", "batch": batch.size, "groups": listed},
+                  "device": "cpu", "batch": batch.size, "lr": case.lr, "groups": listed},
             functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
                        *_plan_helpers(self.sharding, tables, 0, self.world_size), _local_pieces, _load_full_state,
                        standalone_sequence_tables, standalone_sequence_features, _sequences, single_process, on_rank),
@@ -353,8 +353,12 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     module, sharder = standalone_sequence_tables(case), EmbeddingCollectionSharder(use_index_dedup=case["dedup"])
+    # the tables trained by fused SGD, as the setting shards them (sharded without an optimizer fused in, TorchRec's
+    # sequence output dist on the CPU fails on its own: "Split sizes doesn't match total dim 0 size")
+    apply_optimizer_in_backward(torch.optim.SGD, list(module.parameters()), {"lr": case["lr"]})
     plan = sharding_plan(module, sharder, case["sharding"], 0, world_size, case["local_world_size"], case["device"],
                          dist.group.WORLD)
     dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,

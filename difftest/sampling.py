@@ -155,10 +155,10 @@ def round_cells(cases: pd.DataFrame, comparisons: pd.DataFrame, kind: str, new_c
         record.seconds += 0.0 if pd.isna(wall_s) else float(wall_s)
         record.not_ok += verdict not in (Status.OK, Status.UNSUPPORTED)
     if len(comparisons):
-        by_case = pd.DataFrame({"ok": comparisons["status"] == str(Status.OK),
+        by_case = pd.DataFrame({"agrees": comparisons["status"] == str(Status.OK),
                                 "ratio": comparisons["calibrated_ratio"]}).groupby(
             [comparisons["model"], comparisons["setting"]])
-        worst = by_case["ratio"].max()[by_case["ok"].all()]
+        worst = by_case["ratio"].max()[by_case["agrees"].all()]
         for (_, setting), value in worst.items():
             if NEAR_MISS <= value <= 1.0:
                 cell(family_of(setting)).near_miss_rounds = 1  # a round came near, however many cases did

@@ -44,21 +44,6 @@ DEDUP = {"all-ids": False, "dedup": True}  # (names sort so that the default tie
 WORLD_SIZES = (2, 4)
 
 
-class SequenceTables:
-    """What holds the model's tables as EmbeddingCollections (`sequence_tables` makes it an `nn.Module`): its forward
-    takes the batch's ids per collection and returns each feature's JaggedTensor of embeddings."""
-
-    @staticmethod
-    def forward(self: Any, features: dict[str, Any]) -> dict[str, Any]:
-        found = {}
-        for name, kjt in features.items():
-            collection = self.get_submodule(name)
-            embedded = _lookup_in_own_dtype(collection, kjt) if _wider_than_fp32(collection) else collection(kjt)
-            for feature in kjt.keys():
-                found[feature] = embedded[feature]  # indexing waits for a sharded collection's output
-        return found
-
-
 def _wider_than_fp32(collection: Any) -> bool:
     """An unsharded collection whose tables are float64 (a calibration's centre)."""
     import torch
@@ -88,7 +73,20 @@ def sequence_tables(model: Any, module: Any) -> Any:
     tables = model.generator.embedding_tables(model.spec)
     if not tables:
         raise Unsupported(f"model kind {model.spec.kind!r} declares no embedding tables")
-    holder = type("Tables", (torch.nn.Module,), {"forward": SequenceTables.forward})()
+    class Tables(torch.nn.Module):
+        """The collections by name; forward takes the batch's ids per collection and returns each feature's
+        JaggedTensor of embeddings."""
+
+        def forward(self, features: dict[str, Any]) -> dict[str, Any]:
+            found = {}
+            for name, kjt in features.items():
+                collection = self.get_submodule(name)
+                embedded = _lookup_in_own_dtype(collection, kjt) if _wider_than_fp32(collection) else collection(kjt)
+                for feature in kjt.keys():
+                    found[feature] = embedded[feature]  # indexing waits for a sharded collection's output
+            return found
+
+    holder = Tables()
     holder.features = {}
     groups = itertools.groupby(sorted(tables, key=lambda t: (t.collection, t.embedding_dim)),
                                key=lambda t: (t.collection, t.embedding_dim))

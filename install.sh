@@ -7,10 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 # DIFFTEST_TORCH=2.10 (or 2.10.0) installs that torch release with the fbgemm-gpu, torchrec and torchvision built
-# for it (difftest/releases.toml); without it, the newest release difftest supports
+# for it (difftest/releases/releases.toml); without it, the newest release difftest supports
 read -r TORCH FBGEMM TORCHREC TORCHVISION < <(python3 - "${DIFFTEST_TORCH:-}" <<'PY'
 import sys, tomllib
-rows = sorted(tomllib.load(open("difftest/releases.toml", "rb"))["release"], key=lambda r: [int(p) for p in r["torch"].split(".")])
+rows = sorted(tomllib.load(open("difftest/releases/releases.toml", "rb"))["release"], key=lambda r: [int(p) for p in r["torch"].split(".")])
 wanted = sys.argv[1].strip()
 pick = [r for r in rows if not wanted or r["torch"] == wanted or r["torch"].rsplit(".", 1)[0] == wanted or (wanted.count(".") == 2 and r["torch"].rsplit(".", 1)[0] == wanted.rsplit(".", 1)[0])]
 if not pick:
@@ -48,6 +48,6 @@ pip_install --no-deps "torchrec==$TORCHREC"
 # DIFFTEST_EXTRAS=test installs without TensorFlow (DLRM models and PyTorch settings only) and without Ray
 pip_install -e ".[$EXTRAS]"
 # what this torchrec release needs at run time, but the CUDA fbgemm-gpu (torchrec 1.1 still imports iopath)
-TORCHREC_NEEDS=$("$PY" -m difftest.releases torchrec-requirements)
+TORCHREC_NEEDS=$("$PY" -m difftest.releases.environments torchrec-requirements)
 [ -z "$TORCHREC_NEEDS" ] || pip_install $TORCHREC_NEEDS
 "$PY" -c "import torch, torchrec, fbgemm_gpu; print('difftest stack: torch', torch.__version__, '| torchrec', torchrec.__version__ if hasattr(torchrec, '__version__') else '$TORCHREC', '| $FBGEMM_PKG')"

@@ -37,7 +37,7 @@ for step in "$@"; do
       for run in "${runs[@]}"; do
         /usr/bin/time -f "sweep %e s" python3 -c 'from difftest.cli import main; main()' sweep "$run" \
           --settings "$settings" --device cpu 2>&1 | tail -4
-        difftest analyze "$run" --minimize-budget 0 > "$run/analyze.log" 2>&1
+        difftest analyze "$run" --minimise-budget 0 > "$run/analyze.log" 2>&1
         tail -25 "$run/analyze.log"
         table "$run" | tee "$OUT/cpu_vs_gpu_$(basename "$run").txt"
         cp "$run/comparisons.csv" "$OUT/cpu_vs_gpu_$(basename "$run")_comparisons.csv"
@@ -50,8 +50,8 @@ for step in "$@"; do
         # a sweep cut off by $SWEEP_LIMIT is judged as far as it got (a rerun would resume it)
         /usr/bin/time -f "sweep %e s" timeout "${SWEEP_LIMIT:-3600}" python3 -c 'from difftest.cli import main; main()' \
           sweep "$run" --device cuda --backend gloo --jobs "${JOBS:-4}" --models-filter "${MODELS:-*}" \
-          --minimize-budget 0 2>&1 | tail -4
-        difftest analyze "$run" --minimize-budget 0 > "$run/analyze.log" 2>&1
+          --minimise-budget 0 2>&1 | tail -4
+        difftest analyze "$run" --minimise-budget 0 > "$run/analyze.log" 2>&1
         tail -40 "$run/analyze.log"
         python3 - "$run" <<'EOF' | tee "$OUT/cuda_sweep_$(basename "$run").txt"
 import sys, pandas as pd

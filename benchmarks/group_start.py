@@ -26,7 +26,7 @@ def _machine_cpu_s() -> float:
 def main() -> None:
     import multiprocessing
 
-    from difftest.registry import load_plugins
+    from difftest.contracts.registry import load_plugins
     from difftest.runner import pool
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

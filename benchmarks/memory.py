@@ -18,10 +18,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from difftest.generate import generate
-from difftest.registry import generator_kinds, get_generator, load_plugins
+from difftest.contracts.registry import generator_kinds, get_generator, load_plugins
+from difftest.contracts.spec import RunConfig
+from difftest.generation.generate import generate
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.spec import RunConfig
 
 
 def _rss_mib(pid: int) -> float | None:

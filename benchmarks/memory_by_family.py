@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from difftest.artifacts import load_spec
-from difftest.registry import all_settings, load_plugins, select_settings
+from difftest.contracts.registry import all_settings, load_plugins, select_settings
 from difftest.runner.pool import CaseRequest, WorkerGroup
+from difftest.storage.artifacts import load_spec
 
 
 def _rss_mib(pid: int) -> int:

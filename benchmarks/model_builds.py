@@ -1,5 +1,5 @@
 """What building a minimisation round's models costs: one by one in this process, against side by side
-(`difftest.generate.ModelBuilders`: this process and one builder process per core more).
+(`difftest.generation.generate.ModelBuilders`: this process and one builder process per core more).
 
     python -m benchmarks.model_builds RUN_DIR [--per-model 10] [--batches 3]
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 
 def main() -> None:
-    from difftest.generate import ModelBuilders, try_materialise
-    from difftest.registry import get_generator, load_plugins, loaded_plugins
-    from difftest.run_folder import list_models
+    from difftest.contracts.registry import get_generator, load_plugins, loaded_plugins
+    from difftest.generation.generate import ModelBuilders, try_materialise
+    from difftest.storage.run_folder import list_models
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)

@@ -1,4 +1,4 @@
-"""How close clean settings come to the calibrated oracle's envelope: the measurement behind `difftest.envelope.K`.
+"""How close clean settings come to the calibrated oracle's envelope: the measurement behind `difftest.judging.envelope.K`.
 
     .venv/bin/python benchmarks/oracle_noise.py RUN_DIR [RUN_DIR ...]
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from difftest.analysis import analyze
-from difftest.envelope import K
+from difftest.judging.analysis import analyze
+from difftest.judging.envelope import K
 
 
 def raw_ratios(run_dir: Path) -> pd.DataFrame:

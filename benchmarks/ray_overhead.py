@@ -7,7 +7,7 @@ with their references and calibration runs) runs once on the local executor (`--
 executor against a `ray.cluster_utils.Cluster` (a head without CPUs, two nodes of four logical CPUs), once per
 number of gang slots, each `--repeat` times (medians compared: on two cores one sweep's wall time varies by tens of
 per cent). Both share the machine's cores, so one slot against one local group measures what Ray adds, not what more
-machines would gain. The results must be byte-equal (`difftest.store.results_digest`).
+machines would gain. The results must be byte-equal (`difftest.storage.store.results_digest`).
 
 Then Ray's own per-case costs, apart from any setting: placing a gang (a placement group of two bundles,
 STRICT_PACK, and an actor in it) and one actor call that returns a real case's outputs.
@@ -22,11 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from difftest.generate import generate
+from difftest.contracts.spec import RunConfig
+from difftest.generation.generate import generate
 from difftest.runner.executor import ExecutorConfig
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.spec import RunConfig
-from difftest.store import Store, results_digest
+from difftest.storage.store import Store, results_digest
 
 SETTINGS = "ddp/*/ws2,torchrec/ebc/row_wise/ws2,fsdp2/*/ws4"
 

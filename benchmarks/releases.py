@@ -5,9 +5,9 @@ why, and which findings a release has that the newest has not.
 
 The models are generated once (by this python) and copied into one run folder per release, so every release judges
 the same bytes (`difftest diff` checks that). Each release runs in its own cached environment
-(`difftest.releases.environment`: torch with the fbgemm-gpu and torchrec built for it, difftest from this checkout,
+(`difftest.releases.environments.environment`: torch with the fbgemm-gpu and torchrec built for it, difftest from this checkout,
 without the [tf] extra), so the default models are the torch-native kinds. The sweep and the analysis run there
-through the CLI, exactly as a user of that release runs them; minimisation is off (`--minimize-budget 0`).
+through the CLI, exactly as a user of that release runs them; minimisation is off (`--minimise-budget 0`).
 Writes <out>/releases.md (the table) and <out>/releases.json, and prints the table.
 """
 
@@ -25,7 +25,8 @@ from typing import Any
 
 import pandas as pd
 
-from difftest.releases import (
+from difftest.releases.diff import diff_runs
+from difftest.releases.environments import (
     EnvironmentUnavailable,
     Release,
     default_cache,
@@ -34,7 +35,6 @@ from difftest.releases import (
     release_range,
     supported,
 )
-from difftest.run_diff import diff_runs
 
 # the default job's torch-native kinds (the Keras kinds need TensorFlow and the converters: the [tf] extra)
 TORCH_NATIVE = "dlrm=2,torchrec-dlrm=1,torchrec-deepfm=1,transformer=1,sequential=0,keras-dag=0,keras-transformer=0"
@@ -79,7 +79,7 @@ def measure(python: Path, source: Path, run: Path, timeout_s: float, resume: boo
                  *(("--models-filter", models_filter) if models_filter else ())) if sweep else \
         subprocess.CompletedProcess([], 0, "", "")
     sweep_s = time.perf_counter() - started
-    analysed = _cli(python, "analyze", str(run), "--minimize-budget", "0")
+    analysed = _cli(python, "analyze", str(run), "--minimise-budget", "0")
     result: dict[str, Any] = {"sweep_s": round(sweep_s, 1), "sweep_rc": swept.returncode,
                               "analyze_rc": analysed.returncode}
     if swept.returncode or analysed.returncode:

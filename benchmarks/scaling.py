@@ -28,13 +28,13 @@ DEFAULT_SETTINGS = "reference,accumulate/mb2,ddp/default/ws2,ddp/no-sync/ws2,fsd
 
 
 def main() -> None:
-    from difftest.generate import generate
-    from difftest.registry import load_plugins
+    from difftest.contracts.registry import load_plugins
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
     from difftest.runner import pool
     from difftest.runner.scheduler import machine_ranks, ranks_at_once
     from difftest.runner.sweep import SweepOptions, run_sweep
-    from difftest.spec import RunConfig
-    from difftest.store import Store
+    from difftest.storage.store import Store
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", default="transformer")

@@ -14,21 +14,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from difftest.oracle import Tolerance
+from difftest.contracts.tolerance import Tolerance
 
 if TYPE_CHECKING:
-    from difftest.analysis import Analysis
-    from difftest.minimize import Minimisation
-    from difftest.standalone_findings import Emitted
-    from difftest.triage import Finding
+    from difftest.findings.minimise import Minimisation
+    from difftest.findings.triage import Finding
+    from difftest.judging.analysis import Analysis
+    from difftest.scripts.write import Emitted
 
 @dataclass(frozen=True)
 class PipelineOptions:
     """The options every step after a sweep shares."""
 
     tolerance: Tolerance = field(default_factory=Tolerance)
-    oracle: str = "calibrated"  # one of difftest.analysis.ORACLES
-    minimize_budget_s: float = 20.0  # per finding; 0: no minimisation
+    oracle: str = "calibrated"  # one of difftest.judging.analysis.ORACLES
+    minimise_budget_s: float = 20.0  # per finding; 0: no minimisation
     timeout_s: float = 120.0  # per case the minimiser runs
     device: str = "cpu"
     # each finding's standalone script is run once, in a process where difftest does not import, within this many
@@ -37,7 +37,7 @@ class PipelineOptions:
     # which findings deserve minimisation and a checked script (default: all); a campaign spends neither on what the
     # manifest or an earlier round already explains
     focus: Callable[[Finding], bool] | None = None
-    # the causes a baseline accepts (`difftest.ci_summary`): summary.json and junit.xml mark them; None: no baseline
+    # the causes a baseline accepts (`difftest.reporting.ci_summary`): summary.json and junit.xml mark them; None: no baseline
     baseline: frozenset[str] | None = None
 
 
@@ -68,18 +68,20 @@ class PipelineResult:
 
 def judge(run_dir: Path, options: PipelineOptions) -> Analysis:
     """Every stored case against its reference (the CSVs of the run)."""
-    from difftest.analysis import analyze
-    from difftest.spec import RunConfig
+    from difftest.contracts.spec import RunConfig
+    from difftest.judging.analysis import analyze
 
     return analyze(run_dir, options.tolerance, RunConfig.load(run_dir / "run.json").plugins, options.oracle)
 
 
 def triage_run(run_dir: Path, analysis: Analysis) -> list[Finding]:
     """The distinct findings (findings.csv, findings.md), each with its folder and reproducer."""
-    from difftest.finding_folders import write_finding_folders
-    from difftest.triage import triage
+    from difftest.findings.triage import triage
+    from difftest.reporting.finding_folders import write_finding_folders
+    from difftest.reporting.findings_table import write_findings
 
     found = triage(run_dir, analysis)
+    write_findings(run_dir, found)
     write_finding_folders(run_dir, found)
     return found
 
@@ -89,10 +91,10 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options
              on_done: Callable[[Minimisation], None] | None = None) -> list[Minimisation]:
     """Each finding's example shrunk within its budget (`on_done` told of each as soon as it is final); a run still
     being swept, or a budget of 0, keeps what earlier triages of the run minimised."""
-    from difftest.minimize import load_previous, minimize
-    from difftest.spec import RunConfig
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings.minimise import load_previous, minimise
 
-    budget = options.minimize_budget_s
+    budget = options.minimise_budget_s
     if not findings:
         return []
     if budget <= 0 or analysis.sweep_running:
@@ -100,7 +102,7 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options
     started = time.perf_counter()
     fresh = sum(load_previous(run_dir, f, budget) is None for f in findings)
     events.minimising(fresh, len(findings) - fresh, budget)
-    done = minimize(run_dir, findings, analysis, budget_s=budget, timeout_s=options.timeout_s, device=options.device,
+    done = minimise(run_dir, findings, analysis, budget_s=budget, timeout_s=options.timeout_s, device=options.device,
                     plugins=RunConfig.load(run_dir / "run.json").plugins, on_round=events.minimise_round,
                     on_done=on_done)
     events.minimised(time.perf_counter() - started)
@@ -110,12 +112,12 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options
 def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents | None = None) -> PipelineResult:
     """judge → triage → minimise → standalone scripts → report, on a swept (or still sweeping) run folder; a run
     still being swept gets no scripts (its findings are not final)."""
-    from difftest import integrity
-    from difftest.ci_summary import summarise
-    from difftest.issue_report import write_issues
-    from difftest.report import write_report
-    from difftest.standalone_findings import StandaloneScripts
-    from difftest.triage import write_findings
+    from difftest.reporting.ci_summary import summarise
+    from difftest.reporting.findings_table import write_findings
+    from difftest.reporting.issue_report import write_issues
+    from difftest.reporting.report import write_report
+    from difftest.scripts.write import StandaloneScripts
+    from difftest.storage import integrity
 
     integrity.check_models(run_dir)  # what the cases ran on is what generate wrote
     integrity.check_store(run_dir)  # a damaged store is never judged as an empty one

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from difftest.ci_summary import SUMMARY_FILE
+from difftest.reporting.ci_summary import SUMMARY_FILE
 
 
 class DifftestChecker:

@@ -7,7 +7,7 @@ import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
-from difftest.errors import UserError
+from difftest import UserError
 
 EXTRA_HINT = "install the TensorFlow extra: pip install -e '.[tf]' (./install.sh does)"
 LOGICAL_CPUS = 4  # MirroredStrategy runs over 1..4 of these in one process

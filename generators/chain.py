@@ -48,10 +48,6 @@ class LayerChain:
         storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
         return {n: t for n, t in self.canonical().items() if t.untyped_storage().data_ptr() in storages}
 
-    def canonical_zero_grad(self) -> None:
-        for unit in self.units:
-            unit.zero_grad(set_to_none=True)
-
     def parameter_counts(self) -> list[int]:
         return [sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in self.units]
 

@@ -18,9 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from difftest.errors import ConversionFailed
-
-CONVERTERS = ("onnx2pytorch", "onnx2torch")
+from difftest import ConversionFailed
 
 
 def convert_onnx(generator: Any, spec: Any, init_state: dict[str, np.ndarray], model_dir: Path | None,
@@ -299,7 +297,7 @@ class _InputSegment(torch.nn.Module):
         return self.segment(torch.from_numpy(self.source.samples(positions).dense).to(self.device))
 
 
-# --- the converted model in a standalone script (difftest.standalone) ------------------------------------------------
+# --- the converted model in a standalone script (difftest.scripts.emit) ------------------------------------------------
 def build_model(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> Any:
     """The converted model with one trainable parameter per Keras weight, from the script's data (the exported ONNX
     graph, the Keras weights, the probe batch), as `convert_onnx` builds it; in `dtype`."""
@@ -317,7 +315,7 @@ def converted_model_code(spec: Any, init_state: dict[str, np.ndarray], model_dir
     trainable mapping as `convert_onnx` runs them, and the kind's own loss and parameter reading (`kind_functions`)."""
     import onnx
 
-    from difftest.generator import ModelCode
+    from difftest import ModelCode
 
     graph, made_by = shipped_export(model_dir)
     converter = spec.params["converter"]
@@ -338,8 +336,8 @@ def converted_model_code(spec: Any, init_state: dict[str, np.ndarray], model_dir
 def shipped_export(model_dir: Path | None) -> tuple[np.ndarray, str]:
     """The model's exported ONNX graph as a standalone script's data (its bytes), and the releases that made it;
     `Unsupported` where the export failed."""
-    from difftest.errors import Unsupported
-    from difftest.stack import current
+    from difftest import Unsupported
+    from difftest import current_stack as current
     from generators.onnx_files import onnx_export
 
     try:

@@ -14,9 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from difftest.generator import EmbeddingTable, Generator, ModelCode, order_by_words
-from difftest.registry import register_generator
-from difftest.spec import ModelSpec
+from difftest import EmbeddingTable, Generator, ModelCode, ModelSpec, order_by_words, register_generator
 from generators.inputs import UNEVEN_SIZES, Batch, jagged_feature
 
 KIND = "dlrm"
@@ -296,7 +294,7 @@ def with_state(module: Any, state: dict[str, np.ndarray], frozen: Any) -> Any:
     return module
 
 
-# --- the model in a standalone script (difftest.standalone): its data holds the weights and the training batch -------
+# --- the model in a standalone script (difftest.scripts.emit): its data holds the weights and the training batch -------
 def build_model(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> Any:
     state = {name[len("state."):]: value for name, value in data.items() if name.startswith("state.")}
     return with_state(_build_module(case["model"], "cpu"), state, case["frozen"]).to(dtype)

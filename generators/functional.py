@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from difftest.registry import register_generator
-from difftest.spec import ModelSpec
+from difftest import ModelSpec, register_generator
 from generators.sequential import (
     ACTIVATIONS,
     DEFAULT_CONVERTER,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from difftest.batch import Batch, JaggedFeature
+from difftest import Batch, JaggedFeature
 
 __all__ = ["Batch", "JaggedFeature", "jagged_feature"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from difftest.errors import ConversionFailed
+from difftest import ConversionFailed
 
 ONNX_FILE = "model.onnx"
 EXPORT_ERROR_FILE = "onnx_export_error.txt"  # tf2onnx's message, when the export failed: a finding of its own

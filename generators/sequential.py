@@ -21,9 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from difftest.generator import UNPLACED, Generator
-from difftest.registry import register_generator
-from difftest.spec import ModelSpec
+from difftest import UNPLACED, Generator, ModelSpec, register_generator
 from generators import _tf
 from generators.inputs import Batch
 from generators.onnx_files import EXPORT_ERROR_FILE, ONNX_FILE
@@ -298,11 +296,6 @@ class SequentialGenerator(Generator):
         except Exception as exc:  # a failed export is a finding, reported by the conversion settings
             return {EXPORT_ERROR_FILE: f"tf2onnx {type(exc).__name__}: {exc}".encode()}
 
-    def trainable_weight_names(self, spec: ModelSpec, state: dict[str, np.ndarray]) -> list[str]:
-        """Names of the weights training updates: not frozen, not BatchNorm moving statistics."""
-        frozen = tuple(f"{layer}/" for layer in spec.frozen)
-        return [n for n in state if not n.startswith(frozen) and not n.endswith(("moving_mean", "moving_variance"))]
-
     # --- minimisation: smaller models of the same structure, most removed first -----------------------------
     def size(self, spec: ModelSpec) -> dict[str, int]:
         layers = spec.params["layers"]
@@ -350,7 +343,7 @@ class SequentialGenerator(Generator):
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         """The logits, and each layer's output (`l3_dense/act`) where the converted module exposes it, so a finding
-        names the layer it starts in (compared only where both sides recorded it: `difftest.oracle.ACTIVATION`)."""
+        names the layer it starts in (compared only where both sides recorded it: `difftest.judging.oracle.ACTIVATION`)."""
         from torch.distributed.tensor import DTensor
 
         inner = _converted(module)

@@ -19,9 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from difftest.generator import EmbeddingTable, ModelCode
-from difftest.registry import register_generator
-from difftest.spec import ModelSpec
+from difftest import EmbeddingTable, ModelCode, ModelSpec, register_generator
 from generators.dlrm import DlrmGenerator, _mlp_sizes, feature_kjt, input_reductions
 from generators.inputs import Batch
 

@@ -24,10 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from difftest.errors import Unsupported
-from difftest.generator import Generator, order_by_words
-from difftest.registry import register_generator
-from difftest.spec import ModelSpec
+from difftest import Generator, ModelSpec, Unsupported, order_by_words, register_generator
 from generators.inputs import UNEVEN_SIZES, Batch
 
 KIND = "transformer"
@@ -210,7 +207,7 @@ class TransformerGenerator(Generator):
 
     def standalone_model(self, spec: ModelSpec, init_state: dict[str, np.ndarray], model_dir: Any,
                          train: Batch) -> Any:
-        from difftest.generator import ModelCode
+        from difftest import ModelCode
         from generators.dlrm import build_model, model_parameters  # they call this kind's functions by their names
 
         p = spec.params
@@ -315,7 +312,7 @@ def prediction_loss(prediction: Any, labels: Any) -> Any:
     return torch.nn.functional.cross_entropy(prediction.flatten(0, 1), labels.flatten(0, 1))
 
 
-# --- the model in a standalone script (difftest.standalone): its data holds the weights and the training batch -------
+# --- the model in a standalone script (difftest.scripts.emit): its data holds the weights and the training batch -------
 def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> Any:
     """The loss on training samples start..stop of the script's data, as `forward` and `loss` compute it."""
     import torch

@@ -1,7 +1,7 @@
 """Where the installed torch lacks an API a setting calls: the older way of doing the same thing, or `Unsupported`
 with the release that has it. Detected by the API itself, never by a version string (a nightly or a local build
 carries whatever it carries). A setting that errors because difftest called an API its torch does not have would be
-reported as that library's bug; these keep such errors out of the findings (difftest/releases.toml lists the
+reported as that library's bug; these keep such errors out of the findings (difftest/releases/releases.toml lists the
 releases difftest supports)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from difftest.errors import Unsupported
+from difftest import Unsupported
 
 
 def fully_shard_for(device: str) -> Callable[..., Any]:

@@ -1,4 +1,4 @@
-"""A pipeline setting's standalone script (`difftest.standalone`): the reference and the ranks' part, copied into it
+"""A pipeline setting's standalone script (`difftest.scripts.emit`): the reference and the ranks' part, copied into it
 beside the model's functions (`Generator.standalone_model`: `build_model`, `model_loss`, `model_parameters`, and its
 `chain`: `model_chain`, `prediction_loss`) and the pipeline module's (`stages_of`, `stage_examples`,
 `pipeline_schedule`, `ChainStage`; a hybrid's `pipeline_groups`, `wrap_stage`; a re-partitioning's `gather_state`,

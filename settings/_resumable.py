@@ -16,21 +16,32 @@ holds tensors and plain numbers only; it lives in a private temporary folder the
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from difftest.devices import DATA_PARALLEL, SHARDED, across, device_refusal, rank_device, visible_gpus
-from difftest.errors import Unsupported
-from difftest.logs import log_tail
-from difftest.setting import Outputs, RunContext
+from difftest import (
+    DATA_PARALLEL,
+    SHARDED,
+    Outputs,
+    RunContext,
+    Unsupported,
+    across,
+    device_refusal,
+    gather_to_rank0,
+    load_model,
+    loss_record,
+    rank_device,
+    run_in_processes,
+    to_numpy,
+    visible_gpus,
+)
 from generators.inputs import Batch
-from settings._training import build_for_training, canonical_parameters, gather_to_rank0, loss_record, to_numpy
+from settings._training import build_for_training, canonical_parameters
 from settings.fsdp import distribute
 
 TOTAL_STEPS = 5
@@ -291,94 +302,17 @@ def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpo
         "placement": dataclasses.asdict(phase.placement), "first_step": phase.first_step, "last_step": phase.last_step,
         "load": phase.load, "save": phase.save, "carried": sorted(phase.carried),
     }
-    return launch("settings._resumable", request, phase.placement.world_size, workdir, tag)
+    return run_in_processes(phase_main, request, phase.placement.world_size, workdir, tag)
 
 
-def launch(module: str, request: dict[str, Any], processes: int, workdir: Path, tag: str,
-           timeout_s: float = 600.0) -> Outputs:
-    """`<module>.main(request.json, rank)` in `processes` new processes; rank 0 writes the outputs to
-    `request["result"]` (.npz, read back without pickle). Raises with the failing rank's last stderr lines
-    (`Unsupported` when the program refused the model).
-
-    The processes are forked from a fork server that has imported what a sweep's ranks import (torch, the plugins,
-    the libraries they name, TensorFlow after torch) and nothing of any case, so each starts
-    with no state of the run that saved the checkpoint, without paying the interpreter start and the imports
-    again (seconds per process on 2 cores): `difftest.runner.pool.import_server`."""
-    from difftest.runner.pool import import_server
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    result = workdir / f"outputs-{tag}.npz"
-    request_path = workdir / f"request-{tag}.json"
-    from difftest.registry import loaded_plugins
-
-    # the new processes load what this one did: a plugin's generator kind, or a patch a benchmark injects
-    request_path.write_text(json.dumps({**request, "result": str(result), "plugins": list(loaded_plugins())}))
-    logs = [workdir / f"rank{r}-{tag}.log" for r in range(processes)]
-    context = import_server()
-    running = [context.Process(target=_launched, args=(module, str(request_path), r, str(log)), daemon=True)
-               for r, log in enumerate(logs)]
-    for process in running:
-        process.start()
-    deadline, first_failed = time.monotonic() + timeout_s, None
-    try:
-        # until all are done, one has failed (its peers would wait for it in a collective or the rendezvous: they
-        # are stopped at once, and the failure reported is the first one's), or the deadline
-        while time.monotonic() < deadline and any(p.is_alive() for p in running):
-            first_failed = next((r for r, p in enumerate(running) if p.exitcode not in (None, 0)), None)
-            if first_failed is not None:
-                break
-            time.sleep(0.02)
-    finally:
-        for process in running:
-            if process.is_alive():
-                process.kill()
-                process.join()
-    codes = [p.exitcode for p in running]
-    failed = [first_failed] if first_failed is not None else [r for r, code in enumerate(codes) if code != 0]
-    if failed:
-        tail = log_tail(logs[failed[0]], 5)
-        last = tail[-1] if tail else ""
-        if last.startswith("difftest.errors.Unsupported: "):
-            raise Unsupported(last.split(": ", 1)[1])
-        raise RuntimeError(f"phase {tag} rank {failed[0]} exited {codes[failed[0]]}: " + " | ".join(tail))
-    with np.load(result, allow_pickle=False) as stored:
-        return {k: stored[k] for k in stored.files}
-
-
-def _launched(module: str, request_path: str, rank: int, log_path: str) -> None:
-    import faulthandler
-    import importlib
-    import os
-    import sys
-
-    from difftest.runner.worker import use_temporary_folder
-    from difftest.standalone_runtime import gloo_on_loopback
-
-    use_temporary_folder(os.path.dirname(request_path))  # the case's folder, removed after it
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    # a phase killed by a signal writes the frames it died in, and the case's message quotes them
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    gloo_on_loopback()
-    importlib.import_module(module).main(request_path, rank)
-
-
-def main(request_path: str, rank: int) -> None:
-    import gc
+def phase_main(request: Mapping[str, Any], rank: int) -> Outputs | None:
+    """One process of a phase (`run_in_processes` starts it): join the phase's own group, run the phase, return rank
+    0's outputs."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from difftest.artifacts import load_model
-    from difftest.registry import load_plugins
-    from difftest.runner.worker import destroy_process_group
-
-    request = json.loads(Path(request_path).read_text())
     placement = Placement(**request["placement"])
     phase = Phase(placement, request["first_step"], request["last_step"], request["load"], request["save"],
                   frozenset(request["carried"]))
@@ -392,27 +326,10 @@ def main(request_path: str, rank: int) -> None:
     dist.init_process_group(request["backend"], store=store, rank=rank, world_size=placement.world_size,
                             timeout=timedelta(seconds=120),
                             device_id=torch.device(device) if request["backend"] == "nccl" else None)
-    try:
-        load_plugins(request.get("plugins", ("generators",)))
-        model, inputs = load_model(Path(request["model_dir"]))
-        ctx = RunContext(rank=rank, world_size=placement.world_size, local_world_size=placement.world_size,
-                         device=device, backend=request["backend"], group=dist.group.WORLD, steps=request["steps"],
-                         lr=request["lr"], seed=request["seed"])
-        outputs = run_phase(ctx, model, inputs, phase, Path(request["checkpoint"]))
-        if rank == 0:
-            assert outputs is not None
-            np.savez(request["result"], **outputs)
-        dist.barrier()
-    finally:
-        # 3 of 100 distributed resume cases of a 20-model sweep aborted ("terminate called without an active
-        # exception", exit -6), not reproduced in 10 reruns alone; pytorch#179291 reports gloo work freed during
-        # interpreter finalization aborting this way. Free what DDP/FSDP hold (cycles included) while Python lives.
-        model = inputs = outputs = None
-        gc.collect()
-        destroy_process_group()  # torch < 2.8 could deadlock in gloo's destructor: difftest.runner.worker
-
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1], int(sys.argv[2]))
+    model, inputs = load_model(Path(request["model_dir"]))
+    ctx = RunContext(rank=rank, world_size=placement.world_size, local_world_size=placement.world_size,
+                     device=device, backend=request["backend"], group=dist.group.WORLD, steps=request["steps"],
+                     lr=request["lr"], seed=request["seed"])
+    outputs = run_phase(ctx, model, inputs, phase, Path(request["checkpoint"]))
+    dist.barrier()
+    return outputs

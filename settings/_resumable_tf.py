@@ -1,17 +1,17 @@
 """The TensorFlow resumable program (settings/resume_tensorflow.py runs it): SGD with momentum 0.9 and a
 staircase learning rate halved every 2 steps, fed by a tf.data pipeline that reshuffles the training samples
 every epoch (seeded) and serves half of them per step; `tf.train.Checkpoint` carries model, optimizer and the
-tf.data iterator itself. `python -m settings._resumable_tf REQUEST RANK` runs one phase in a fresh process."""
+tf.data iterator itself. `phase_main` runs the second phase in a fresh process."""
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from difftest.setting import Outputs
+from difftest import Outputs, load_model
 from generators import _tf
 from generators.sequential import weight_name
 
@@ -60,19 +60,9 @@ def run_phase(model: Any, inputs: Any, seed: int, lr: float, first: int, last: i
     return outputs
 
 
-def main(request_path: str, rank: int = 0) -> None:
-    import json
-
-    from difftest.artifacts import load_model
-    from difftest.registry import load_plugins
-
-    request = json.loads(Path(request_path).read_text())
-    load_plugins(request.get("plugins", ("generators",)))
+def phase_main(request: Mapping[str, Any], rank: int = 0) -> Outputs:
+    """The second phase, in a process of its own (`run_in_processes` starts it): nothing of the first phase's
+    TensorFlow state but the checkpoint."""
     model, inputs = load_model(Path(request["model_dir"]))
-    outputs = run_phase(model, inputs, request["seed"], request["lr"], request["first"], request["last"],
-                        Path(request["checkpoint"]), save=request["last"] < TOTAL_STEPS)
-    np.savez(request["result"], **outputs)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return run_phase(model, inputs, request["seed"], request["lr"], request["first"], request["last"],
+                     Path(request["checkpoint"]), save=request["last"] < TOTAL_STEPS)

@@ -1,4 +1,4 @@
-"""A resume's standalone script (`difftest.standalone`): the resumable program of settings/_resumable.py (SGD with
+"""A resume's standalone script (`difftest.scripts.emit`): the resumable program of settings/_resumable.py (SGD with
 momentum, a step LR schedule, a loader reshuffling every epoch from torch's RNG, each rank on its contiguous share),
 its phases each in new processes (`run_distributed` replaces the runtime's: one group of ranks per phase, the first
 saving a torch.distributed.checkpoint the second loads), against the program uninterrupted in one process. The

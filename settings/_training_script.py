@@ -1,4 +1,4 @@
-"""A training setting's standalone script (`difftest.standalone`): what `training_script` assembles, and the functions
+"""A training setting's standalone script (`difftest.scripts.emit`): what `training_script` assembles, and the functions
 copied into it beside the model's (`Generator.standalone_model`: `build_model`, `model_loss`, `model_parameters`) and
 the setting's (`distribute`, `full_parameters`), which the script defines before these. The steps are those
 `settings._training.record_training` takes: plain SGD, each rank (or group of ranks) on its contiguous share."""
@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from settings._training import to_numpy
+from difftest import to_numpy
 
 if TYPE_CHECKING:
-    from difftest.generator import ModelCode
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import ModelCode, Script, StandaloneCase
 
 # what the script defines before these functions (declared here so that this module checks on its own)
 build_model: Callable[..., Any]
@@ -36,7 +35,7 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     run inside a context, `stepping(module)`, or where a step takes its share's gradients otherwise than in one
     backward pass, `backward_on_share(module, data, start, stop, dtype)`. `setting["data_parallel"]`: how many
     shares the batch is cut into (default: one per rank)."""
-    from difftest.standalone import Script
+    from difftest import Script
 
     own = {f.__name__ for f in setting_functions}  # a setting's own step or context replaces the plain one
     train = case.inputs["train"]
@@ -65,7 +64,7 @@ def trained_parameters(case: StandaloneCase) -> tuple[ModelCode, int, dict[str, 
     minimal case's model may no longer hold the tensor the finding's example first diverged at)."""
     import re
 
-    from difftest.errors import Unsupported
+    from difftest import Unsupported
 
     step = re.match(r"param_after_step(\d+)/", case.first_divergence)
     if not case.failure and step is None:

@@ -20,18 +20,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.devices import SHARDED, across
-from difftest.errors import Unsupported
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import refuse_changed_hooks
+from difftest import (
+    SHARDED,
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    across,
+    record_training,
+    refuse_changed_hooks,
+    register_settings,
+    to_numpy,
+)
 from settings._compat import fully_shard_for
-from settings._training import build_for_training, record_training, to_numpy
+from settings._training import build_for_training
 from settings.fsdp import make_contiguous
 from settings.gradient_clipping import distribute, full_parameters, wrapper_layout
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 # what a standalone script defines before `backward_on_share` (declared so that this module checks)
 model_loss: Callable[..., Any]
@@ -101,7 +108,7 @@ class GradientAccumulation(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, GradientAccumulation)
 
-        from difftest.artifacts import LoadedModel
+        from difftest import LoadedModel
         from settings._training_script import training_script
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)

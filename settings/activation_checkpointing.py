@@ -15,17 +15,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.devices import DATA_PARALLEL, SHARDED, across
-from difftest.errors import Unsupported
-from difftest.registry import register_settings, traits_of
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import refuse_changed_hooks
+from difftest import (
+    DATA_PARALLEL,
+    SHARDED,
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    across,
+    record_training,
+    refuse_changed_hooks,
+    register_settings,
+    to_numpy,
+    traits_of,
+)
 from settings._compat import fully_shard_for
-from settings._training import build_for_training, record_training, sgd_step, to_numpy
+from settings._training import build_for_training, sgd_step
 
 if TYPE_CHECKING:
-    from difftest.spec import ModelSpec
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import ModelSpec, Script, StandaloneCase
 
 MODES = ("reentrant", "non-reentrant", "selective")
 WRAPS = ("single", "ddp", "fsdp2")
@@ -104,7 +112,7 @@ class ActivationCheckpointing(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, ActivationCheckpointing)
 
-        from difftest.artifacts import LoadedModel
+        from difftest import LoadedModel
         from settings._training_script import training_script
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)

@@ -23,12 +23,22 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.devices import POINT_TO_POINT, across
-from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting, variant_of
+from difftest import (
+    POINT_TO_POINT,
+    ConversionFailed,
+    InvariantViolated,
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    across,
+    gather_to_rank0,
+    record_training,
+    register_settings,
+    to_numpy,
+    variant_of,
+)
 from generators.inputs import Batch
-from settings._training import gather_to_rank0, record_training, to_numpy
 from settings.pipeline import _microbatches, balanced_split, chain_examples
 
 MODES = ("stash", "vertical-sync", "flush")

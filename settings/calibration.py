@@ -1,4 +1,4 @@
-"""The runs the calibrated oracle (`difftest.envelope`) measures a root computation's own noise with.
+"""The runs the calibrated oracle (`difftest.judging.envelope`) measures a root computation's own noise with.
 
 A root is a setting judged against itself (`reference`, `tf/reference`, an uninterrupted run, a simulator). Each
 calibration runs that root's own code again, unchanged, with one thing changed around it:
@@ -40,11 +40,18 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.artifacts import Inputs, LoadedModel
-from difftest.envelope import UNIT_ROUNDOFF
-from difftest.errors import Unsupported
-from difftest.registry import register_calibration
-from difftest.setting import Outputs, Repeat, RunContext, Setting, SettingRole
+from difftest import (
+    UNIT_ROUNDOFF,
+    Inputs,
+    LoadedModel,
+    Outputs,
+    Repeat,
+    RunContext,
+    Setting,
+    SettingRole,
+    Unsupported,
+    register_calibration,
+)
 from generators.inputs import Batch
 
 # the Monte Carlo modes: name prefix -> unit roundoff

@@ -15,18 +15,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.devices import DATA_PARALLEL, SHARDED, across
-from difftest.errors import Unsupported
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import refuse_changed_hooks
+from difftest import (
+    DATA_PARALLEL,
+    SHARDED,
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    across,
+    refuse_changed_hooks,
+    register_settings,
+)
 from settings._compat import fully_shard_for
 from settings._training import build_for_training, gathered_parameters, train_data_parallel
 from settings.fsdp import make_contiguous
 from settings.gradient_clipping import full_parameters, wrapper_layout
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 WRAPS = {"single": "one process", "ddp": "the DDP module compiled whole",
          "fsdp2": "each FSDP2 unit compiled, then sharded"}
@@ -95,7 +101,7 @@ class CompiledTraining(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, CompiledTraining)
 
-        from difftest.artifacts import LoadedModel
+        from difftest import LoadedModel
         from settings._training_script import training_script
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)

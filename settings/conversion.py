@@ -13,13 +13,22 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.errors import Unsupported
-from difftest.registry import register_settings, traits_of
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import Script, StandaloneCase, failure_pattern, refuse_changed_hooks
+from difftest import (
+    Outputs,
+    RunContext,
+    Script,
+    Setting,
+    StandaloneCase,
+    Unsupported,
+    failure_pattern,
+    refuse_changed_hooks,
+    register_settings,
+    to_numpy,
+    traits_of,
+)
 from generators import _tf
 from generators.conversion import convert_graph, shipped_export
-from settings._training import to_numpy, train_single_process
+from settings._training import train_single_process
 from settings.tensorflow import TF_REFERENCE
 
 BACKENDS = ("onnxruntime", "onnx2pytorch", "onnx2torch")
@@ -74,7 +83,7 @@ class Conversion(Setting):
         """The converted module as this setting runs it (a hook for planted faults)."""
         return module
 
-    # --- a standalone script (difftest.standalone) ------------------------------------------------
+    # --- a standalone script (difftest.scripts.emit) ------------------------------------------------
     def standalone(self, case: StandaloneCase) -> Script:
         """A converter's or ONNX Runtime's failure on the exported graph: the ONNX file is the script's data, so
         it needs onnx and the backend, not TensorFlow (a disagreement is judged against TensorFlow: no script)."""

@@ -13,15 +13,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.devices import DATA_PARALLEL, across
-from difftest.errors import Unsupported
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import refuse_changed_hooks
-from settings._training import build_for_training, canonical_parameters, full_parameters, record_training
+from difftest import (
+    DATA_PARALLEL,
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    across,
+    record_training,
+    refuse_changed_hooks,
+    register_settings,
+)
+from settings._training import build_for_training, canonical_parameters, full_parameters
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 # the model's loss, defined in a standalone script before `backward_on_share` (declared so that this module checks)
 model_loss: Callable[..., Any]

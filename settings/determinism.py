@@ -12,13 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.errors import Unsupported
-from difftest.oracle import Tolerance
-from difftest.registry import register_derived
-from difftest.setting import Outputs, Repeat, RunContext, Setting
+from difftest import Outputs, Repeat, RunContext, Setting, Tolerance, Unsupported, register_derived
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 BITWISE = Tolerance(atol=0.0, rtol=0.0)
 

@@ -23,12 +23,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.devices import collective_refusal, rank_device, visible_gpus
-from difftest.envelope import UNIT_ROUNDOFF
-from difftest.errors import Unsupported
-from difftest.oracle import Tolerance
-from difftest.registry import get_setting, register_derived, register_setting
-from difftest.setting import Outputs, Repeat, RunContext, Setting
+from difftest import (
+    UNIT_ROUNDOFF,
+    Outputs,
+    Repeat,
+    RunContext,
+    Setting,
+    Tolerance,
+    Unsupported,
+    collective_refusal,
+    get_setting,
+    rank_device,
+    register_derived,
+    register_setting,
+    visible_gpus,
+)
 
 # D3's fixed allclose for TF32, the multiple of its unit roundoff that bf16's is of bf16's (`settings.fsdp`); the
 # calibrated oracle's envelope is the verdict that counts

@@ -17,11 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.devices import SHARDED, across
-from difftest.oracle import Tolerance
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting, variant_of
-from difftest.standalone import refuse_changed_hooks
+from difftest import (
+    SHARDED,
+    Outputs,
+    RunContext,
+    Setting,
+    Tolerance,
+    across,
+    refuse_changed_hooks,
+    register_settings,
+    variant_of,
+)
 from settings._compat import fully_shard_for
 from settings._training import (
     build_for_training,
@@ -32,7 +38,7 @@ from settings._training import (
 )
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 # bf16 keeps 8 significant bits: unit roundoff u = 2**-8. A layer rounds its input, its weights and its
 # output (3u); the generated models are at most ~6 layers deep, so outputs may be off by ~18u relative.
@@ -108,7 +114,7 @@ class FullyShard(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, FullyShard, "sharded")
 
-        from difftest.artifacts import LoadedModel
+        from difftest import LoadedModel
         from settings._training_script import training_script
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)

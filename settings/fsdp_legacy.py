@@ -7,14 +7,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.devices import DATA_PARALLEL, SHARDED, across
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import refuse_changed_hooks
-from settings._training import build_for_training, to_numpy, train_data_parallel
+from difftest import (
+    DATA_PARALLEL,
+    SHARDED,
+    Outputs,
+    RunContext,
+    Setting,
+    across,
+    refuse_changed_hooks,
+    register_settings,
+    to_numpy,
+)
+from settings._training import build_for_training, train_data_parallel
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 

@@ -12,10 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.devices import SHARDED, across
-from difftest.registry import register_settings, register_world_reset
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import refuse_changed_hooks
+from difftest import (
+    SHARDED,
+    Outputs,
+    RunContext,
+    Setting,
+    across,
+    refuse_changed_hooks,
+    register_settings,
+    register_world_reset,
+)
 from settings._compat import fully_shard_for
 from settings._training import build_for_training, full_parameters, parameter_holders
 from settings.fsdp import make_contiguous
@@ -29,7 +35,7 @@ from settings.tensor_parallel import (
 )
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 # a kind's own plan, which a standalone script of its model defines (declared here so that this module checks on its own)
 model_tp_plan: Callable[..., dict[str, Any]]
@@ -86,7 +92,7 @@ class FsdpTensorParallel(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, FsdpTensorParallel)
 
-        from difftest.artifacts import Inputs, LoadedModel
+        from difftest import Inputs, LoadedModel
         from settings._training_script import training_script
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)

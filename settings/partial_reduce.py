@@ -28,23 +28,25 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from difftest.devices import across
-from difftest.errors import InvariantViolated, Unsupported
-from difftest.oracle import Tolerance
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting, variant_of
-from settings._training import (
-    build_for_training,
-    canonical_parameters,
+from difftest import (
+    InvariantViolated,
+    Outputs,
+    RunContext,
+    Setting,
+    Tolerance,
+    Unsupported,
+    across,
     gather_to_rank0,
     loss_record,
-    sgd_step,
+    register_settings,
     to_numpy,
+    variant_of,
 )
+from settings._training import build_for_training, canonical_parameters, sgd_step
 from settings.determinism import BITWISE
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 TOTAL_STEPS = 4
 # the model's functions, defined in a standalone script before this module's (declared so that this module checks)
@@ -246,7 +248,7 @@ class PartialReduce(Setting):
         return outputs if ctx.rank == 0 else None
 
     def standalone(self, case: StandaloneCase) -> Script:
-        from difftest.standalone import Script, refuse_changed_hooks
+        from difftest import Script, refuse_changed_hooks
 
         refuse_changed_hooks(self, PartialReduce, "average")
         if self.simulate:

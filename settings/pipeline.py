@@ -17,24 +17,30 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from difftest.devices import DATA_PARALLEL, POINT_TO_POINT, SHARDED, across
-from difftest.errors import ConversionFailed, Unsupported
-from difftest.registry import register_settings, register_world_reset
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import refuse_changed_hooks
-from generators.inputs import Batch
-from settings._compat import PipelineSchedule, fully_shard_for
-from settings._training import (
-    build_for_training,
-    canonical_parameters,
+from difftest import (
+    DATA_PARALLEL,
+    POINT_TO_POINT,
+    SHARDED,
+    ConversionFailed,
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    across,
     gather_to_rank0,
     record_training,
+    refuse_changed_hooks,
+    register_settings,
+    register_world_reset,
     to_numpy,
 )
+from generators.inputs import Batch
+from settings._compat import PipelineSchedule, fully_shard_for
+from settings._training import build_for_training, canonical_parameters
 from settings.fsdp import make_contiguous
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 # schedule name -> (torch class name, stages per rank, stage placement)
 SCHEDULES = {
@@ -383,7 +389,7 @@ def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_
     `layout_of(chain)` says (the keys `stages_of` and `pipeline_schedule` read; a hybrid's `data_parallel` and `inner`,
     a re-partitioning's `momentum`, `move_after` and `moved_starts`), evaluated once, then the steps under the schedule,
     compared with one process accumulating the same micro-batches' gradients."""
-    from difftest.standalone import Script
+    from difftest import Script
     from generators.chain import ChainStage
     from settings._pipeline_script import gather_state, load_state, on_rank, single_process
     from settings._training_script import parameters_after, trained_parameters

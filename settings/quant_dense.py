@@ -20,12 +20,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.errors import Unsupported
-from difftest.oracle import ACTIVATION
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
+from difftest import ACTIVATION, Outputs, RunContext, Setting, Unsupported, register_settings, to_numpy
 from settings import _error_bounds as bounds
-from settings._training import build_for_training, to_numpy
+from settings._training import build_for_training
 
 ENGINES = ("x86", "fbgemm", "onednn", "qnnpack")
 DYNAMIC_DTYPES = ("qint8", "float16")

@@ -21,9 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.errors import Unsupported
-from difftest.registry import register_settings, traits_of
-from difftest.setting import Outputs, RunContext, Setting
+from difftest import Outputs, RunContext, Setting, Unsupported, register_settings, traits_of
 from generators import _tf
 from settings import _error_bounds as bounds
 from settings.tensorflow import TF_REFERENCE

@@ -22,12 +22,19 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.errors import Unsupported
-from difftest.registry import register_settings, traits_of
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import Script, StandaloneCase, refuse_changed_hooks
+from difftest import (
+    Outputs,
+    RunContext,
+    Script,
+    Setting,
+    StandaloneCase,
+    Unsupported,
+    refuse_changed_hooks,
+    register_settings,
+    to_numpy,
+    traits_of,
+)
 from settings import _error_bounds as bounds
-from settings._training import to_numpy
 from settings.torchrec_sharding import (
     _column_shards,
     _pooled,
@@ -144,7 +151,7 @@ class QuantizedEmbeddings(Setting):
         """TorchRec's own way of giving a sharded inference model its weights (a hook for planted faults)."""
         sharded.load_state_dict(state)
 
-    # --- a standalone script (difftest.standalone) ------------------------------------------------
+    # --- a standalone script (difftest.scripts.emit) ------------------------------------------------
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, QuantizedEmbeddings, "load_quantized_state")
         tables = case.generator.embedding_tables(case.spec)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.registry import register_setting
-from difftest.setting import Outputs, RunContext, Setting
+from difftest import Outputs, RunContext, Setting, register_setting
 from settings._training import build_for_training, train_single_process
 
 

@@ -19,18 +19,28 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.devices import POINT_TO_POINT, across
-from difftest.errors import ConversionFailed, InvariantViolated, Unsupported
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting, variant_of
-from difftest.standalone import refuse_changed_hooks
+from difftest import (
+    POINT_TO_POINT,
+    ConversionFailed,
+    InvariantViolated,
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    across,
+    gather_to_rank0,
+    record_training,
+    refuse_changed_hooks,
+    register_settings,
+    to_numpy,
+    variant_of,
+)
 from generators.inputs import Batch
 from settings._compat import PipelineSchedule
-from settings._training import gather_to_rank0, record_training, to_numpy
 from settings.pipeline import SCHEDULES, Accumulation, balanced_split, chain_examples, pipeline_script
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 TOTAL_STEPS = 4
 MOVE_AFTER = 2

@@ -19,16 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.errors import Unsupported
-from difftest.oracle import Tolerance
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import refuse_changed_hooks
+from difftest import Outputs, RunContext, Setting, Tolerance, Unsupported, refuse_changed_hooks, register_settings
 from settings._resumable import CARRIED, TOTAL_STEPS, Phase, Placement, run_in_new_processes, run_phase
 from settings.determinism import BITWISE
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 RESUME_REFERENCE = "resume/single/uninterrupted"
 
@@ -139,12 +135,11 @@ def resume_script(case: StandaloneCase, described: str, phases: tuple[Phase, ...
     """The script of the resumable program in `phases` (settings/_resume_script.py): the steps the case took to diverge
     (a failure: all of them), each phase in a new group of processes, against the program uninterrupted in one
     process; it compares the parameters after those steps."""
-    from difftest.artifacts import LoadedModel
-    from difftest.standalone import Script
+    from difftest import LoadedModel, Script, to_numpy
     from settings import _resumable as program
     from settings._compat import fully_shard_for
     from settings._resume_script import on_rank, run_distributed, single_process, train_phase
-    from settings._training import full_parameters, to_numpy
+    from settings._training import full_parameters
     from settings._training_script import parameters_after, trained_parameters
     from settings.fsdp import distribute, make_contiguous, mixed_precision
 

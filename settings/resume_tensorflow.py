@@ -17,12 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from difftest.oracle import Tolerance
-from difftest.registry import register_settings, traits_of
-from difftest.setting import Outputs, RunContext, Setting
+from difftest import Outputs, RunContext, Setting, Tolerance, register_settings, run_in_processes, traits_of
 from generators import _tf
-from settings._resumable import launch
-from settings._resumable_tf import TOTAL_STEPS, run_phase
+from settings._resumable_tf import TOTAL_STEPS, phase_main, run_phase
 from settings.determinism import BITWISE
 
 TF_RESUME_REFERENCE = "tf-resume/uninterrupted"
@@ -78,7 +75,8 @@ class TfResume(_KerasOnly, Setting):
                    "lr": ctx.lr}
         try:
             first = run_phase(model, inputs, ctx.seed, ctx.lr, 0, self.at_step, workdir / "checkpoint", save=True)
-            second = launch("settings._resumable_tf", {**request, "first": self.at_step, "last": TOTAL_STEPS}, 1, workdir, "second")
+            second = run_in_processes(phase_main, {**request, "first": self.at_step, "last": TOTAL_STEPS}, 1,
+                                      workdir, "second")
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         return {**first, **second}

@@ -23,15 +23,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest.devices import SHARDED, across
-from difftest.errors import Unsupported
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import refuse_changed_hooks
-from settings._training import build_for_training, device_mesh, full_parameters, gathered_parameters, record_training
+from difftest import (
+    SHARDED,
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    across,
+    record_training,
+    refuse_changed_hooks,
+    register_settings,
+)
+from settings._training import build_for_training, device_mesh, full_parameters, gathered_parameters
 
 if TYPE_CHECKING:
-    from difftest.standalone import Script, StandaloneCase
+    from difftest import Script, StandaloneCase
 
 # a kind's own plan, which a standalone script of its model defines (declared here so that this module checks on its own)
 model_tp_plan: Callable[..., dict[str, Any]]
@@ -177,7 +183,7 @@ class TensorParallel(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, TensorParallel, "style")
 
-        from difftest.artifacts import Inputs, LoadedModel
+        from difftest import Inputs, LoadedModel
         from settings._training_script import training_script
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)

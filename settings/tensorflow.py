@@ -16,12 +16,18 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.errors import Unsupported
-from difftest.registry import register_setting, register_settings, traits_of
-from difftest.setting import Outputs, RunContext, Setting
+from difftest import (
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    gather_to_rank0,
+    register_setting,
+    register_settings,
+    traits_of,
+)
 from generators import _tf
 from generators.sequential import weight_name
-from settings._training import gather_to_rank0
 
 TF_REFERENCE = "tf/reference"
 STRATEGIES = ("default", "mirrored", "central-storage", "multi-worker")

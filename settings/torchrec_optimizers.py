@@ -20,9 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.registry import register_settings, traits_of
-from difftest.setting import Outputs, RunContext, Setting
-from settings._training import build_for_training, canonical_parameters, record_training, sgd_step, to_numpy
+from difftest import Outputs, RunContext, Setting, record_training, register_settings, to_numpy, traits_of
+from settings._training import build_for_training, canonical_parameters, sgd_step
 from settings.torchrec_sharding import SHARDING_TYPES, TorchRecSharding, embedding_collections, gather_whole
 
 
@@ -116,7 +115,7 @@ class FusedOptimizerSharding(TorchRecSharding):
         return read
 
     def standalone(self, case: Any) -> Any:
-        from difftest.errors import Unsupported
+        from difftest import Unsupported
 
         raise Unsupported("the fused-optimizer family writes no standalone script (repro.py reproduces the case through difftest)")
 

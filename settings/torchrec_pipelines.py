@@ -19,9 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.errors import Unsupported
-from difftest.registry import register_settings
-from difftest.setting import RunContext
+from difftest import RunContext, Unsupported, register_settings
 from settings.torchrec_sharding import TorchRecSharding, gather_whole
 
 # the setting's name for each pipeline class of torchrec.distributed.train_pipeline

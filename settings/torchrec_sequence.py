@@ -19,11 +19,21 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.errors import Unsupported
-from difftest.registry import register_settings, traits_of
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import Script, StandaloneCase, refuse_changed_hooks
-from settings._training import EVAL_BEFORE, build_for_training, record_training, to_numpy
+from difftest import (
+    EVAL_BEFORE,
+    Outputs,
+    RunContext,
+    Script,
+    Setting,
+    StandaloneCase,
+    Unsupported,
+    record_training,
+    refuse_changed_hooks,
+    register_settings,
+    to_numpy,
+    traits_of,
+)
+from settings._training import build_for_training
 from settings.torchrec_sharding import (
     SHARDING_TYPES,
     TorchRecSharding,

@@ -16,12 +16,25 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.devices import SHARDED, across
-from difftest.errors import Unsupported
-from difftest.registry import register_settings, register_world_reset, traits_of
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.standalone import Script, StandaloneCase, refuse_changed_hooks
-from settings._training import EVAL_BEFORE, assemble, gather_to_rank0, record_training, to_numpy
+from difftest import (
+    EVAL_BEFORE,
+    SHARDED,
+    Outputs,
+    RunContext,
+    Script,
+    Setting,
+    StandaloneCase,
+    Unsupported,
+    across,
+    gather_to_rank0,
+    record_training,
+    refuse_changed_hooks,
+    register_settings,
+    register_world_reset,
+    to_numpy,
+    traits_of,
+)
+from settings._training import assemble
 
 SHARDING_TYPES = (
     "table_wise",
@@ -197,7 +210,7 @@ class TorchRecSharding(Setting):
                 return TorchRecSharding(sharding=sharding, world_size=self.world_size).name
         return None
 
-    # --- a standalone script (difftest.standalone) ------------------------------------------------
+    # --- a standalone script (difftest.scripts.emit) ------------------------------------------------
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, TorchRecSharding, "load_initial_state", "sharded_module", "trainer", "full_state")
         tables = case.generator.embedding_tables(case.spec)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from difftest.generate import generate
-from difftest.spec import RunConfig
+from difftest.contracts.spec import RunConfig
+from difftest.generation.generate import generate
 
 PLANTED = "tests.faults.planted"
 
 
 def _reference_calibrations() -> int:
-    from difftest.registry import calibrations_of, get_setting, load_plugins
+    from difftest.contracts.registry import calibrations_of, get_setting, load_plugins
 
     load_plugins()
     centre, runs = calibrations_of(get_setting("reference"), "fp32")
@@ -26,7 +26,7 @@ def _reference_calibrations() -> int:
 
 
 # what a sweep adds per model to judge settings whose root is `reference` with the calibrated oracle
-# (difftest.envelope): calib-{float64,order,threads,microbatch,fp32-a,fp32-b,fp32-c}/reference
+# (difftest.judging.envelope): calib-{float64,order,threads,microbatch,fp32-a,fp32-b,fp32-c}/reference
 REFERENCE_CALIBRATIONS = _reference_calibrations()
 
 

@@ -25,7 +25,7 @@ def _run(folder: Path, module: str, source: str) -> tuple[subprocess.CompletedPr
     (folder / f"{module}.py").write_text(source)
     out = folder / "run"
     done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--model", f"{module}:adapter",
-                           "--settings", SETTINGS, "--minimize-budget", "0"], capture_output=True, text=True,
+                           "--settings", SETTINGS, "--minimise-budget", "0"], capture_output=True, text=True,
                           timeout=600, cwd=folder, env={**os.environ, "PYTHONPATH": str(folder)})
     return done, out
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from difftest.campaign import load_seen, rounds_done
-from difftest.cli import app
+from difftest.campaign.rounds import load_seen, rounds_done
+from difftest.cli.main import app
 from tests.conftest import PLANTED
 
 SETTINGS = "torchrec/ebc/grid_shard/ws2,faults/shard_off_by_one_row/ws2"
@@ -18,7 +18,7 @@ SETTINGS = "torchrec/ebc/grid_shard/ws2,faults/shard_off_by_one_row/ws2"
 
 def _campaign(folder: Path, *extra: str) -> str:
     result = CliRunner().invoke(app, ["campaign", str(folder), "--kind", "dlrm", "--settings", SETTINGS, "--plugin",
-                                      PLANTED, "--minimize-budget", "15", *extra])
+                                      PLANTED, "--minimise-budget", "15", *extra])
     assert result.exit_code == 0, (result.output[-3000:], result.exception)
     return result.output
 
@@ -36,9 +36,9 @@ def test_a_campaign_counts_what_it_has_seen_and_works_only_on_what_is_new(tmp_pa
     first, second = (r / "findings" for r in rounds)
     finding = planted.example.split("/")[-1]
     # (a planted fault overrides its family's run: its standalone.txt says it gets no script, and why)
-    assert (first / finding / "minimize.json").is_file() and (first / finding / "standalone.txt").is_file()
-    assert not (second / finding / "minimize.json").exists() and not (second / finding / "standalone.txt").exists()
-    assert all(not (second / f.name / "minimize.json").exists() for f in second.iterdir())
+    assert (first / finding / "minimise.json").is_file() and (first / finding / "standalone.txt").is_file()
+    assert not (second / finding / "minimise.json").exists() and not (second / finding / "standalone.txt").exists()
+    assert all(not (second / f.name / "minimise.json").exists() for f in second.iterdir())
     # each round keeps the plan it was drawn and what each cell gave; the live page shows the cause and the families
     plan = (rounds[1] / "plan.json").read_text()
     assert {"faults", "torchrec"} <= set(json.loads(plan)["families"])
@@ -76,7 +76,7 @@ def test_a_campaign_counts_what_it_has_seen_and_works_only_on_what_is_new(tmp_pa
     assert again.exit_code != 0 and "deleted once judged" in str(again.exception), (again.output, again.exception)
     # past its disk budget a campaign stops with one line
     over = CliRunner().invoke(app, ["campaign", str(folder), "--kind", "dlrm", "--settings", SETTINGS, "--plugin",
-                                    PLANTED, "--minimize-budget", "15", "--cases", "45", "--max-disk", "0.000001"])
+                                    PLANTED, "--minimise-budget", "15", "--cases", "45", "--max-disk", "0.000001"])
     assert over.exit_code != 0 and "past --max-disk" in str(over.exception), (over.output, over.exception)
 
 
@@ -87,8 +87,8 @@ def test_a_campaign_of_another_stack_is_one_line_and_fresh_keeps_it_aside(tmp_pa
 
     import pytest
 
-    from difftest.campaign import STACK_FILE, CampaignConfig, run_campaign, start
-    from difftest.errors import UserError
+    from difftest.campaign.rounds import STACK_FILE, CampaignConfig, run_campaign, start
+    from difftest.contracts.errors import UserError
 
     folder, config = tmp_path / "hunt", CampaignConfig(kind="dlrm")
     start(folder, config)
@@ -111,7 +111,7 @@ def test_a_campaign_of_another_stack_is_one_line_and_fresh_keeps_it_aside(tmp_pa
 
 
 def test_guided_sampling_favours_what_gave_new_causes_and_keeps_a_floor_for_the_rest() -> None:
-    from difftest.sampling import BATCH_SIZES, EXPLORE, Cell, CellRecord, Sampling, chances, draw
+    from difftest.campaign.sampling import BATCH_SIZES, EXPLORE, Cell, CellRecord, Sampling, chances, draw
 
     gave = Cell("pipeline", "dlrm")
     quiet = Cell("ddp", "dlrm")
@@ -140,7 +140,7 @@ def test_guided_sampling_favours_what_gave_new_causes_and_keeps_a_floor_for_the_
 def test_a_rounds_cells_count_cases_near_misses_and_each_new_cause_once_per_family() -> None:
     import pandas as pd
 
-    from difftest.sampling import Cell, round_cells
+    from difftest.campaign.sampling import Cell, round_cells
 
     cases = pd.DataFrame({"model": ["m"] * 5,
                           "setting": ["ddp/a/ws2", "ddp/b/ws2", "ddp/c/ws2", "tp/a/ws2", "quant/a"],
@@ -172,7 +172,7 @@ def test_a_campaign_killed_mid_round_resumes_with_nothing_lost_or_repeated(tmp_p
 
     folder = tmp_path / "hunt"
     command = [sys.executable, "-m", "difftest.cli", "campaign", str(folder), "--kind", "dlrm", "--settings", SETTINGS,
-               "--plugin", PLANTED, "--minimize-budget", "15", "--cases", "27"]
+               "--plugin", PLANTED, "--minimise-budget", "15", "--cases", "27"]
     started = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def committed(round_name: str) -> int:

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from difftest.analysis import analyze
-from difftest.envelope import Envelope, K
-from difftest.registry import get_setting, load_plugins, root_of, tier
+from difftest.contracts.registry import get_setting, load_plugins, root_of, tier
+from difftest.judging.analysis import analyze
+from difftest.judging.envelope import Envelope, K
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.store import Store
+from difftest.storage.store import Store
 
 INJECT = "benchmarks.faults.inject"
 
@@ -46,7 +46,7 @@ def test_monte_carlo_rounding_leaves_a_programs_scalar_constants_alone() -> None
     """x ** 3 with the exponent perturbed to 2.9999998 is NaN for x < 0 (tanh-gelu's Pow): constants are exact."""
     import torch
 
-    from difftest.envelope import UNIT_ROUNDOFF
+    from difftest.contracts.tolerance import UNIT_ROUNDOFF
     from settings.calibration import _monte_carlo_rounding
 
     class Cube(torch.nn.Module):

@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from difftest.cli import BUILTIN_KINDS
-from difftest.registry import generator_kinds, get_generator, load_plugins
+from difftest.cli.main import BUILTIN_KINDS
+from difftest.contracts.registry import generator_kinds, get_generator, load_plugins
 from tests.conftest import PLANTED
 
 # the kinds as parameters, without loading a plugin at collection: a plugin's settings registered while pytest collects

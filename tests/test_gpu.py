@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
 
 def _failures(run_dir: Path, also: tuple[str, ...] = ()) -> list[str]:
     """The cases that ended error, crash or timeout (or one of `also`), with their messages."""
-    from difftest.store import Store
+    from difftest.storage.store import Store
 
     store = Store(run_dir)
     try:
@@ -26,10 +26,10 @@ def _failures(run_dir: Path, also: tuple[str, ...] = ()) -> list[str]:
 
 
 def test_several_ranks_share_one_gpu_with_gloo_and_nothing_errors_of_our_making(tmp_path: Path) -> None:
-    from difftest.analysis import analyze
-    from difftest.generate import generate
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
+    from difftest.judging.analysis import analyze
     from difftest.runner.sweep import SweepOptions, run_sweep
-    from difftest.spec import RunConfig
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",)))
@@ -47,10 +47,10 @@ def test_several_ranks_share_one_gpu_with_gloo_and_nothing_errors_of_our_making(
 
 
 def test_cpu_versus_gpu_strict_fp32_lies_in_the_cpu_envelope_and_a_cuda_rerun_is_bitwise(tmp_path: Path) -> None:
-    from difftest.analysis import analyze
-    from difftest.generate import generate
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
+    from difftest.judging.analysis import analyze
     from difftest.runner.sweep import SweepOptions, run_sweep
-    from difftest.spec import RunConfig
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=2, kinds=("transformer",)))
@@ -65,10 +65,10 @@ def test_cpu_versus_gpu_strict_fp32_lies_in_the_cpu_envelope_and_a_cuda_rerun_is
 
 
 def test_a_cuda_setting_in_a_cuda_sweep_says_it_has_no_cpu_run_to_compare_with(tmp_path: Path) -> None:
-    from difftest.generate import generate
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
     from difftest.runner.sweep import SweepOptions, run_sweep
-    from difftest.spec import RunConfig
-    from difftest.store import Store
+    from difftest.storage.store import Store
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",)))

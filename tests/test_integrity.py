@@ -1,5 +1,5 @@
 """A damaged run folder never becomes "no findings": each kind of file truncated, bit-flipped and deleted, and what
-the commands then do (difftest.integrity, difftest.verify).
+the commands then do (difftest.storage.integrity, difftest.storage.verify).
 
 The documented outcome of each cell: `analyze` stops with one line naming the damaged file (exit 2 in the CLI) and
 writes nothing; then a model file is recreated by `generate` byte for byte, a case's outputs are uncommitted by
@@ -19,10 +19,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from difftest.cli import app
-from difftest.errors import UserError
-from difftest.generate import generate
-from difftest.spec import RunConfig
+from difftest.cli.main import app
+from difftest.contracts.errors import UserError
+from difftest.contracts.spec import RunConfig
+from difftest.generation.generate import generate
 
 
 def _cli(*args: str) -> tuple[int, str, BaseException | None]:
@@ -40,7 +40,7 @@ def swept(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One DLRM-like model swept under the reference and its calibration runs, analysed."""
     run_dir = tmp_path_factory.mktemp("integrity") / "run"
     generate(run_dir, RunConfig(seed=0, models=1))
-    code, output, _ = _cli("sweep", run_dir, "--settings", "reference,ddp/default/ws2", "--minimize-budget", "0")
+    code, output, _ = _cli("sweep", run_dir, "--settings", "reference,ddp/default/ws2", "--minimise-budget", "0")
     assert code == 0, output[-2000:]
     return run_dir
 
@@ -84,7 +84,7 @@ def test_damage_is_one_line_nothing_is_overwritten_and_the_repair_restores_the_r
     path = run_dir / target
     (_flip_a_value if target == "run.json" and damage == "bit-flipped" else DAMAGES[damage])(path)
 
-    code, line, error = _cli("analyze", run_dir, "--minimize-budget", "0")
+    code, line, error = _cli("analyze", run_dir, "--minimise-budget", "0")
     assert code == 2 and error is not None, line
     assert "\n" not in line and (path.name in line or str(path.parent) in line), line
     # nothing derived from the damaged folder replaced what the last analysis wrote
@@ -98,7 +98,7 @@ def test_damage_is_one_line_nothing_is_overwritten_and_the_repair_restores_the_r
         assert _cli("verify", run_dir)[0] == 1
         code, output, _ = _cli("verify", run_dir, "--repair")
         assert code == 0 and "uncommitted" in output, output
-        code, output, _ = _cli("sweep", run_dir, "--settings", "reference,ddp/default/ws2", "--minimize-budget", "0")
+        code, output, _ = _cli("sweep", run_dir, "--settings", "reference,ddp/default/ws2", "--minimise-budget", "0")
         assert code == 0 and "ran 1 " in output.replace("\n", " "), output[-1500:]
     elif target == "store.sqlite":
         assert "damaged" in line
@@ -108,7 +108,7 @@ def test_damage_is_one_line_nothing_is_overwritten_and_the_repair_restores_the_r
         assert "run.json" in line
         return
     assert _cli("verify", run_dir)[0] == 0
-    code, output, _ = _cli("analyze", run_dir, "--minimize-budget", "0")
+    code, output, _ = _cli("analyze", run_dir, "--minimise-budget", "0")
     assert code == 0, output[-1500:]
     assert (run_dir / "comparisons.csv").read_bytes() == before["comparisons.csv"]
 
@@ -134,7 +134,7 @@ def test_an_analysis_of_fewer_cases_keeps_the_last_ones_files(swept: Path, tmp_p
     db.execute("DELETE FROM cases WHERE setting LIKE 'ddp/%'")
     db.commit()
     db.close()
-    code, output, _ = _cli("analyze", run_dir, "--minimize-budget", "0")
+    code, output, _ = _cli("analyze", run_dir, "--minimise-budget", "0")
     assert code == 0 and "fewer than the last one" in output, output[-1500:]
     kept = [p for p in run_dir.iterdir() if p.name.startswith("superseded-")]
     assert len(kept) == 1 and (kept[0] / "findings.md").read_bytes() == findings
@@ -146,7 +146,7 @@ def test_a_damaged_onnx_export_is_named_and_generate_says_it_cannot_be_made_agai
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("sequential",)))
     _flip(run_dir / "models" / "sequential-s0-i0" / "model.onnx")
-    code, line, _ = _cli("sweep", run_dir, "--settings", "reference", "--minimize-budget", "0")
+    code, line, _ = _cli("sweep", run_dir, "--settings", "reference", "--minimise-budget", "0")
     assert code == 2 and "model.onnx: differs from the digest" in line and "byte for byte" in line, line
     assert not (run_dir / "store.sqlite").exists()  # nothing ran on it
     code, line, _ = _cli("generate", "--out", run_dir)
@@ -176,7 +176,7 @@ def test_ctrl_c_is_one_line_that_says_how_to_resume_and_the_rerun_loses_nothing(
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1))
     command = [sys.executable, "-m", "difftest.cli", "sweep", str(run_dir), "--settings", "torchrec/ebc/*/ws2",
-               "--minimize-budget", "0"]
+               "--minimise-budget", "0"]
     # as a terminal's foreground job has it, whatever this test inherited (a shell's background job ignores SIGINT,
     # and difftest keeps a SIGINT its shell ignored ignored): a handler of this process's is the default after exec
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -1,4 +1,4 @@
-"""difftest/known_issues.toml: the library findings difftest knows, and how triage matches cases to them."""
+"""difftest/findings/known_issues.toml: the library findings difftest knows, and how triage matches cases to them."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from difftest import known
-from difftest.errors import UserError
-from difftest.registry import all_settings, generator_kinds, load_plugins, traits_of
+from difftest.contracts.errors import UserError
+from difftest.contracts.registry import all_settings, generator_kinds, load_plugins, traits_of
+from difftest.findings import known
 
 
 def test_every_entry_still_names_settings_and_traits_that_exist() -> None:
@@ -78,7 +78,7 @@ def test_a_malformed_manifest_is_one_line_naming_the_file_and_the_entry(tmp_path
 def test_findings_one_known_bug_explains_become_one_and_say_what_they_merged() -> None:
     import pandas as pd
 
-    from difftest.triage import Finding, merge_known
+    from difftest.findings.triage import Finding, merge_known
 
     scaling = next(i for i in known.manifest() if i.id == "torchrec-rowwise-scaled-by-one-minus-2-pow-20")
 
@@ -103,8 +103,8 @@ def test_findings_one_known_bug_explains_become_one_and_say_what_they_merged() -
 def test_a_run_records_its_stack_and_keeps_an_earlier_one(tmp_path: Path) -> None:
     import json
 
-    from difftest import stack
-    from difftest.spec import RunConfig
+    from difftest.contracts.spec import RunConfig
+    from difftest.storage import stack
 
     run_file = tmp_path / "run.json"
     run_file.write_text(RunConfig(seed=3).to_json())

@@ -16,12 +16,12 @@ import pandas as pd
 import pytest
 
 import generators  # noqa: F401  (registers the kinds)
-from difftest import known
-from difftest.analysis import analyze
-from difftest.generate import generate
-from difftest.registry import get_generator, load_plugins, select_settings, traits_of
+from difftest.contracts.registry import get_generator, load_plugins, select_settings, traits_of
+from difftest.contracts.spec import RunConfig
+from difftest.findings import known
+from difftest.generation.generate import generate
+from difftest.judging.analysis import analyze
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.spec import RunConfig
 
 TORCH_KINDS = ("transformer", "torchrec-dlrm", "torchrec-deepfm")
 KERAS_KINDS = ("keras-dag", "keras-transformer")
@@ -90,7 +90,7 @@ def test_a_standalone_scripts_model_computes_what_the_kind_does(kind: str) -> No
     kind's forward through its layer chain and its loss, bit for bit: a script shows the model difftest ran."""
     import torch
 
-    from difftest.standalone import _source
+    from difftest.scripts.emit import _source
     from generators.chain import ChainStage
 
     generator = get_generator(kind)
@@ -167,7 +167,7 @@ def test_transformers_run_under_tensor_sequence_loss_parallel_fsdp_and_pipelines
     assert verdict[("transformer-s0-i1-frozen", "tp/sequence-parallel/loss-parallel/ws2")][0] == "unsupported"
     assert "tied" in verdict[("transformer-s0-i1-frozen", "pipeline/1f1b/ws2/stages2/mb2/balanced")][1]
     # the library finding: SequenceParallel re-registers a norm's weight as a new Parameter that requires grad, so
-    # the frozen attention norm trains (expected where difftest/known_issues.toml says the installed torch has it)
+    # the frozen attention norm trains (expected where difftest/findings/known_issues.toml says the installed torch has it)
     issue = next(i for i in known.manifest() if i.id == "sequence-parallel-unfreezes-norm")
     status, message = verdict[("transformer-s0-i1-frozen", "tp/sequence-parallel/ws2")]
     if issue.reproduces_on(known.installed_versions([issue.library])):
@@ -180,10 +180,10 @@ def test_a_transformers_script_runs_its_own_tensor_parallel_plan_as_the_setting_
     tensor parallel (loss parallel too), FSDP2 over it and a pipeline reach the setting's verdict on the same case, where difftest does not
     import: the untied model trains as one process does, and SequenceParallel trains the tied model's frozen norm
     wherever the installed torch has that bug (the script then says BUG PRESENT, and the frozen norm's name)."""
-    from difftest.analysis import envelope_spread
-    from difftest.oracle import Tolerance
-    from difftest.standalone import MAX_LINES
-    from difftest.standalone_findings import emit
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.emit import MAX_LINES
+    from difftest.scripts.write import emit
 
     cases = [("transformer-s0-i0", "tp/sequence-parallel/ws2"), ("transformer-s0-i0", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4"),
              ("transformer-s0-i1-frozen", "tp/sequence-parallel/ws2"),
@@ -263,8 +263,8 @@ def test_derived_tp_pairs_follow_the_data_flow() -> None:
 
 
 def test_models_of_sets_counts_per_kind(tmp_path: Path) -> None:
-    from difftest.cli import _models_of
-    from difftest.errors import UserError
+    from difftest.cli.main import _models_of
+    from difftest.contracts.errors import UserError
 
     assert _models_of("transformer=3, keras-dag=0") == {"transformer": 3, "keras-dag": 0}
     with pytest.raises(UserError, match="kind=N"):
@@ -351,7 +351,7 @@ def test_the_export_runs_tf2onnx_optimizers_in_place_and_gets_its_default_graph(
 def test_model_builders_keep_what_their_exports_leave_behind_and_remove_it_at_close(tmp_path: Path) -> None:
     """A builder process leaves through os._exit, so TensorFlow's autograph never deleted the source file it writes
     for each traced export (one in /tmp per Keras model a minimisation round built): it goes to the builders' folder."""
-    from difftest.generate import ModelBuilders
+    from difftest.generation.generate import ModelBuilders
 
     generator = get_generator("sequential")
     builders = ModelBuilders(("generators",), processes=1)

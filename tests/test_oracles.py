@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from difftest.analysis import analyze
+from difftest.judging.analysis import analyze
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.store import Store
+from difftest.storage.store import Store
 from generators.inputs import Batch, JaggedFeature
 from settings.async_pipeline import forward_version, one_f_one_b
 from settings.partial_reduce import partner_groups
@@ -62,8 +62,8 @@ def test_oracles_hold_on_clean_settings_and_catch_planted_faults(fresh_run: Path
     params = [k for k in stash if k.startswith("param_after_step")]
     assert any(not np.array_equal(stash[k], vertical[k]) for k in params)
     # a nondeterminism is filed as one: the setting against its own first run, not against one process
-    from difftest.issue_report import write_issues
-    from difftest.triage import triage
+    from difftest.findings.triage import triage
+    from difftest.reporting.issue_report import write_issues
 
     findings = triage(fresh_run, analysis)
     write_issues(fresh_run, analysis, findings, [])
@@ -116,14 +116,15 @@ def test_every_case_prefers_deterministic_kernels_and_a_rerun_insists(fresh_run:
 def test_a_phase_whose_rank_fails_stops_its_waiting_peers_at_once(tmp_path: Path) -> None:
     """A resume phase's processes: the first failure ends the phase (its peers are stopped, not waited for), and the
     error names the rank that failed, not a peer that was cut loose."""
-    from settings._resumable import launch
+    from difftest import ProcessesFailed, run_in_processes
+    from tests.faults.failing_phase import main
 
-    with pytest.raises(RuntimeError, match="rank 1 exited 1.*planted: rank 1 fails at once"):
-        launch("tests.faults.failing_phase", {}, 2, tmp_path / "work", "0-3")
+    with pytest.raises(ProcessesFailed, match="rank 1 exited 1.*planted: rank 1 fails at once"):
+        run_in_processes(main, {}, 2, tmp_path / "work", "0-3")
 
 
 def test_ranks_map_onto_the_gpus_there_are_and_too_few_is_a_reason() -> None:
-    from difftest.devices import device_refusal, rank_device
+    from difftest.contracts.devices import device_refusal, rank_device
 
     assert [rank_device("cuda", "nccl", r, 4) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert [rank_device("cuda", "gloo", r, 1) for r in range(3)] == ["cuda:0"] * 3  # gloo: ranks share a GPU
@@ -135,7 +136,7 @@ def test_ranks_map_onto_the_gpus_there_are_and_too_few_is_a_reason() -> None:
 
 
 def test_a_scaled_tensor_is_told_by_its_factor_and_a_one_sided_one_by_its_ratio_range() -> None:
-    from difftest.oracle import describe_ratio, describe_scale, uniform_scale
+    from difftest.judging.oracle import describe_ratio, describe_scale, uniform_scale
 
     rng = np.random.default_rng(0)
     reference = rng.uniform(-1, 1, 96).astype(np.float32)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from difftest.analysis import analyze
+from difftest.judging.analysis import analyze
 from difftest.runner.sweep import SweepOptions, run_sweep
 from generators.conversion import layer_cuts
 from settings.pipeline import balanced_split, random_split
@@ -75,11 +75,11 @@ def test_layer_cuts_split_a_graph_between_layers() -> None:
 def test_sequence_parallel_shards_positions_where_a_converted_dense_pair_runs_over_a_sequence(tmp_path: Path) -> None:
     """Keras (seed 0, index 89): Conv1D → Dense → Dense over a sequence, which tf2onnx lowers to a Linear over
     (batch·seq, feature) rows; none of the default models has such a pair."""
-    from difftest.artifacts import save_model
-    from difftest.generate import prepare_run
-    from difftest.registry import get_generator, load_plugins
-    from difftest.spec import RunConfig
-    from difftest.store import Store
+    from difftest.contracts.registry import get_generator, load_plugins
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import prepare_run
+    from difftest.storage.artifacts import save_model
+    from difftest.storage.store import Store
 
     load_plugins()
     run_dir = tmp_path / "run"
@@ -118,10 +118,10 @@ def test_fsdp2_inside_pipeline_stages_finishes_on_a_converted_keras_model(fresh_
 def test_activation_checkpointing_wraps_every_block_and_trains_as_the_reference(tmp_path: Path) -> None:
     """Checkpointed blocks (reentrant, non-reentrant, selective; alone, in DDP, in FSDP2) recompute the same operations:
     ok against the plain reference, under the plain model's parameter names, every block really wrapped."""
-    from difftest.generate import generate
-    from difftest.registry import get_generator
-    from difftest.spec import RunConfig
-    from difftest.store import Store
+    from difftest.contracts.registry import get_generator
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
+    from difftest.storage.store import Store
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer", "dlrm")))
@@ -141,9 +141,9 @@ def test_activation_checkpointing_wraps_every_block_and_trains_as_the_reference(
     layers = len(kind.blocks(kind.build(spec, kind.init_state(spec), "cpu", None)))
     assert all(f"checkpointed blocks: {layers}" in message for message in blocks.values()), blocks
     # its standalone script checkpoints and wraps as the setting does, and agrees too (exit 0), judged by the envelope
-    from difftest.analysis import envelope_spread
-    from difftest.oracle import Tolerance
-    from difftest.standalone_findings import emit
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.write import emit
 
     setting = "ac/fsdp2/selective/ws2"
     emitted = emit(run_dir, "A1", "an activation-checkpointing finding", "inconsistent",
@@ -161,12 +161,12 @@ def test_gradient_clipping_clips_as_one_process_does_and_the_infinity_norm_on_an
     """Clipping to a global norm under DDP, legacy FSDP and FSDP2 (norm 2) matches the single-process root, the norm
     each step found recorded and really above the maximum; FSDP2 with the infinity norm fails on the rank whose
     gradient shards are empty (a library bug the manifest knows), and its standalone script shows it without difftest."""
-    from difftest.generate import generate
-    from difftest.oracle import Tolerance
-    from difftest.spec import RunConfig
-    from difftest.standalone_findings import emit
-    from difftest.store import Store
-    from difftest.triage import triage
+    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.scripts.write import emit
+    from difftest.storage.store import Store
     from settings.gradient_clipping import MAX_NORM
 
     run_dir = tmp_path / "run"
@@ -197,10 +197,10 @@ def test_compiled_training_matches_eager_and_the_shape_tensor_crash_is_a_known_d
     """torch.compile'd training of a native transformer, alone, under DDP (compiled whole) and FSDP2 (units compiled)
     matches eager training, judged by the envelope, with the graphs it compiled noted; a Keras model converted through
     onnx2pytorch fails in Dynamo on its shape tensor, triaged to the manifest's entry."""
-    from difftest.generate import generate
-    from difftest.spec import RunConfig
-    from difftest.store import Store
-    from difftest.triage import triage
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.storage.store import Store
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer", "keras-transformer")))
@@ -212,7 +212,7 @@ def test_compiled_training_matches_eager_and_the_shape_tensor_crash_is_a_known_d
     cases = analysis.cases.set_index(["model", "setting"])
     for setting in ("compile/single/ws1", "compile/ddp/ws2", "compile/fsdp2/ws2"):
         assert cases.loc[("transformer-s0-i0", setting), "verdict"] == "ok", setting
-    from difftest.analysis import envelope_spread  # judged by the calibrated envelope, not allclose alone
+    from difftest.judging.analysis import envelope_spread  # judged by the calibrated envelope, not allclose alone
 
     assert any(n.startswith("param_after_step1/") for n in envelope_spread(run_dir, "transformer-s0-i0",
                                                                              "compile/ddp/ws2"))
@@ -232,9 +232,9 @@ def test_torchrec_train_pipelines_train_as_the_plain_loop_a_batch_ahead(tmp_path
     """Two steps through TrainPipelineSparseDist (its sharded module's forward rewritten, the next batch's input
     distribution started during the current step) and TrainPipelineBase match the plain sharded loop on TorchRec's
     DLRM; a model torch.fx cannot trace is unsupported with the tracer's words, the prefetch pipeline on the CPU too."""
-    from difftest.generate import generate
-    from difftest.spec import RunConfig
-    from difftest.store import Store
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
+    from difftest.storage.store import Store
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("torchrec-dlrm", "dlrm"), steps=2))
@@ -263,10 +263,10 @@ def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does
     fused row-wise Adagrad matches TorchRec's RowWiseAdagrad table-wise; on column shards it keeps one accumulator per
     shard and trains the table differently (a manifest entry); Adam, which fbgemm's CPU build lacks, is unsupported
     with TorchRec's words."""
-    from difftest.generate import generate
-    from difftest.spec import RunConfig
-    from difftest.store import Store
-    from difftest.triage import triage
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.storage.store import Store
     from settings.torchrec_optimizers import OPTIMIZERS, _state_name
 
     # TorchRec names a fused optimizer's first state `momentum1`; the rest keep fbgemm's (= torch's) names
@@ -315,9 +315,9 @@ def test_sequence_embeddings_shard_like_one_process_and_data_parallel_is_fbgemms
     (judged by the calibrated envelope: the root computes in float64 for it), data-parallel tables hit fbgemm's CPU
     dense lookup that pools under PoolingMode.NONE (a known finding), and index dedup, with no CPU kernel here, is
     unsupported with the probe's reason."""
-    from difftest.generate import generate
-    from difftest.spec import RunConfig
-    from difftest.triage import triage
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from difftest.analysis import analyze
-from difftest.generate import generate
-from difftest.minimize import minimize
-from difftest.progress import family_of
+from difftest.contracts.spec import RunConfig
+from difftest.findings.minimise import minimise
+from difftest.findings.triage import triage
+from difftest.generation.generate import generate
+from difftest.judging.analysis import analyze
+from difftest.reporting.progress import family_of
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.spec import RunConfig
-from difftest.triage import triage
 
 TINY = "tests.plugins.tiny"
 ENGINE = Path(__file__).resolve().parents[1] / "difftest"
@@ -41,7 +41,7 @@ def test_a_plugin_kind_and_family_run_through_every_stage_by_what_they_declare(t
     assert family_of("sum-dp/grad-sum/ws3") == "sum-dp"
 
     # minimisation shrinks by the kind's reductions and the family's declared sizes
-    done = minimize(run, findings, analysis, budget_s=60, plugins=(TINY,))[0]
+    done = minimise(run, findings, analysis, budget_s=60, plugins=(TINY,))[0]
     before, after = done.size(done.original), done.size()
     assert after["layers"] < before["layers"] and after["world_size"] == 2, done.to_json()
 

@@ -20,16 +20,16 @@ from pathlib import Path
 SETTINGS = "ddp/default/ws2,fsdp2/per-layer/reshard/fp32/ws2"
 
 def test_mine_trains_the_same(difftest):
-    summary = difftest.check("my_model:adapter", settings=SETTINGS, extra=("--minimize-budget", "0"))
+    summary = difftest.check("my_model:adapter", settings=SETTINGS, extra=("--minimise-budget", "0"))
     assert summary["findings"] == [] and summary["cases"]["ok"] >= 4
 
 def test_mine_with_batchnorm(difftest):
-    difftest.check("my_bn_model:adapter", settings=SETTINGS, extra=("--minimize-budget", "0"))
+    difftest.check("my_bn_model:adapter", settings=SETTINGS, extra=("--minimise-budget", "0"))
 
 def test_mine_with_batchnorm_accepted(difftest, tmp_path):
     accepted = Path(BASELINE)
     summary = difftest.check("my_bn_model:adapter", settings=SETTINGS, baseline=accepted,
-                             extra=("--minimize-budget", "0"))
+                             extra=("--minimise-budget", "0"))
     assert summary["findings"] and all(f["accepted"] for f in summary["findings"])
 '''
 

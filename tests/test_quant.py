@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from difftest import known
-from difftest.analysis import analyze
+from difftest.findings import known
+from difftest.judging.analysis import analyze
 from difftest.runner.sweep import SweepOptions, list_models, run_sweep
 from settings import _error_bounds as bounds
 from settings.quant_torchrec import SHARDINGS

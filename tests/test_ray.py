@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from difftest.errors import UserError
+from difftest.contracts.errors import UserError
 from difftest.runner.executor import ExecutorConfig
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.store import Store, results_digest
+from difftest.storage.store import Store, results_digest
 from tests.conftest import PLANTED, committed_cases, sigkill_sweep_after
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
@@ -154,7 +154,7 @@ def test_killing_a_worker_node_mid_sweep_reruns_its_cases_and_loses_or_doubles_n
 @pytest.mark.timeout(1200)
 def test_sigkill_of_the_driver_then_the_same_command_resumes(cluster, local_result: dict, fresh_run: Path) -> None:
     command = [sys.executable, "-m", "difftest.cli", "sweep", str(fresh_run), "--settings", SELECTION,
-               "--executor", "ray", "--address", cluster.address, "--minimize-budget", "0"]
+               "--executor", "ray", "--address", cluster.address, "--minimise-budget", "0"]
     sigkill_sweep_after(command, fresh_run, 10)
     before = committed_cases(fresh_run)
     assert 10 <= len(before) < len(local_result)
@@ -171,7 +171,7 @@ def test_sigkill_of_the_driver_then_the_same_command_resumes(cluster, local_resu
 def test_a_gang_no_node_can_hold_is_unsupported_with_the_reason(cluster, fresh_run: Path) -> None:
     report = run_sweep(fresh_run, SweepOptions(settings="fsdp2/*/ws4", models="*-i0",
                                                executor=ExecutorConfig("ray", cluster.address, cpus_per_rank=2)))
-    from difftest.registry import get_setting
+    from difftest.contracts.registry import get_setting
 
     records = {r.setting: r for r in Store(fresh_run).records()}
     refused = [r for name, r in records.items() if get_setting(name).world_size == 4]

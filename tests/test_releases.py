@@ -11,10 +11,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from difftest.bisect import Outcome, Step, targets, verdict
-from difftest.errors import UserError
-from difftest.releases import release, release_range, supported
-from difftest.run_diff import diff_runs
+from difftest.contracts.errors import UserError
+from difftest.releases.bisect import Outcome, Step, targets, verdict
+from difftest.releases.diff import diff_runs
+from difftest.releases.environments import release, release_range, supported
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,7 +123,7 @@ def test_diff_leaves_out_a_model_that_is_not_the_same_in_both_runs(tmp_path: Pat
     # a reproducer written before exit code 4 said unsupported only in its first line
     (0, "m × s: unsupported", Outcome.UNSUPPORTED), (7, "Traceback", Outcome.COULD_NOT_RUN)])
 def test_bisect_reads_what_a_reproducer_says(tmp_path: Path, code: int, first: str, expected: Outcome) -> None:
-    from difftest.bisect import probe
+    from difftest.releases.bisect import probe
 
     script = tmp_path / "repro.py"
     script.write_text(f"import sys\nprint({first!r})\nprint('  needs torch >= 2.9')\nsys.exit({code})\n")
@@ -138,7 +138,7 @@ def test_bisect_reads_what_a_reproducer_says(tmp_path: Path, code: int, first: s
     # exit 1 without the script's own words is not the bug (an import failing on its own exits 1 too)
     (1, "Traceback", Outcome.COULD_NOT_RUN)])
 def test_bisect_reads_what_a_standalone_script_says(tmp_path: Path, code: int, said: str, expected: Outcome) -> None:
-    from difftest.bisect import probe
+    from difftest.releases.bisect import probe
 
     script = tmp_path / "standalone.py"
     lines = ["python 3.11, torch 2.9.1", "w: 0 of 4 elements off, 0.1x what rounding explains",
@@ -157,7 +157,7 @@ def test_bisect_runs_a_torchrec_finding_on_three_releases(tmp_path: Path) -> Non
     cli = [sys.executable, "-m", "difftest.cli"]
     for args in (["generate", "--out", str(run), "--kind", "dlrm", "--models", "1"],
                  ["sweep", str(run), "--settings", "torchrec/ebc/grid_shard/ws2"],
-                 ["analyze", str(run), "--minimize-budget", "30"]):
+                 ["analyze", str(run), "--minimise-budget", "30"]):
         done = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-2000:]
     findings = pd.read_csv(run / "findings.csv", dtype=str, keep_default_na=False)

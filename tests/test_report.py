@@ -8,10 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from difftest.analysis import analyze
-from difftest.report import write_report
+from difftest.judging.analysis import analyze
+from difftest.pipeline import triage_run
+from difftest.reporting.report import write_report
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.triage import triage
 from tests.conftest import PLANTED
 
 
@@ -30,7 +30,7 @@ def test_report_loads_in_a_browser_without_errors_and_lists_every_finding(fresh_
                                                "torchrec/ebc/table_wise/ws2,torchrec/ebc/grid_shard/ws2",
                                       plugins=(PLANTED,), timeout_s=60))
     analysis = analyze(fresh_run, plugins=(PLANTED,))
-    findings = triage(fresh_run, analysis)
+    findings = triage_run(fresh_run, analysis)
     page_path = write_report(fresh_run, analysis, findings)
     expected = pd.read_csv(fresh_run / "findings.csv")
     assert len(expected) == len(findings) >= 3

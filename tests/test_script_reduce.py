@@ -1,4 +1,4 @@
-"""Reducing a standalone script to what its case runs (difftest.script_reduce): the pure steps on a small script
+"""Reducing a standalone script to what its case runs (difftest.scripts.reduce): the pure steps on a small script
 whose executed lines are known, and the tracer on a real run of it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from difftest.script_reduce import (
+from difftest.scripts.reduce import (
     SHARED_MARKER,
     drop_docstrings,
     drop_unused,
@@ -200,8 +200,8 @@ def _distributed_script(on_rank: list[str], constants: list[str], entry: str) ->
     """A script of the runtime's own shared part (what every emitted script ends with) around `on_rank`."""
     import inspect
 
-    from difftest import standalone_runtime
-    from difftest.standalone import RUNTIME_IMPORTS
+    from difftest.contracts import script_runtime as standalone_runtime
+    from difftest.scripts.emit import RUNTIME_IMPORTS
 
     shared = [textwrap.dedent(inspect.getsource(getattr(standalone_runtime, name))) for name in
               ("gloo_on_loopback", "rank_main", "run_distributed", "start_ranks", "judge", "load_data", entry)]
@@ -214,7 +214,7 @@ def _distributed_script(on_rank: list[str], constants: list[str], entry: str) ->
 
 def test_a_disagreements_script_whose_ranks_return_nothing_could_not_run(tmp_path: Path) -> None:
     """No tensors from rank 0 is no verdict (exit 2), never "BUG PRESENT" from judging empty arrays."""
-    from difftest.script_check import check_script
+    from difftest.scripts.check import check_script
 
     script = _distributed_script(
         ["def on_rank(rank, world_size, data, case):", "    return None", "",
@@ -250,7 +250,7 @@ def test_a_failures_reduced_script_still_exits_0_once_the_failure_is_gone(tmp_pa
     reduced = reduce_source(script, executed)
     assert "outputs = {'x'" not in reduced  # never ran while the bug was present
     path.write_text(reduced)
-    from difftest.script_check import check_script
+    from difftest.scripts.check import check_script
 
     assert check_script(path, 120, env=bug).exit_code == 1
     fixed = check_script(path, 120, env={k: v for k, v in os.environ.items() if k != "LIBRARY_BUG"})

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from difftest.analysis import analyze
-from difftest.artifacts import load_model
+from difftest.judging.analysis import analyze
 from difftest.runner.sweep import SweepOptions, list_models, run_sweep
+from difftest.storage.artifacts import load_model
 from generators.onnx_files import EXPORT_ERROR_FILE
 from generators.sequential import SequentialGenerator
 from tests.conftest import PLANTED
@@ -88,8 +88,8 @@ def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_
         for setting in planted:
             assert judged[(model, setting)] == "inconsistent", (model, setting)
     # converted models record every exposed layer's output: a divergence is traced to the layer it starts in
-    from difftest.artifacts import load_model
-    from difftest.signature import first_divergences
+    from difftest.findings.signature import first_divergences
+    from difftest.storage.artifacts import load_model
     from tests.faults.planted import scaled_layer
 
     earliest = first_divergences(analyze(run_dir))
@@ -108,9 +108,9 @@ def test_a_conversion_failure_reproduces_from_the_onnx_file_alone(fresh_sequenti
     """onnx2torch 1.5.15 has no ReduceMean-18 converter (`onnx2torch-no-reducemean-18`), which this model's training
     graph needs; onnx2pytorch converts the same graph. The script of each reaches the setting's verdict, with the
     ONNX file as its data and neither TensorFlow nor difftest importable."""
-    from difftest import known
-    from difftest.oracle import Tolerance
-    from difftest.standalone_findings import emit
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.findings import known
+    from difftest.scripts.write import emit
 
     model, failing, converting = "sequential-s0-i0", "convert/onnx2torch/train", "convert/onnx2pytorch/eval"
     run_sweep(fresh_sequential_run, SweepOptions(settings=f"{failing},{converting}", models=model, timeout_s=180))
@@ -136,11 +136,11 @@ def test_a_training_finding_reproduces_from_the_onnx_file_alone(fresh_sequential
     """Legacy FSDP with NO_SHARD trains a converted model's transposed (non-contiguous) weight wrongly
     (`fsdp1-no-shard-noncontiguous`); FULL_SHARD trains it as one process does. The script of each, with the ONNX
     file, the Keras weights and the batch as its data, reaches the setting's verdict where difftest does not import."""
-    from difftest import known
-    from difftest.analysis import envelope_spread
-    from difftest.oracle import Tolerance
-    from difftest.standalone import MAX_LINES
-    from difftest.standalone_findings import emit
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.findings import known
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.emit import MAX_LINES
+    from difftest.scripts.write import emit
 
     model, buggy, sound = "sequential-s0-i0", "fsdp1/no_shard/ws2", "fsdp1/full_shard/ws2"
     run_sweep(fresh_sequential_run, SweepOptions(settings=f"{buggy},{sound}", models=model, timeout_s=180))

@@ -1,5 +1,5 @@
 """Standalone scripts: a finding as a script that needs only the libraries under test, and reaches the setting's
-verdict on the same case (`difftest.standalone`, `difftest.standalone_findings`)."""
+verdict on the same case (`difftest.scripts.emit`, `difftest.scripts.write`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
-from difftest.analysis import analyze, envelope_spread
-from difftest.oracle import Tolerance
-from difftest.registry import all_settings
+from difftest.contracts.registry import all_settings
+from difftest.contracts.script import STANDALONE_FILE
+from difftest.contracts.tolerance import Tolerance
+from difftest.judging.analysis import analyze, envelope_spread
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.script_check import sealed_environment
-from difftest.standalone import MAX_LINES, STANDALONE_FILE
-from difftest.standalone_findings import emit
+from difftest.scripts.check import sealed_environment
+from difftest.scripts.emit import MAX_LINES
+from difftest.scripts.write import emit
 
 MODEL = "dlrm-s0-i0"
 # two TorchRec bugs on this model (grid_shard + MEAN, the row-wise 1 - 2^-20 scaling only the calibrated oracle
@@ -96,14 +97,14 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
     # traceback file there (the fp16 shards' error)
     import os
 
-    from difftest.script_check import check_script
+    from difftest.scripts.check import check_script
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     failed = check_script(fresh_run / "findings" / "Q2" / "standalone.py", timeout_s=120,
                           env={**os.environ, "TMPDIR": str(temporary)})
     assert failed.exit_code == 1 and list(temporary.iterdir()) == [], (failed.output[-3000:], list(temporary.iterdir()))
     # a failure script recognises its failure, and nothing else, by the exception or the signal
-    from difftest.standalone import failure_pattern
+    from difftest.contracts.script import failure_pattern
     assert failure_pattern("crash", "rank 0 killed by SIGFPE (exit -8); log: ...") == r"signal SIGFPE\b"
     assert failure_pattern("error", "RuntimeError: The size of tensor a (80) must match") == r"RuntimeError:\ The\ size\ of\ tensor\ a"
     assert failure_pattern("error", "AssertionError: can't steal_bwd_input if 'x' ...") == \
@@ -138,7 +139,7 @@ def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) 
         assert emitted.checked.exit_code == (0 if verdicts[(MODEL, setting)] == "ok" else 1), \
             emitted.checked.output[-3000:]
         if setting == "ddp/no-sync/ws2":  # its agreement is the second micro-batch's all-reduce: skipped, ranks drift
-            from difftest.script_check import check_script
+            from difftest.scripts.check import check_script
 
             synchronising = "    (model_loss(module, data, middle, stop, dtype)"
             assert text.count(synchronising) == 1
@@ -146,7 +147,7 @@ def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) 
             unsynchronised = check_script(emitted.path, timeout_s=120)
             assert unsynchronised.exit_code == 1 and "BUG PRESENT" in unsynchronised.output, unsynchronised.output
         if setting.startswith("accum/fsdp2"):  # its agreement is the last micro-batch's reduction: skipped
-            from difftest.script_check import check_script
+            from difftest.scripts.check import check_script
 
             last = "last=j == micro_steps - 1"
             assert text.count(last) == 1
@@ -192,7 +193,7 @@ def test_a_pipeline_script_trains_or_fails_as_the_setting_does(fresh_run: Path) 
         assert emitted.checked.exit_code == (0 if verdict == "ok" else 1), emitted.checked.output[-3000:]
         assert verdict == "error" or "what rounding explains" in emitted.checked.output  # the envelope judged
         if "dp2xddp" in setting:  # its agreement is the replicas' synchronisation: unwrapped, they drift apart
-            from difftest.script_check import check_script
+            from difftest.scripts.check import check_script
 
             wrap = 'wrapped = {s: wrap_stage(m, layout["inner"], groups, "cpu") for s, m in modules.items()}'
             assert text.count(wrap) == 1
@@ -208,7 +209,7 @@ def test_a_repartition_script_hands_the_state_over_as_the_setting_does(fresh_run
     """Re-splitting a GPipe pipeline after two steps, and 1F1B never re-split, train this DLRM-like model with momentum
     as one process does on this stack; their scripts say so too, and say BUG PRESENT once the move leaves the momentum
     buffers behind. A failure of difftest's own check of the move gets no script."""
-    from difftest.script_check import check_script
+    from difftest.scripts.check import check_script
 
     run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in REPARTITION), timeout_s=120))
     verdicts = analyze(fresh_run).cases.set_index(["model", "setting"])["verdict"]
@@ -242,8 +243,8 @@ def test_a_resume_script_resumes_in_new_processes_as_the_setting_does(fresh_run:
     DLRM-like model as one process does on this stack; their scripts, each phase in new processes, say so too (the
     single-process resume bit for bit, as difftest judges it), and say BUG PRESENT once the checkpoint leaves the
     optimizer's momentum behind. A planted fault that changes what the checkpoint carries gets no script."""
-    from difftest.registry import get_setting
-    from difftest.script_check import check_script
+    from difftest.contracts.registry import get_setting
+    from difftest.scripts.check import check_script
 
     run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in ("resume/single/uninterrupted", *RESUME)),
                                       timeout_s=180))
@@ -272,7 +273,7 @@ def test_a_resume_script_resumes_in_new_processes_as_the_setting_does(fresh_run:
 
 
 def test_a_findings_report_quotes_the_lines_its_script_printed_itself_not_its_libraries() -> None:
-    from difftest.script_check import own_lines
+    from difftest.scripts.check import own_lines
 
     printed = """python 3.11.7, torch 2.14.1, torchrec 1.9.2, numpy 2.4.6
 WARNING:torchrec.distributed.utils:Compute Kernel is dense, caching params will be ignored
@@ -295,7 +296,7 @@ def test_a_script_that_outlives_its_timeout_is_killed_with_the_ranks_it_started(
     import os
     import time
 
-    from difftest.script_check import check_script
+    from difftest.scripts.check import check_script
 
     (tmp_path / "finding").mkdir()
     script = tmp_path / "finding" / "standalone.py"
@@ -328,7 +329,7 @@ PARTIAL = "partial-reduce/ws3/group2/sync2"  # partners in seeded groups of 2, e
 def test_a_partial_reduce_script_averages_as_the_setting_does(fresh_run: Path, tmp_path: Path) -> None:
     """Three replicas averaging with partners and all together agree with the simulator on this stack; the script
     says so too, and says BUG PRESENT once its global sync no longer all-reduces."""
-    from difftest.script_check import check_script
+    from difftest.scripts.check import check_script
 
     run_sweep(fresh_run, SweepOptions(pairs=((MODEL, PARTIAL),), timeout_s=120))
     assert analyze(fresh_run).cases.set_index(["model", "setting"]).loc[(MODEL, PARTIAL), "verdict"] == "ok"
@@ -364,7 +365,7 @@ def test_a_rerun_script_runs_its_base_twice_and_says_when_the_runs_differ(fresh_
     """A nondeterminism finding (`rerun/…`) gets its base's script, run twice and judged run against run with no
     tolerance, as difftest judges a rerun: DDP's two runs agree on this stack (exit 0, as the sweep's verdict says);
     once each run draws its step size at random, the script says BUG PRESENT."""
-    from difftest.script_check import check_script
+    from difftest.scripts.check import check_script
 
     rerun = "rerun/ddp/bucket-tiny/ws2"
     run_sweep(fresh_run, SweepOptions(pairs=((MODEL, "ddp/bucket-tiny/ws2"), (MODEL, rerun)), timeout_s=120))

@@ -1,4 +1,4 @@
-"""The engine names a case's status by `difftest.status.Status` (and a running sweep's unjudged verdict by `PENDING`),
+"""The engine names a case's status by `difftest.contracts.status.Status` (and a running sweep's unjudged verdict by `PENDING`),
 never by its bare string: a typo in a string compares unequal silently, a misspelt member fails at import."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from difftest.status import PENDING, STATUSES
+from difftest.contracts.status import PENDING, STATUSES
 
 ENGINE = Path(__file__).resolve().parents[1] / "difftest"
 # strings that spell a status but mean something else: SQLite's integrity check answers "ok"; bisect's own outcomes

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from difftest import known
-from difftest.analysis import analyze
+from difftest.findings import known
+from difftest.judging.analysis import analyze
 from difftest.runner.pool import CaseRequest, WorkerGroup
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.store import Store
+from difftest.storage.store import Store
 from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS, committed_cases, sigkill_sweep_after
 
 CLEAN_SINGLE_TYPE = [
@@ -25,7 +25,7 @@ CLEAN_SINGLE_TYPE = [
 ]
 
 
-# the library bugs these settings show, where difftest/known_issues.toml says the installed release has them
+# the library bugs these settings show, where difftest/findings/known_issues.toml says the installed release has them
 ROW_SCALING = "torchrec-rowwise-scaled-by-one-minus-2-pow-20"  # inside D3's allclose, past the envelope
 GRID_MEAN = "torchrec-grid-mean"
 
@@ -143,7 +143,7 @@ def _model_dirs(run_dir: Path) -> list[str]:
 
 
 def _probe_in_a_fresh_group(run_dir: Path) -> dict[str, np.ndarray]:
-    from difftest.registry import load_plugins
+    from difftest.contracts.registry import load_plugins
 
     fresh = WorkerGroup(2, run_dir / "logs", load_plugins((PLANTED,)))
     try:
@@ -161,7 +161,7 @@ def _assert_same_bytes(first: dict[str, np.ndarray], later: dict[str, np.ndarray
 
 
 def test_a_case_gives_the_same_bytes_first_in_a_fresh_group_and_after_other_cases(fresh_run: Path) -> None:
-    from difftest.registry import load_plugins
+    from difftest.contracts.registry import load_plugins
 
     first = _probe_in_a_fresh_group(fresh_run)
     model_dirs = _model_dirs(fresh_run)
@@ -180,7 +180,7 @@ def test_a_case_gives_the_same_bytes_first_in_a_fresh_group_and_after_other_case
 def test_a_failed_case_leaves_the_group_in_step_and_the_next_case_gives_a_fresh_groups_bytes(fresh_run: Path) -> None:
     """A rank that raises while its peer waits on it (in a barrier; in a pipeline's pending receive, a real torch
     failure) costs what a passing case costs: the peer is cut loose at once, the same processes run the next case."""
-    from difftest.registry import load_plugins
+    from difftest.contracts.registry import load_plugins
 
     first = _probe_in_a_fresh_group(fresh_run)
     model_dir = _model_dirs(fresh_run)[0]
@@ -206,7 +206,7 @@ def test_a_failed_case_leaves_the_group_in_step_and_the_next_case_gives_a_fresh_
 def test_what_ranks_leave_in_the_temporary_folder_goes_with_their_group_closed_or_crashed(fresh_run: Path) -> None:
     """Ranks leave through os._exit (or are killed), so a library's delete-at-exit never runs: TensorFlow's autograph
     left a source file in /tmp per converted function, 42 on a sweep of 48 Keras cases. The group's folder holds them."""
-    from difftest.registry import load_plugins
+    from difftest.contracts.registry import load_plugins
 
     model_dir, plugins = _model_dirs(fresh_run)[0], load_plugins((PLANTED,))
     for ending in ("close", "crash"):
@@ -227,7 +227,7 @@ def test_a_cases_gloo_connections_are_on_the_loopback(fresh_run: Path, monkeypat
     """Ranks meet at 127.0.0.1, but gloo binds its connections to the address the host name resolves to: a network
     interface where /etc/hosts does not name the host (after a DNS lookup). The ranks name the loopback for it (the
     store's server from torch 2.11 on: this stack's)."""
-    from difftest.registry import load_plugins
+    from difftest.contracts.registry import load_plugins
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)  # the user's own choice would win
 
@@ -372,8 +372,8 @@ def test_ranks_fork_from_the_import_server_unless_their_settings_may_use_a_gpu_i
     """On a GPU machine a CPU sweep's ranks used to be spawned, each importing torch and the plugins itself (the
     16-core machine's groups paid seconds each): only a setting that computes on the GPU needs that, and it has a
     bucket of its own."""
-    import difftest.devices
-    from difftest.registry import get_setting, load_plugins
+    import difftest.contracts.devices
+    from difftest.contracts.registry import get_setting, load_plugins
     from difftest.runner.pool import forks_from_import_server
 
     load_plugins()
@@ -383,7 +383,7 @@ def test_ranks_fork_from_the_import_server_unless_their_settings_may_use_a_gpu_i
     assert on_gpu.process_affinity != plain.process_affinity  # never one bucket, so never one group
     assert rerun_on_gpu.process_affinity == on_gpu.process_affinity
     for gpus in (0, 1):
-        monkeypatch.setattr(difftest.devices, "visible_gpus", lambda gpus=gpus: gpus)
+        monkeypatch.setattr(difftest.contracts.devices, "visible_gpus", lambda gpus=gpus: gpus)
         assert forks_from_import_server("cpu", gpu_in_ranks=False)
         assert forks_from_import_server("cpu", gpu_in_ranks=True) == (gpus == 0)
         assert not forks_from_import_server("cuda", gpu_in_ranks=False)

@@ -11,19 +11,20 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from difftest.analysis import analyze
-from difftest.finding_folders import write_finding_folders
-from difftest.integrity import DamagedRun
-from difftest.live import LiveFindings
-from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.signature import (
+from difftest.findings.live import LiveFindings
+from difftest.findings.signature import (
     computation_order,
     innermost_library_frame,
     normalise_message,
     setting_family,
     tensor_class,
 )
-from difftest.triage import FINDINGS_COLUMNS, triage
+from difftest.findings.triage import triage
+from difftest.judging.analysis import analyze
+from difftest.pipeline import triage_run
+from difftest.reporting.findings_table import FINDINGS_COLUMNS
+from difftest.runner.sweep import SweepOptions, run_sweep
+from difftest.storage.integrity import DamagedRun
 from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS
 
 ZBV = ("AssertionError: can't steal_bwd_input if this stage doesn't have backward || File \"/x/.venv/lib/python3.11/"
@@ -92,8 +93,7 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
               on_planned=lambda cases, refused: live.planned(cases))
     live.close()
     analysis = analyze(fresh_run, plugins=(PLANTED,))
-    findings = triage(fresh_run, analysis)
-    write_finding_folders(fresh_run, findings)
+    findings = triage_run(fresh_run, analysis)
     failing = analysis.cases[analysis.cases["verdict"].isin(["inconsistent", "error", "crash", "timeout"])]
     # judged while the sweep ran, each case as soon as its reference and calibrations were in: the verdicts after it
     assert live.waiting == 0
@@ -139,9 +139,9 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     # each finding as a maintainer would file it: environment, what happens with both sides' values, references
     import torch
 
-    from difftest.issue_report import write_issues
-    from difftest.oracle import Tolerance
-    from difftest.standalone_findings import emit
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.reporting.issue_report import write_issues
+    from difftest.scripts.write import emit
 
     refused = emit(fresh_run, raised.id, raised.title, raised.status, fresh_run / "models" / raised.example["model"],
                    raised.example["setting"], "", {}, Tolerance(), message=str(raised.example["message"]))
@@ -179,7 +179,7 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
 
 def test_unreadable_outputs_and_a_run_with_nothing_wrong(fresh_run: Path) -> None:
     run_sweep(fresh_run, SweepOptions(settings="torchrec/ebc/table_wise/ws2"))
-    assert triage(fresh_run, analyze(fresh_run)) == []  # nothing wrong: no finding, and the CSV has its header
+    assert triage_run(fresh_run, analyze(fresh_run)) == []  # nothing wrong: no finding, and the CSV has its header
     assert list(pd.read_csv(fresh_run / "findings.csv").columns) == FINDINGS_COLUMNS
     broken = next((fresh_run / "outputs").rglob("*table_wise*"))
     broken.write_bytes(b"truncated")
@@ -191,7 +191,7 @@ def test_unreadable_outputs_and_a_run_with_nothing_wrong(fresh_run: Path) -> Non
 
 
 def test_minimisation_shrinks_each_example_while_it_fails_the_same_way(fresh_run: Path) -> None:
-    from difftest.minimize import minimize
+    from difftest.findings.minimise import minimise
 
     run_sweep(fresh_run, SweepOptions(settings="faults/shard_off_by_one_row/ws2,faults/raises/ws2,"
                                                "torchrec/ebc/table_wise/ws2", plugins=(PLANTED,), timeout_s=60))
@@ -199,7 +199,7 @@ def test_minimisation_shrinks_each_example_while_it_fails_the_same_way(fresh_run
     findings = triage(fresh_run, analysis)
     shifted = next(f for f in findings if f.status == "inconsistent")
     raised = next(f for f in findings if f.status == "error")
-    done = {m.finding_id: m for m in minimize(fresh_run, findings, analysis, budget_s=90, plugins=(PLANTED,))}
+    done = {m.finding_id: m for m in minimise(fresh_run, findings, analysis, budget_s=90, plugins=(PLANTED,))}
     for finding in (shifted, raised):
         m = done[finding.id]
         before, after = m.size(m.original), m.size()
@@ -207,7 +207,7 @@ def test_minimisation_shrinks_each_example_while_it_fails_the_same_way(fresh_run
         assert m.changes and m.outcome, m.to_json()
         saved = fresh_run / "findings" / finding.id
         assert (saved / "run" / "models" / m.best.model_id / "spec.json").is_file()
-        assert f'"{m.best.model_id}"' in (saved / "minimize.json").read_text()
+        assert f'"{m.best.model_id}"' in (saved / "minimise.json").read_text()
     # the minimal case reruns alone through its repro.py and fails with the finding's own signature
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, str(fresh_run / "findings" / shifted.id / "repro.py")], capture_output=True,
@@ -217,8 +217,8 @@ def test_minimisation_shrinks_each_example_while_it_fails_the_same_way(fresh_run
     # a budget too small for a second round keeps the smallest case found in the first, and says so (the earlier
     # minimisation, kept for reruns, is removed first). 10 ms: no round of real cases costs less (0.5 s stopped being
     # too small once a rank's model switch no longer took a full garbage collection)
-    (fresh_run / "findings" / shifted.id / "minimize.json").unlink()
-    hurried = minimize(fresh_run, [shifted], analysis, budget_s=0.01, plugins=(PLANTED,))[0]
+    (fresh_run / "findings" / shifted.id / "minimise.json").unlink()
+    hurried = minimise(fresh_run, [shifted], analysis, budget_s=0.01, plugins=(PLANTED,))[0]
     assert hurried.outcome.startswith("budget of 0.01 s spent") and hurried.rounds == 1
     assert hurried.size()["parameters"] <= hurried.size(hurried.original)["parameters"]
 
@@ -227,7 +227,7 @@ def test_a_running_sweep_is_triaged_as_a_snapshot(fresh_run: Path) -> None:
     import threading
     import time
 
-    from difftest.analysis import sweep_in_progress
+    from difftest.judging.analysis import sweep_in_progress
 
     options = SweepOptions(settings="reference,torchrec/ebc/table_wise/ws2,torchrec/ebc/row_wise/ws2,"
                                     "faults/raises/ws2", plugins=(PLANTED,), timeout_s=60)
@@ -253,7 +253,7 @@ def test_a_mixed_plan_is_signed_as_the_sharding_type_its_divergence_lies_in_wher
     """One bug, one finding: a mixed plan first diverging in a grid_shard table is the grid_shard finding when
     grid_shard alone disagrees on that model; where the type alone is fine (a table corrupted by its neighbour) the
     case stays the mixed plan's."""
-    from difftest.signature import attributed_setting, case_signature
+    from difftest.findings.signature import attributed_setting, case_signature
 
     mixed, grid = "torchrec/ebc/mixed-s0/ws2", "torchrec/ebc/grid_shard/ws2"
     plan = "plan: t0(tf0)=grid_shard@[0,1] t1(tf1,tf4)=table_wise@[0] w0(wf0)=row_wise@[0,1]"
@@ -286,7 +286,7 @@ def test_a_case_with_two_independent_divergences_counts_in_both_findings_each_si
     assert corrupt.loc["torchrec/ebc/mixed-s0/ws3", "first_divergence"] != scaled.loc["torchrec/ebc/mixed-s0/ws3",
                                                                                         "first_divergence"]
     # a divergence as large as the corruption is never merged into the scaling, whatever setting it is signed as
-    from difftest.known import match
+    from difftest.findings.known import match
 
     assert match("torchrec/ebc/row_wise/ws3", "inconsistent", "", ("torchrec",), relative=0.75) is None
     assert match("torchrec/ebc/row_wise/ws3", "inconsistent", "", ("torchrec",), relative=1e-6).id == \

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from difftest.artifacts import load_arrays
-from difftest.errors import UserError
-from difftest.oracle import Tolerance, compare, compare_tensor
-from difftest.registry import all_settings, load_plugins, select_settings, tier, with_references
-from difftest.setting import Repeat
-from difftest.store import CaseRecord, Store
+from difftest.contracts.errors import UserError
+from difftest.contracts.registry import all_settings, load_plugins, select_settings, tier, with_references
+from difftest.contracts.setting import Repeat
+from difftest.contracts.tolerance import Tolerance
+from difftest.judging.oracle import compare, compare_tensor
+from difftest.storage.artifacts import load_arrays
+from difftest.storage.store import CaseRecord, Store
 from generators.dlrm import DlrmGenerator
 
 
@@ -36,7 +37,7 @@ def test_models_are_reproducible_from_seed_and_index(tmp_path: Path) -> None:
 
 def test_models_built_side_by_side_are_the_models_built_one_by_one_and_one_that_cannot_be_built_says_why(
         tmp_path: Path) -> None:
-    from difftest.generate import ModelBuilders, materialise
+    from difftest.generation.generate import ModelBuilders, materialise
 
     load_plugins()
     g = DlrmGenerator()
@@ -87,7 +88,7 @@ def test_inputs_have_empty_bags_duplicate_ids_and_split_evenly() -> None:
             assert np.array_equal(np.concatenate([s.sparse[name].values for s in shares]), feature.values)
             assert np.array_equal(np.concatenate([s.sparse[name].lengths for s in shares]), feature.lengths)
         assert np.array_equal(np.concatenate([s.labels for s in shares]), batch.labels)
-    from difftest.errors import Unsupported
+    from difftest.contracts.errors import Unsupported
 
     with pytest.raises(Unsupported, match="does not split over 5 ranks"):  # the setting cannot run: not a finding
         batch.shard(0, 5)
@@ -226,8 +227,8 @@ def test_the_device_family_is_unsupported_with_its_reason_without_cuda_and_calib
 
 
 def test_collectives_gloo_does_not_carry_on_cuda_are_refused_and_nothing_else() -> None:
-    from difftest.devices import SHARDED, collective_refusal
-    from difftest.registry import get_setting
+    from difftest.contracts.devices import SHARDED, collective_refusal
+    from difftest.contracts.registry import get_setting
 
     load_plugins()
     def refusal(name: str, device: str = "cuda", backend: str = "gloo") -> str | None:
@@ -258,8 +259,8 @@ def test_the_default_tier_follows_declared_families_not_the_modules_that_hold_th
 def test_settings_list_names_gives_one_full_name_per_line_per_tier() -> None:
     from typer.testing import CliRunner
 
-    from difftest.cli import app
-    from difftest.registry import derived_prefixes
+    from difftest.cli.main import app
+    from difftest.contracts.registry import derived_prefixes
 
     def lines(*args: str) -> list[str]:  # in this process: the registry it lists is the one compared with
         result = CliRunner().invoke(app, list(args))
@@ -287,7 +288,7 @@ def test_progress_off_a_terminal_prints_plain_lines_with_counts_and_an_eta() -> 
 
     from rich.console import Console
 
-    from difftest.progress import SweepProgress, family_of
+    from difftest.reporting.progress import SweepProgress, family_of
 
     stream = io.StringIO()
     names = ["reference"] * 5 + ["torchrec/ebc/row_wise/ws2"] * 20
@@ -378,8 +379,8 @@ def test_install_sh_installs_into_dot_venv_whatever_virtualenv_is_active(tmp_pat
 
 
 def test_help_lists_the_model_kinds() -> None:
-    from difftest.cli import BUILTIN_KINDS
-    from difftest.registry import generator_kinds, get_generator
+    from difftest.cli.main import BUILTIN_KINDS
+    from difftest.contracts.registry import generator_kinds, get_generator
 
     load_plugins()  # other tests of this process may have loaded plugins of their own: compare the built-in ones
     builtin = {k for k in generator_kinds() if type(get_generator(k)).__module__.startswith("generators.")}
@@ -398,13 +399,13 @@ def test_help_lists_the_model_kinds() -> None:
     (3, "", "all", (3, "", None)),
 ])
 def test_run_says_how_many_models_of_which_kind(models, models_of, kind, expected) -> None:
-    from difftest.cli import model_counts
+    from difftest.cli.main import model_counts
 
     assert model_counts(models, models_of, kind, "torchrec-dlrm=1,transformer=1") == expected
 
 
 def test_run_with_models_and_every_kind_says_which_option_wins() -> None:
-    from difftest.cli import model_counts
+    from difftest.cli.main import model_counts
 
     count, models_of, line = model_counts(6, None, "all", "torchrec-dlrm=1,transformer=1")
     assert (count, models_of) == (6, "torchrec-dlrm=1,transformer=1")
@@ -412,7 +413,7 @@ def test_run_with_models_and_every_kind_says_which_option_wins() -> None:
 
 
 def test_failure_messages_keep_paths_readable_and_still_group() -> None:
-    from difftest.signature import normalise_message
+    from difftest.findings.signature import normalise_message
 
     a = normalise_message("Fail: Load model from results/default/models/keras-dag-s0-i1/model.onnx failed:Invalid graph")
     b = normalise_message("Fail: Load model from /tmp/x/run/models/keras-dag-s3-i0-min/model.onnx failed:Invalid graph")
@@ -424,7 +425,7 @@ def test_failure_messages_keep_paths_readable_and_still_group() -> None:
 def test_the_report_folds_calibration_runs_and_puts_failing_settings_first() -> None:
     import pandas as pd
 
-    from difftest.report import heatmap_rows
+    from difftest.reporting.report import heatmap_rows
 
     load_plugins()
     cases = pd.DataFrame([("m0", "reference", "ok"), ("m0", "calib-float64/reference", "ok"),
@@ -437,7 +438,7 @@ def test_the_report_folds_calibration_runs_and_puts_failing_settings_first() -> 
 
 
 def test_tables_off_a_terminal_keep_full_kind_names(tmp_path: Path) -> None:
-    script = ("from rich.table import Table; from difftest.cli import out_console; t = Table(); "
+    script = ("from rich.table import Table; from difftest.cli.main import out_console; t = Table(); "
               "[t.add_column(c) for c in ('kind', *(f'column{i}' for i in range(12)))]; "
               "t.add_row('keras-transformer', *('123456' for _ in range(12))); out_console.print(t)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -446,7 +447,7 @@ def test_tables_off_a_terminal_keep_full_kind_names(tmp_path: Path) -> None:
 
 def test_the_report_template_escapes_what_a_run_wrote() -> None:
     """A message, a setting or a run folder's name is text on the page, never markup."""
-    from difftest.render import render
+    from difftest.reporting.render import render
 
     hostile = "<script>alert(1)</script>"
     page = render("report.html.j2", run_name=hostile, run_dir=hostile, written="now", stack=hostile, style="",
@@ -456,7 +457,7 @@ def test_the_report_template_escapes_what_a_run_wrote() -> None:
 
 
 def test_minimisation_charges_each_finding_its_cases_its_share_of_references_and_moves_to_the_smallest_win() -> None:
-    from difftest.minimize import ALONE, Minimisation, Trial, charges, resign
+    from difftest.findings.minimise import ALONE, Minimisation, Trial, charges, resign
 
     example = DlrmGenerator().spec(0, 0)
     smaller = [params for _, params in DlrmGenerator().reductions(example)]
@@ -486,7 +487,7 @@ def test_minimisation_charges_each_finding_its_cases_its_share_of_references_and
 
 
 def test_judging_a_case_is_a_pure_function_of_its_outputs_its_references_and_its_envelope() -> None:
-    from difftest.analysis import judge_outputs
+    from difftest.judging.analysis import judge_outputs
 
     expected = {"eval_before/prediction": np.ones(4, np.float32)}
     same = judge_outputs(dict(expected), expected, None, "no calibration", None, Tolerance(), {"model": "m"})

@@ -18,12 +18,12 @@ from pathlib import Path
 import pandas as pd
 
 from benchmarks.faults.inject import BY_NAME, ENV
-from difftest.analysis import analyze
-from difftest.generate import generate
-from difftest.registry import generator_kinds, load_plugins, select_settings
+from difftest.contracts.registry import generator_kinds, load_plugins, select_settings
+from difftest.contracts.spec import RunConfig
+from difftest.generation.generate import generate
+from difftest.judging.analysis import analyze
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.spec import RunConfig
-from difftest.store import Store
+from difftest.storage.store import Store
 
 PLUGIN = "benchmarks.faults.inject"
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from difftest.errors import UserError
+from difftest.contracts.errors import UserError
 
 if TYPE_CHECKING:
+    from difftest.contracts.setting import Setting
+    from difftest.contracts.spec import ModelSpec, RunConfig
     from difftest.runner.pool import CaseResult
-    from difftest.setting import Setting
-    from difftest.spec import ModelSpec, RunConfig
 
 EXECUTORS = ("local", "ray")
 BucketKey = tuple[int, str]  # (world size, process affinity): cases that may share warm rank processes

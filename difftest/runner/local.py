@@ -8,10 +8,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from difftest.contracts.status import Status
 from difftest.runner.executor import BucketKey, ExecutorReport, SweepContext
 from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
 from difftest.runner.scheduler import WorkQueue, ranks_at_once
-from difftest.status import Status
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -15,14 +15,14 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from difftest.logs import log_tail
+from difftest.contracts.logs import log_tail
+from difftest.contracts.status import Status
 from difftest.runner import worker
-from difftest.status import Status
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
-    from difftest.setting import Outputs
+    from difftest.contracts.setting import Outputs
 
 _SPAWN = mp.get_context("spawn")
 _FORKSERVER = mp.get_context("forkserver")
@@ -115,7 +115,7 @@ def forks_from_import_server(device: str, gpu_in_ranks: bool) -> bool:
         return False
     if not gpu_in_ranks:
         return True
-    from difftest.devices import visible_gpus
+    from difftest.contracts.devices import visible_gpus
 
     return visible_gpus() == 0
 

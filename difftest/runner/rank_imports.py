@@ -16,7 +16,7 @@ def _import_all() -> None:
     import torch
     import torch.distributed  # noqa: F401
 
-    from difftest.registry import load_plugins
+    from difftest.contracts.registry import load_plugins
     from difftest.runner import worker  # noqa: F401
 
     for plugin in load_plugins():

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from difftest.errors import UserError
+from difftest.contracts.errors import UserError
+from difftest.contracts.status import Status
 from difftest.runner.executor import BucketKey, ExecutorConfig, ExecutorReport, SweepContext
 from difftest.runner.local import GroupRunner
 from difftest.runner.pool import CaseRequest, CaseResult
 from difftest.runner.scheduler import UNBOUNDED, WorkQueue
-from difftest.status import Status
 
 if TYPE_CHECKING:
     from difftest.runner.executor import Case

@@ -9,16 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from difftest.errors import UserError
-from difftest.registry import get_setting, load_plugins, select_settings, with_references
-from difftest.run_folder import SWEEP_MARKER, list_models
+from difftest.contracts.errors import UserError
+from difftest.contracts.registry import get_setting, load_plugins, select_settings, with_references
+from difftest.contracts.setting import Outputs, Setting
+from difftest.contracts.spec import RunConfig
+from difftest.contracts.status import Status
 from difftest.runner.executor import Case, Executor, ExecutorConfig, SweepContext, SweepOptions
 from difftest.runner.local import LocalExecutor, WarmGroups
 from difftest.runner.pool import CaseResult
-from difftest.setting import Outputs, Setting
-from difftest.spec import RunConfig
-from difftest.status import Status
-from difftest.store import CaseRecord, Store
+from difftest.storage.run_folder import SWEEP_MARKER, list_models
+from difftest.storage.store import CaseRecord, Store
 
 
 @dataclass
@@ -68,7 +68,7 @@ def _device_refusal(options: SweepOptions, setting: Setting) -> str | None:
     executor), or too few GPUs on this machine (local executor; a cluster's GPUs are its nodes')."""
     if options.device != "cuda":
         return None
-    from difftest.devices import collective_refusal, device_refusal, visible_gpus
+    from difftest.contracts.devices import collective_refusal, device_refusal, visible_gpus
 
     backend = options.resolved_backend
     return collective_refusal(options.device, backend, setting.world_size, setting.collectives) or (

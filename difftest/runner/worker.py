@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from difftest.status import Status
+from difftest.contracts.status import Status
 
 _CACHED_MODELS: dict[str, Any] = {}
 # The cyclic garbage collector's permanent generation (`gc.freeze`) holds what outlives every case: the imports, frozen
@@ -60,9 +60,9 @@ def use_temporary_folder(folder: str) -> None:
     os.environ["TMPDIR"] = tempfile.tempdir = folder
 
 
-def _redirect_output(log_path: str) -> None:
+def redirect_output(log_path: str, append: bool = True) -> None:
     # fd-level, so C++ aborts and gloo messages land in the log the parent quotes on a crash
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
@@ -102,7 +102,7 @@ def _torch_release() -> tuple[int, ...]:
 
 
 def _device_for(config: WorkerConfig) -> str:
-    from difftest.devices import rank_device, visible_gpus
+    from difftest.contracts.devices import rank_device, visible_gpus
 
     return rank_device(config.device, config.backend, config.rank, visible_gpus() if config.device == "cuda" else 0)
 
@@ -133,12 +133,12 @@ def main(config: WorkerConfig, conn: Any) -> None:
     if config.environment is not None:  # before any plugin import reads it (a planted fault is chosen this way)
         os.environ.clear()
         os.environ.update(config.environment)
-    _redirect_output(config.log_path)
+    redirect_output(config.log_path)
     # daemonic so the parent's exit takes the ranks along; but a setting may start processes of its own (a resume's
     # new process group) and multiprocessing refuses children to a daemon: this process waits for its children itself
     import multiprocessing
 
-    from difftest.standalone_runtime import gloo_on_loopback  # the scripts' ranks call the same
+    from difftest.contracts.script_runtime import gloo_on_loopback  # the scripts' ranks call the same
 
     multiprocessing.current_process().daemon = False
     os.environ["LOCAL_WORLD_SIZE"] = str(config.local_world_size)
@@ -198,10 +198,10 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
     import torch.distributed as dist
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch re-exports it without __all__
 
-    from difftest.artifacts import load_model
-    from difftest.errors import InvariantViolated, Unsupported
-    from difftest.registry import get_setting, load_plugins
-    from difftest.setting import RunContext
+    from difftest.contracts.errors import InvariantViolated, Unsupported
+    from difftest.contracts.registry import get_setting, load_plugins
+    from difftest.contracts.setting import RunContext
+    from difftest.storage.artifacts import load_model
 
     torch.set_num_threads(1)
     _INITIAL_QENGINE = torch.backends.quantized.engine
@@ -328,7 +328,7 @@ def _close_world(failed: bool, store_port: int) -> None:
 
     import torch.distributed as dist
 
-    from difftest.registry import reset_world_state
+    from difftest.contracts.registry import reset_world_state
 
     if failed and dist.is_initialized():
         if dist.get_backend() == "nccl":

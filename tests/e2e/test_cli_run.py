@@ -17,13 +17,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from difftest import known
-from difftest.analysis import CSV_COLUMNS
-from difftest.registry import load_plugins, tier, traits_of, with_references
+from difftest.contracts.registry import load_plugins, tier, traits_of, with_references
+from difftest.findings import known
+from difftest.judging.analysis import CSV_COLUMNS
 
 
 def _check_library_findings(rows: pd.DataFrame, in_tier: set[str]) -> None:
-    """Every case that is not ok is a library bug difftest/known_issues.toml knows (anything else is a harness bug to
+    """Every case that is not ok is a library bug difftest/findings/known_issues.toml knows (anything else is a harness bug to
     fix or a new finding to investigate and add there), and every known bug the default job shows on the installed
     releases still shows (else upstream fixed it: narrow the entry's `affects`)."""
     failing = rows[rows.status != "unsupported"].drop_duplicates(["model", "setting"])
@@ -117,7 +117,7 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert live and live[0] == "1" and result.stderr.index("finding 1 so far") < result.stderr.index("triage:")
     # each finding's example was shrunk (or it says why not) and the smaller case is what its repro.py runs
     for fid in findings["id"]:
-        saved = json.loads((out / "findings" / fid / "minimize.json").read_text())
+        saved = json.loads((out / "findings" / fid / "minimise.json").read_text())
         before, after = saved["original"]["size"], saved["minimal"]["size"]
         assert saved["outcome"] and all(after[k] <= before[k] for k in before), saved
         assert f"{saved['minimal']['model']!r}" in (out / "findings" / fid / "repro.py").read_text()

@@ -1,6 +1,6 @@
-"""The oldest supported torch release (difftest/releases.toml), in its own environment: difftest's own calls into an
+"""The oldest supported torch release (difftest/releases/releases.toml), in its own environment: difftest's own calls into an
 API that release lacks must come out as a fallback that runs or as `unsupported` with the release that has the API,
-never as an `error` a user would take for a library bug. The environment is made once (`difftest.releases`, with uv)
+never as an `error` a user would take for a library bug. The environment is made once (`difftest.releases.environments`, with uv)
 and kept in the cache ($DIFFTEST_STACKS, else ~/.cache/difftest/stacks); making it downloads torch's wheels once.
 
 The settings are those whose calls differ by release (pipeline schedules without `scale_grads` before torch 2.7, which
@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from difftest.releases import environment, supported
+from difftest.releases.environments import environment, supported
 
 pytestmark = pytest.mark.oldest
 
@@ -34,7 +34,7 @@ def test_the_oldest_release_runs_or_says_which_release_it_needs(tmp_path: Path) 
     run = tmp_path / "run"
     _difftest(python, "generate", "--out", str(run), "--kind", "transformer", "--models", "1")
     _difftest(python, "sweep", str(run), "--settings", SETTINGS, "--tier", "full")
-    _difftest(python, "analyze", str(run), "--minimize-budget", "0")
+    _difftest(python, "analyze", str(run), "--minimise-budget", "0")
     recorded = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True,
                               text=True).stdout
     assert recorded.startswith(oldest.torch)
@@ -57,13 +57,13 @@ def test_the_oldest_release_runs_or_says_which_release_it_needs(tmp_path: Path) 
     _difftest(python, "generate", "--out", str(dlrm), "--kind", "dlrm", "--models", "2")  # the second is frozen
     # not minimised: the script of the finding as the sweep found it shows the bug as well (minimising took 80 of the
     # sweep's 120 s here)
-    _difftest(python, "sweep", str(dlrm), "--settings", "tp/colwise-rowwise/ws2", "--minimize-budget", "0")
+    _difftest(python, "sweep", str(dlrm), "--settings", "tp/colwise-rowwise/ws2", "--minimise-budget", "0")
     cases = pd.read_csv(dlrm / "comparisons.csv", keep_default_na=False)
     tp = cases[(cases.setting == "tp/colwise-rowwise/ws2") & (cases.model == "dlrm-s0-i0")]
     assert len(tp) and set(tp.status) == {"ok"}, tp[["status", "message"]].drop_duplicates().to_dict("records")
     # and there it trains the frozen model's frozen parameter (fixed in torch 2.11): the finding's standalone script,
     # written on this release, shows it with torch alone
-    _difftest(python, "analyze", str(dlrm), "--minimize-budget", "0")
+    _difftest(python, "analyze", str(dlrm), "--minimise-budget", "0")
     findings = pd.read_csv(dlrm / "findings.csv", keep_default_na=False)
     frozen = findings[findings.known_issue == "tp-colwise-rowwise-unfreezes-frozen-parameters"]
     assert len(frozen) == 1, findings[["id", "known_issue", "title"]].to_dict("records")

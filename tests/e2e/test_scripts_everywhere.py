@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from difftest.analysis import analyze, envelope_spread
-from difftest.generate import generate
-from difftest.oracle import Tolerance
-from difftest.registry import generator_kinds, get_setting, tier
+from difftest.contracts.registry import generator_kinds, get_setting, tier
+from difftest.contracts.setting import Setting
+from difftest.contracts.spec import RunConfig
+from difftest.contracts.tolerance import Tolerance
+from difftest.findings.signature import computation_order, first_divergences
+from difftest.generation.generate import generate
+from difftest.judging.analysis import analyze, envelope_spread
 from difftest.runner.sweep import SweepOptions, run_sweep
-from difftest.setting import Setting
-from difftest.signature import computation_order, first_divergences
-from difftest.spec import RunConfig
-from difftest.standalone_findings import emit
-from difftest.store import Store
+from difftest.scripts.write import emit
+from difftest.storage.store import Store
 
 SEEDS = (3, 11)
 # an emitter's refusal names what its script cannot hold (a reason of the case's); a defect of ours says so

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest.registry import register_settings
-from difftest.setting import Outputs, RunContext, Setting
+from difftest.contracts.registry import register_settings
+from difftest.contracts.setting import Outputs, RunContext, Setting
 from settings.conversion import Conversion
 from settings.quant_tensorflow import TensorFlowQuantization
 from settings.quant_torchrec import QuantizedEmbeddings

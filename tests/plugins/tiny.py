@@ -14,12 +14,18 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest.batch import Batch
-from difftest.generator import Generator
-from difftest.registry import register_generator, register_settings
-from difftest.setting import Outputs, RunContext, Setting
-from difftest.spec import ModelSpec
-from settings._training import canonical_parameters, record_training
+from difftest import (
+    Batch,
+    Generator,
+    ModelSpec,
+    Outputs,
+    RunContext,
+    Setting,
+    record_training,
+    register_generator,
+    register_settings,
+    to_numpy,
+)
 
 KIND = "tiny-mlp"
 
@@ -132,8 +138,10 @@ class SumDataParallel(Setting):
             optimizer.step()
             return loss.item()
 
-        return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step,
-                               lambda: canonical_parameters(model, module) if ctx.rank == 0 else None)
+        def parameters() -> dict[str, np.ndarray] | None:
+            return {n: to_numpy(t) for n, t in model.parameters(module).items()} if ctx.rank == 0 else None
+
+        return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step, parameters)
 
 
 register_generator(KIND, TinyMlp())

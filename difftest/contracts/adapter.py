@@ -1,0 +1,167 @@
+"""Your own model as a difftest kind, in about twenty lines: `ModelAdapter`.
+
+A user gives a seeded module factory, a seeded batch maker and a loss (optionally the names of the module's repeated
+blocks, for FSDP2's units and activation checkpointing, and of frozen parameters); the adapter turns them into a
+model kind every setting family can take (`AdapterGenerator`), without writing the generator protocol. Run it with
+`difftest run --model mypkg.models:adapter` (the module imported in every rank, the adapter registered by name):
+
+    import torch
+    from difftest import ModelAdapter
+
+    def make_model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def make_batch(seed, size):
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(size, 8, generator=generator), torch.randn(size, 1, generator=generator)
+
+    adapter = ModelAdapter("my-mlp", make_model, make_batch, torch.nn.functional.mse_loss)
+
+A batch is (input tensor, target tensor), split along dimension 0 by every setting. What the adapter does not give, a
+setting that needs it refuses as `unsupported` with the reason (a pipeline needs a layer chain, tensor parallelism a
+plan). Minimisation shrinks what difftest controls — the batch and the world size — not the model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from difftest.contracts.batch import Batch
+from difftest.contracts.errors import UserError
+from difftest.contracts.generator import Generator
+from difftest.contracts.spec import ModelSpec
+
+_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    """A user's model, as difftest takes it: `model(seed)` returns a fresh `nn.Module` (its weights drawn from the
+    seed), `batch(seed, size)` an (input, target) pair of tensors of `size` samples, `loss(prediction, target)` the mean
+    loss; `blocks` names the repeated blocks (FSDP2's units, activation checkpointing), `frozen` the parameters that
+    do not train."""
+
+    name: str
+    model: Callable[[int], Any]
+    batch: Callable[[int, int], tuple[Any, Any]]
+    loss: Callable[[Any, Any], Any]
+    blocks: tuple[str, ...] = ()
+    frozen: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise UserError(f"ModelAdapter name {self.name!r}: use lower-case letters, digits and dashes, starting "
+                            "with a letter (it names the kind and the run's model folders)")
+
+    def register_as_kind(self) -> None:
+        """Register the adapter as a model kind (what `--model module:attribute` and `--plugin` call)."""
+        from difftest.contracts.registry import generator_kinds, register_generator
+
+        if self.name not in generator_kinds():
+            register_generator(self.name, AdapterGenerator(self))
+
+
+def _seeds(spec: ModelSpec) -> tuple[int, int, int]:
+    """The seeds of a spec's model, training batch and evaluation batch."""
+    base = (spec.seed * 1000 + spec.index) * 10
+    return base, base + 1 + spec.input_seed * 2, base + 2 + spec.input_seed * 2
+
+
+def _numpy(value: Any, what: str, name: str) -> np.ndarray:
+    try:
+        return np.ascontiguousarray(value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value))
+    except Exception as exc:  # a user's object of another type: one line naming the adapter
+        raise UserError(f"adapter {name!r}: its batch's {what} is not a tensor or array ({type(value).__name__}: "
+                        f"{exc})") from None
+
+
+class AdapterGenerator(Generator):
+    """The generator protocol over a `ModelAdapter`."""
+
+    traits = frozenset({"torch", "user"})
+
+    def __init__(self, adapter: ModelAdapter) -> None:
+        self.adapter = adapter
+        self.kind = adapter.name
+
+    def spec(self, seed: int, index: int) -> ModelSpec:
+        return ModelSpec(kind=self.kind, seed=seed, index=index, params={}, frozen=tuple(self.adapter.frozen))
+
+    def _module(self, spec: ModelSpec) -> Any:
+        import torch
+
+        module = self.adapter.model(_seeds(spec)[0])
+        if not isinstance(module, torch.nn.Module):
+            raise UserError(f"adapter {self.kind!r}: model(seed) returned a {type(module).__name__}, not a "
+                            "torch.nn.Module")
+        return module
+
+    def init_state(self, spec: ModelSpec) -> dict[str, np.ndarray]:
+        return {name: t.detach().cpu().numpy().copy() for name, t in self._module(spec).state_dict().items()}
+
+    def inputs(self, spec: ModelSpec, batch_size: int) -> dict[str, Batch]:
+        batches = {}
+        for split, seed in zip(("train", "eval"), _seeds(spec)[1:], strict=True):
+            made = self.adapter.batch(seed, batch_size)
+            if not (isinstance(made, tuple | list) and len(made) == 2):
+                raise UserError(f"adapter {self.kind!r}: batch(seed, size) must return (inputs, target), not "
+                                f"{type(made).__name__}")
+            x, y = (_numpy(v, what, self.kind) for v, what in zip(made, ("inputs", "target"), strict=True))
+            if len(x) != batch_size or len(y) != batch_size:
+                raise UserError(f"adapter {self.kind!r}: batch(seed, {batch_size}) gave {len(x)} inputs and {len(y)} "
+                                f"targets; it must give {batch_size} of each")
+            batches[split] = Batch(labels=y.astype(np.float32) if y.dtype.kind == "f" else y, dense=x)
+        return batches
+
+    def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None,
+              **options: Any) -> Any:
+        import torch
+
+        module = self._module(spec)
+        module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in init_state.items()})
+        for name, parameter in module.named_parameters():
+            if name in spec.frozen:
+                parameter.requires_grad_(False)
+        return module.to(device)
+
+    @staticmethod
+    def _unwrap(module: Any) -> Any:
+        """The user's module inside DDP or legacy FSDP (FSDP2 keeps its class: nothing to unwrap)."""
+        while type(module).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
+            module = module.module
+        return module
+
+    def forward(self, module: Any, batch: Batch, device: str) -> Any:
+        import torch
+
+        dtype = next(iter(module.parameters())).dtype
+        x = torch.as_tensor(batch.dense, device=device)
+        return module(x.to(dtype) if x.is_floating_point() else x)
+
+    def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
+        return {"prediction": self.forward(module, batch, device)}
+
+    def loss(self, prediction: Any, batch: Batch) -> Any:
+        import torch
+
+        target = torch.as_tensor(batch.labels, device=prediction.device)
+        return self.adapter.loss(prediction, target.to(prediction.dtype) if target.is_floating_point() else target)
+
+    def parameters(self, module: Any) -> dict[str, Any]:
+        return dict(self._unwrap(module).named_parameters())
+
+    def blocks(self, module: Any) -> list[tuple[str, Any]] | None:
+        inner = self._unwrap(module)
+        return [(name, inner.get_submodule(name)) for name in self.adapter.blocks] or None
+
+    def size(self, spec: ModelSpec) -> dict[str, int]:
+        return {"parameters": sum(int(np.prod(v.shape)) for v in self.init_state(spec).values())}
+
+    def frozen_names(self, params: dict[str, Any]) -> set[str]:
+        return set()  # the adapter says what is frozen; difftest draws no frozen variant of a user's model

@@ -1,0 +1,86 @@
+"""Pure-data descriptions of models and run configuration, stored as JSON next to the tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftest.contracts.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a generator needs to rebuild a model bit for bit: kind, seed, index and the drawn parameters."""
+
+    kind: str
+    seed: int
+    index: int
+    params: dict[str, Any]
+    frozen: tuple[str, ...] = ()
+    input_seed: int = 0
+    # set on a model derived from a generated one (a minimised finding's `min`, a minimiser's trial `c3`): it keeps
+    # the weights' and inputs' seeds and differs only by what its params leave out
+    variant: str = ""
+
+    @property
+    def model_id(self) -> str:
+        suffix = "-frozen" if self.frozen else ""
+        return f"{self.kind}-s{self.seed}-i{self.index}{suffix}" + (f"-{self.variant}" if self.variant else "")
+
+    @property
+    def input_id(self) -> str:
+        return f"{self.model_id}/in{self.input_seed}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<spec>") -> ModelSpec:
+        try:
+            raw = json.loads(text)
+            raw["frozen"] = tuple(raw.get("frozen", ()))
+            return cls(**raw)
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"{source}: not a difftest model spec ({exc}); regenerate it with `difftest generate`") from None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a run was generated and is to be trained; saved as run.json so reruns resume the same work."""
+
+    seed: int = 0
+    models: int = 2
+    kinds: tuple[str, ...] = ("dlrm",)
+    # kind -> how many models of it, where not `models` (the default job takes one of each newer, larger kind)
+    models_of: dict[str, int] = field(default_factory=dict)
+    steps: int = 1
+    lr: float = 0.1
+    batch_size: int = 24
+    plugins: tuple[str, ...] = field(default_factory=tuple)
+    # the index of each kind's first model (a campaign's rounds start at others, so every model variant comes round)
+    first_index: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    def count(self, kind: str) -> int:
+        """How many models of `kind` the run has."""
+        return self.models_of.get(kind, self.models)
+
+    @classmethod
+    def load(cls, path: Path) -> RunConfig:
+        try:
+            raw = json.loads(path.read_text())
+            # what ran it (difftest.storage.stack) and the digests of what generate wrote (difftest.storage.integrity), not how it was made
+            for recorded in ("stack", "earlier_stacks", "files", "commands"):
+                raw.pop(recorded, None)
+            for key in ("kinds", "plugins"):
+                raw[key] = tuple(raw.get(key, ()))
+            return cls(**raw)
+        except FileNotFoundError:
+            raise UserError(f"{path.parent}: not a difftest run (no run.json); create one with `difftest generate --out {path.parent}`") from None
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"{path}: unreadable run config ({exc}); regenerate the run with `difftest generate`") from None

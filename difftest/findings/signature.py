@@ -1,0 +1,265 @@
+"""A case's signature: what stays the same across the cases one bug makes fail, and nothing else — the normalised
+message and innermost library frame of a failure; the setting family (or the parameter values the bug follows) and
+where in the computation a disagreement starts. Pure functions of a run's verdicts; triage groups by them, the
+minimiser and `repro.py` check them, the live view of a sweep drafts with them."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from difftest.contracts.errors import UserError
+from difftest.contracts.registry import capabilities_of, get_setting
+from difftest.contracts.setting import without_sizes
+from difftest.contracts.status import DISAGREEMENTS, FAILURES, Status
+from difftest.judging.analysis import Analysis
+
+# a replica's parameters after a step (partial reduce records each one's beside their mean) are parameters after it
+_PHASE = re.compile(
+    r"^(eval_before|train_step|state_after_step|param_after_step|eval_after_step|replica\d+_after_step)(\d*)$")
+# an optimizer's state is updated before the weights it moves: a wrong accumulator is where a wrong weight starts
+_PHASE_RANK = {"eval_before": 0, "train_step": 1, "state_after_step": 2, "param_after_step": 3, "eval_after_step": 4}
+
+
+def normalise_message(message: str) -> str:
+    """The part of a failure message that stays the same across models, ranks, shapes and runs."""
+    text = str(message).split(" || ")[0].split("; log:")[0]
+    text = re.sub(r"0x[0-9a-fA-F]+", "ADDR", text)
+    # a peer's socket address, or "[none]" where gloo has not connected it yet: which one is a value of the run
+    text = re.sub(r"\[(?:none|\d+(?:\.\d+){3}|[\da-fA-F]*:[\da-fA-F:]*)\](?::\d+)?(?:\$\d+)?", "PEER", text)
+    text = _PATH.sub(_readable_path, text)
+    text = re.sub(r"torch\.Size\(\[[^\]]*\]\)|\[[\d,\s]+\]|\(\d+(, \d+)+\)", "SHAPE", text)
+    text = re.sub(r"\b\d+(\.\d+)?(e[-+]?\d+)?\b", "N", text)
+    return re.sub(r"\s+", " ", text).strip()[:240]
+
+
+# a path token, absolute or relative (`results/default/models/…/model.onnx`), whole: a relative path's first folder
+# must not stay glued to its file name
+_PATH = re.compile(r"(?<![\w.\-/])(?:[\w.\-]+)?(?:/[\w.\-]+)+")
+_RUN_FOLDERS = ("models", "outputs", "logs", "findings")
+# `ModelSpec.model_id`: kind, seed, index, then a suffix (`-frozen`) and a variant (`-min`, a minimiser's trial `-m252`)
+_MODEL_ID = re.compile(r"^[a-z][\w\-]*-s\d+-i\d+(?:-\w+)*$")
+
+
+def _readable_path(match: re.Match[str]) -> str:
+    """A path inside a run folder relative to the run, its model id generic (`<run>/models/<model>/model.onnx`), so
+    one failure on several models reads and groups as one; any other path as its file name."""
+    token = match.group(0)
+    parts = [p for p in token.split("/") if p]
+    if not token.startswith("/") and "." not in parts[-1]:
+        return token  # `fp16/int2`, `quant/torchrec/fp16/out-fp16`: a setting's name or words, not a file
+    for i, part in enumerate(parts[:-1]):
+        if part in _RUN_FOLDERS:
+            return "/".join(["<run>", *("<model>" if _MODEL_ID.match(p) else p for p in parts[i:])])
+    return parts[-1] if parts else match.group(0)
+
+
+def innermost_library_frame(message: str) -> str:
+    """`torch/distributed/pipelining/schedules.py:_perform_action` for the deepest frame outside our code."""
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', str(message))
+    for path, function in reversed(frames):
+        if "site-packages/" in path:
+            return f"{path.split('site-packages/', 1)[1]}:{function}"
+    return ""
+
+
+def exception_type(message: str) -> str:
+    match = re.match(r"^([A-Za-z_][\w.]*(Error|Exception|Failed|Violated|Interrupt|Exit)\w*):", str(message))
+    return match.group(1) if match else ""
+
+
+def setting_family(setting: str) -> str:
+    """A setting's `family_key`, its name without its sizes: `pipeline/gpipe/ws2/stages2/mb4/balanced` →
+    `pipeline/gpipe/balanced` (for a setting no loaded plugin registers, by the naming convention alone)."""
+    try:
+        return get_setting(setting).family_key
+    except UserError:
+        return without_sizes(setting)
+
+
+def setting_sizes(setting: str) -> set[str]:
+    """`world_size=2`, … of a registered setting: what a finding's cases may share besides their models."""
+    try:
+        return {f"{k}={v}" for k, v in get_setting(setting).sizes.items()}
+    except UserError:
+        return set()
+
+
+def computation_order(kind: str, phase: str, tensor: str) -> tuple[int, int, int, int, str]:
+    """Sort key of a recorded tensor of a model of `kind`: its step and phase (the training loop's), then where the
+    kind's generator places it in the model (`Generator.tensor_order`)."""
+    match = _PHASE.match(phase or "")
+    name, step = (re.sub(r"^replica\d+_", "param_", match.group(1)), int(match.group(2) or 0)) if match else ("", 0)
+    stage, position = capabilities_of(kind).tensor_order(tensor)
+    return (step if name != "eval_before" else -1, _PHASE_RANK.get(name, 9), stage, position, tensor)
+
+
+def tensor_class(kind: str, tensor: str) -> str:
+    """The kind of tensor a divergence starts in, without the instance (`Generator.tensor_class`): `pooled.f3` →
+    `pooled`, a Keras `l2_dense/kernel` → `dense/kernel`, `over.0.weight` → `over.weight`."""
+    return capabilities_of(kind).tensor_class(tensor)
+
+
+def first_divergence(rows: list[dict[str, Any]]) -> str:
+    """`phase/tensor` of the earliest disagreeing tensor of one case's comparisons rows, in computation order, or ""."""
+    bad = [r for r in rows if r["status"] in DISAGREEMENTS and r["tensor"]]
+    if not bad:
+        return ""
+    first = min(bad, key=lambda r: computation_order(r["kind"], r["phase"], r["tensor"]))
+    return f"{first['phase']}/{first['tensor']}"
+
+
+def first_divergences(analysis: Analysis) -> pd.DataFrame:
+    """`first_divergence` of every disagreeing case of a run at once: model, setting, phase, tensor."""
+    rows = analysis.comparisons
+    bad = rows[rows["status"].isin(DISAGREEMENTS) & (rows["tensor"] != "")]
+    if bad.empty:
+        return pd.DataFrame(columns=["model", "setting", "phase", "tensor"])
+    order = bad.apply(lambda r: computation_order(r["kind"], r["phase"], r["tensor"]), axis=1)
+    ordered = bad.assign(_order=order).sort_values("_order", kind="stable")
+    return ordered.groupby(["model", "setting"], as_index=False).first()[["model", "setting", "phase", "tensor"]]
+
+
+def setting_parameters(setting_name: str) -> tuple[str, dict[str, str]]:
+    """(class name, the parameters that are not sizes) of a setting; ("", {}) for one no plugin registers now."""
+    try:
+        setting = get_setting(setting_name)
+    except UserError:
+        return "", {}
+    params = {k: repr(v) for k, v in setting.params.items() if k not in setting.size_parameters}
+    return type(setting).__name__, params
+
+
+def separating_values(cases: pd.DataFrame) -> dict[str, set[tuple[str, str]]]:
+    """Per setting class, the parameter values under which most cases disagree and elsewhere few do
+    (`sharding='row_wise'` for the quantized row-wise MEAN bags): the values a bug follows."""
+    judged = cases[cases["verdict"].isin((Status.OK,) + DISAGREEMENTS)]  # what ran and was compared
+    table = [(cls, key, value, verdict in DISAGREEMENTS) for setting, verdict in zip(judged["setting"], judged["verdict"])
+             for cls, params in [setting_parameters(setting)] for key, value in params.items()]
+    if not table:
+        return {}
+    frame = pd.DataFrame(table, columns=["cls", "key", "value", "bad"])
+    separating: dict[str, set[tuple[str, str]]] = {}
+    for (cls, key), group in frame.groupby(["cls", "key"]):
+        rates = group.groupby("value")["bad"].mean()
+        for value, rate in rates.items():
+            elsewhere = group[group["value"] != value]["bad"].mean() if (group["value"] != value).any() else 0.0
+            if rate >= 0.5 and elsewhere <= rate / 2:
+                separating.setdefault(cls, set()).add((key, value))
+    return separating
+
+
+def attributed_setting(model: str, setting: str, message: str, first_divergence: str,
+                       disagreeing: set[tuple[str, str]]) -> str:
+    """The setting a disagreeing case is signed as: itself, or the narrower setting its own `Setting.attribute` names
+    for the mechanism its first divergence lies in (one table's sharding type in a mixed plan), where that narrower
+    setting disagrees on the same model too (`disagreeing`: (model, setting) pairs). A bug that needs the mix (one table corrupting another
+    that alone is fine) stays the mix's."""
+    try:
+        narrower = get_setting(setting).attribute(first_divergence, message)
+    except UserError:
+        return setting
+    return narrower if narrower and narrower != setting and (model, narrower) in disagreeing else setting
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One independent divergence of a disagreeing case: the setting it is signed as, where it starts, and how large
+    it is there (over the sibling tensors it covers)."""
+
+    signed_as: str
+    first_divergence: str
+    worst_linf: float
+    worst_relative: float  # the largest |setting - reference| / |reference| over its tensors
+
+
+def divergences(model: str, setting: str, kind: str, message: str, bad: list[dict[str, Any]],
+                disagreeing: set[tuple[str, str]]) -> list[Divergence]:
+    """The independent divergences of one disagreeing case, first in computation order first. `bad` are its
+    disagreeing comparisons rows. Tensors that do not feed one another — the first divergence and the tensors of its
+    class at the same step, phase and stage (the pooled embeddings of other tables, other heads) — are attributed each
+    on its own (`attributed_setting`): where they fall to different settings (a mixed plan's tables of two sharding
+    types, each with its own bug), the case holds two divergences, each signed and sized on its own. A case with one
+    cause gives one, sized over its first divergence's siblings."""
+    rows = sorted((r for r in bad if r.get("tensor")), key=lambda r: computation_order(kind, r["phase"], r["tensor"]))
+    if not rows:
+        return [Divergence(attributed_setting(model, setting, message, "", disagreeing), "", math.nan, math.nan)]
+    first = rows[0]
+    where, cls = computation_order(kind, first["phase"], first["tensor"])[:3], tensor_class(kind, first["tensor"])
+    siblings = [r for r in rows if r["phase"] == first["phase"] and tensor_class(kind, r["tensor"]) == cls
+                and computation_order(kind, r["phase"], r["tensor"])[:3] == where]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in siblings:
+        signed = attributed_setting(model, setting, message, f"{r['phase']}/{r['tensor']}", disagreeing)
+        groups.setdefault(signed, []).append(r)
+    return [Divergence(signed, f"{members[0]['phase']}/{members[0]['tensor']}",
+                       max(float(r["linf"]) for r in members), max(float(r["max_rel"]) for r in members))
+            for signed, members in groups.items()]
+
+
+def case_signature(verdict: str, kind: str, setting: str, message: str, first_divergence: str,
+                   separating: dict[str, set[tuple[str, str]]], signed_as: str | None = None) -> tuple[str, str]:
+    """(signature, title) of one case that is not ok; `separating` is what `separating_values` learned over its run
+    (a case rerun alone, as the minimiser does, is signed with its run's contrast). A disagreement is signed as the
+    setting `signed_as` names (`attributed_setting`), by default its own."""
+    setting = signed_as or setting
+    if verdict in FAILURES:
+        frame = innermost_library_frame(message)
+        text = normalise_message(message)
+        signature = f"{verdict} | {exception_type(message)} | {text} | {frame}"
+        return signature, f"{verdict}: {text[:120]}" + (f" (in {frame})" if frame else "")
+    if first_divergence:
+        phase, tensor = first_divergence.split("/", 1)
+        start = re.sub(r"\d+$", "", phase) + "/" + tensor_class(kind, tensor)
+    else:
+        start = "?"
+    cls, params = setting_parameters(setting)
+    follows = sorted(set(params.items()) & set(map(tuple, separating.get(cls, ()))))
+    if follows:  # the bug follows these parameter values whatever the others are: one finding
+        what = f"{setting.split('/')[0]} [{', '.join(f'{k}={v}' for k, v in follows)}]"
+    else:
+        what = setting_family(setting)
+    return (f"{verdict} | {cls} | {what} | first diverges in {start}",
+            f"{verdict}: {what} first diverges in {start}")
+
+
+def bad_rows(analysis: Analysis) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """(model, setting) → its disagreeing comparisons rows (those naming a tensor)."""
+    rows = analysis.comparisons
+    bad = rows[rows["status"].isin(DISAGREEMENTS) & (rows["tensor"] != "")]
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in bad.to_dict("records"):
+        grouped.setdefault((row["model"], row["setting"]), []).append(row)
+    return grouped
+
+
+def signatures(analysis: Analysis, separating: dict[str, set[tuple[str, str]]]) -> dict[tuple[str, str], set[str]]:
+    """(model, setting) → the signatures of each case of `analysis` that is not ok (one per independent divergence,
+    `divergences`), signed with `separating`."""
+    messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
+    disagreeing = disagreeing_cases(analysis.cases)
+    bad = bad_rows(analysis)
+    signed = {}
+    for case in analysis.cases[analysis.cases["verdict"].isin(FAILURES + DISAGREEMENTS)].itertuples():
+        key = (case.model, case.setting)
+        message = str(messages.get(key, "") or "")
+        found = divergences(case.model, case.setting, case.kind, message, bad.get(key, []), disagreeing)
+        signed[key] = {case_signature(case.verdict, case.kind, case.setting, message, d.first_divergence, separating,
+                                      d.signed_as)[0] for d in found}
+    return signed
+
+
+def disagreeing_cases(cases: pd.DataFrame) -> set[tuple[str, str]]:
+    """(model, setting) of every case whose verdict is a disagreement."""
+    bad = cases[cases["verdict"].isin(DISAGREEMENTS)]
+    return set(zip(bad["model"], bad["setting"], strict=True))
+
+
+def contrast_of(setting: str, separating: dict[str, set[tuple[str, str]]]) -> dict[str, set[tuple[str, str]]]:
+    """The part of a run's contrast that signs cases of `setting`'s class: what a finding's reproducer carries."""
+    cls, _ = setting_parameters(setting)
+    return {cls: separating[cls]} if cls in separating else {}

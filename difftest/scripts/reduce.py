@@ -1,0 +1,411 @@
+"""A finding's standalone script reduced to what its case runs, while it still shows the same bug.
+
+An emitter copies whole library-calling functions (never a second implementation), so a script carries every branch
+those functions have for other models, plans and schedules. The script is run once with a line tracer (its ranks
+included: they are forks of it); what no process executed is what this case does not need. Removed, on the syntax
+tree's statements and with the source's own text and comments kept: functions never called, statements never
+reached, the branch of an `if` never taken; then, repeatedly, the definitions, constants and imports nothing refers to
+any more. The part every script shares (start the ranks, judge, report) is never touched. The reduced script is kept
+only if, run as a maintainer runs it (sealed: no difftest importable), it prints the same verdict lines — the same
+tensors off with the same values at their worst elements, to the digits printed, or the same failure line — and
+exits 1; else the full script stays. The full script is kept beside it either way (`standalone.full.py`).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from difftest.scripts.check import Checked
+
+# where the part every script shares begins (`difftest.scripts.emit.render_script` writes this line before it)
+SHARED_MARKER = "# --- the rest is what every difftest script shares"
+FULL_FILE = "standalone.full.py"
+
+# Run as `python tracer.py SCRIPT OUT`: SCRIPT as __main__, each line of it the first time this process or a process
+# forked from it executes it appended to OUT/<pid>.lines at once, unbuffered (a rank killed by a signal has written
+# every line it ran). Only the standard library: it runs where the script runs, sealed as a check is.
+_TRACER = '''
+import os, runpy, sys, threading
+
+script, out = os.path.abspath(sys.argv[1]), sys.argv[2]
+seen, files = set(), {}
+
+def record(line):
+    pid = os.getpid()
+    if pid not in files:  # a fork: what the parent saw is in the parent's file
+        files.clear()
+        files[pid] = os.open(os.path.join(out, f"{pid}.lines"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.write(files[pid], f"{line} ".encode())
+
+def local(frame, event, arg):
+    if event == "line" and (os.getpid(), frame.f_lineno) not in seen:
+        seen.add((os.getpid(), frame.f_lineno))
+        record(frame.f_lineno)
+    return local
+
+def tracer(frame, event, arg):
+    return local if frame.f_code.co_filename == script else None
+
+sys.settrace(tracer)
+threading.settrace(tracer)
+sys.argv = [script]
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What reducing a script came to."""
+
+    lines_before: int
+    lines_after: int  # lines_before where the reduced script was not kept
+    seconds: float
+    kept: bool
+    why_not: str = ""  # where not kept: why (it did not reproduce the same way, the traced run failed, …)
+
+    def describe(self) -> str:
+        if self.kept:
+            return (f"reduced from {self.lines_before} to {self.lines_after} lines in {self.seconds:.0f} s "
+                    f"({FULL_FILE} keeps the whole program)")
+        return f"not reduced ({self.why_not}; {self.seconds:.0f} s)"
+
+
+def traced_check(script: Path, timeout_s: float, env: dict[str, str] | None = None,
+                 niceness: int = 0) -> tuple[Checked, set[int]]:
+    """The script's check (`check_script`: run as a maintainer runs it), traced: what it printed, and the lines of it
+    that some process executed."""
+    from difftest.scripts.check import check_script
+
+    with tempfile.TemporaryDirectory(prefix="difftest-trace-") as folder:
+        tracer = Path(folder) / "tracer.py"
+        tracer.write_text(_TRACER)
+        checked = check_script(script, timeout_s, env=env, niceness=niceness, runner=[str(tracer)],
+                               arguments=[folder])
+        lines = {int(n) for dump in Path(folder).glob("*.lines") for n in dump.read_text().split()}
+    return checked, lines
+
+
+# Reducing the source ----------------------------------------------------------------------------------------------
+
+
+def _span(node: ast.stmt) -> tuple[int, int]:
+    """First and last line of a statement, its decorators included."""
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
+    return first, node.end_lineno or node.lineno
+
+
+def _header_lines(node: ast.stmt) -> range:
+    """The lines of a compound statement before its body (`if a and\\n b:`), or a simple statement's lines."""
+    body = getattr(node, "body", None)
+    if isinstance(body, list) and body and not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return range(node.lineno, body[0].lineno)
+    return range(node.lineno, (node.end_lineno or node.lineno) + 1)
+
+
+def _ran(lines: range, executed: set[int]) -> bool:
+    return any(n in executed for n in lines)
+
+
+def _body_ran(body: list[ast.stmt], executed: set[int]) -> bool:
+    return any(_ran(range(s.lineno, (s.end_lineno or s.lineno) + 1), executed) for s in body)
+
+
+class _Edits:
+    """Line edits of one source: line ranges to delete, lines to replace; applied bottom up."""
+
+    def __init__(self, source: str) -> None:
+        self.lines = source.splitlines()
+        self.deleted: set[int] = set()  # 1-based
+        self.replaced: dict[int, str] = {}
+
+    def delete(self, first: int, last: int) -> None:
+        self.deleted.update(range(first, last + 1))
+
+    def text(self) -> str:
+        kept = [self.replaced.get(n, line) for n, line in enumerate(self.lines, 1) if n not in self.deleted]
+        return "\n".join(kept) + "\n"
+
+
+def _indent(line: str) -> str:
+    return line[: len(line) - len(line.lstrip())]
+
+
+def _reduce_body(body: list[ast.stmt], executed: set[int], edits: _Edits) -> None:
+    """Delete what never ran in one block of statements (a block left empty keeps a `pass`)."""
+    doomed: list[ast.stmt] = []
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if not _body_ran(node.body, executed):
+                doomed.append(node)
+            else:
+                _reduce_body(node.body, executed, edits)
+            continue
+        if _is_docstring(node):
+            continue  # docstrings go separately (`drop_docstrings`)
+        if not _ran(_header_lines(node), executed) and not (isinstance(node, ast.ClassDef)
+                                                           and _body_ran(node.body, executed)):
+            doomed.append(node)
+            continue
+        if isinstance(node, ast.For | ast.AsyncFor | ast.While) and not _body_ran(node.body, executed):
+            doomed.append(node)  # it never iterated
+            continue
+        if isinstance(node, ast.If) and not node.orelse and not _body_ran(node.body, executed):
+            doomed.append(node)  # its test never held
+            continue
+        if isinstance(node, ast.If):
+            _reduce_if(node, executed, edits)
+        elif isinstance(node, ast.ClassDef | ast.With | ast.For | ast.While | ast.Try):
+            for block in ("body", "orelse", "finalbody"):
+                inner = getattr(node, block, None)
+                if inner and _body_ran(inner, executed):
+                    _reduce_body(inner, executed, edits)
+    if doomed and len(doomed) == len([n for n in body if not _is_docstring(n)]):
+        keep = doomed.pop(0)  # the block needs a statement: the first one becomes `pass`
+        first, last = _span(keep)
+        edits.delete(first + 1, last)
+        edits.replaced[first] = _indent(edits.lines[first - 1]) + "pass"
+    for node in doomed:
+        edits.delete(*_span(node))
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+
+def _reduce_if(node: ast.If, executed: set[int], edits: _Edits) -> None:
+    """An `if` reached: the branch no process took goes. A body never run before an `elif`: the `elif` becomes the
+    `if`; before an `else`: the `else` block takes its place; a never-run `else`/`elif` goes."""
+    body_ran = _body_ran(node.body, executed)
+    orelse_ran = bool(node.orelse) and _body_ran(node.orelse, executed)
+    elif_chain = len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If) and \
+        edits.lines[node.orelse[0].lineno - 1].lstrip().startswith("elif")
+    if not body_ran and node.orelse and (orelse_ran or elif_chain):
+        if elif_chain:
+            inner = node.orelse[0]
+            assert isinstance(inner, ast.If)
+            edits.delete(node.lineno, inner.lineno - 1)
+            line = edits.lines[inner.lineno - 1]
+            edits.replaced[inner.lineno] = _indent(edits.lines[node.lineno - 1]) + line.lstrip()[2:]  # elif → if
+            _reduce_if(inner, executed, edits)
+        else:
+            edits.delete(node.lineno, node.orelse[0].lineno - 1)  # `if …:`, its body, `else:`
+            _dedent(edits, node.orelse)
+            _reduce_body(node.orelse, executed, edits)
+        return
+    if body_ran:
+        _reduce_body(node.body, executed, edits)
+    if node.orelse and not orelse_ran:
+        else_line = _else_line(node, edits)
+        edits.delete(else_line, node.orelse[-1].end_lineno or node.orelse[-1].lineno)
+    elif node.orelse and elif_chain:
+        _reduce_if(node.orelse[0], executed, edits)  # type: ignore[arg-type]
+    elif node.orelse:
+        _reduce_body(node.orelse, executed, edits)
+
+
+def _else_line(node: ast.If, edits: _Edits) -> int:
+    """The line of the `else:`/`elif` that opens an `if`'s orelse."""
+    first = node.orelse[0].lineno
+    for n in range(first, node.body[-1].end_lineno or first, -1):
+        if edits.lines[n - 1].lstrip().startswith(("else", "elif")):
+            return n
+    return first
+
+
+def _dedent(edits: _Edits, block: list[ast.stmt]) -> None:
+    """Move a block one level out (an `else` block that replaces its `if`)."""
+    first, last = block[0].lineno, block[-1].end_lineno or block[-1].lineno
+    outer = len(_indent(edits.lines[first - 1]))
+    for n in range(first, last + 1):
+        line = edits.replaced.get(n, edits.lines[n - 1])
+        step = 4 if outer >= 4 else outer
+        edits.replaced[n] = line[step:] if line[:step].strip() == "" else line
+
+
+def _shared_start(lines: list[str]) -> int:
+    """The line where the part every script shares begins (past the end where there is none)."""
+    return next((n for n, line in enumerate(lines, 1) if line.startswith(SHARED_MARKER)), len(lines) + 1)
+
+
+def prune_unexecuted(source: str, executed: set[int]) -> str:
+    """`source` less what never ran, before the shared part (never touched). A definition that never ran but is named
+    by what stays (a call on the line that failed, before it was reached) stays whole."""
+    keep: set[str] = set()
+    while True:
+        pruned = _prune(source, executed, keep)
+        tree = ast.parse(pruned)
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+        named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        missing = (named - defined) & _definitions(source) - keep
+        if not missing:
+            return pruned
+        keep |= missing
+
+
+def _definitions(source: str) -> set[str]:
+    return {n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+
+
+def _prune(source: str, executed: set[int], keep: set[str]) -> str:
+    tree = ast.parse(source)
+    edits = _Edits(source)
+    marker = _shared_start(edits.lines)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.lineno < marker:
+            if node.name in keep:
+                continue
+            if not _body_ran(node.body, executed):
+                edits.delete(*_span(node))
+            else:  # a class: its methods never called and their branches never taken go too
+                _reduce_body(node.body, executed, edits)
+    return edits.text()
+
+
+def drop_idle_blocks(source: str) -> str:
+    """Remove, until none is left, the loops and `with` blocks whose whole body is `pass` (pruning left it so: what
+    they did for other cases never happened in this one); a block they leave empty gets a `pass` of its own."""
+    while True:
+        tree = ast.parse(source)
+        edits = _Edits(source)
+        marker = _shared_start(edits.lines)
+        for parent in ast.walk(tree):
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(parent, field, None)
+                if not isinstance(block, list) or not block or not isinstance(block[0], ast.stmt):
+                    continue
+                idle = [s for s in block if isinstance(s, ast.For | ast.AsyncFor | ast.While | ast.With)
+                        and s.lineno < marker and not getattr(s, "orelse", None)
+                        and all(isinstance(b, ast.Pass) for b in s.body)]
+                for node in idle:
+                    first, last = _span(node)
+                    if len(idle) == len(block) and node is idle[0]:  # the block needs a statement
+                        edits.delete(first + 1, last)
+                        edits.replaced[first] = _indent(edits.lines[first - 1]) + "pass"
+                    else:
+                        edits.delete(first, last)
+        if not edits.deleted:
+            return source
+        source = edits.text()
+
+
+def drop_docstrings(source: str) -> str:
+    """Every docstring but the script's own (which says what it shows): the maintainer reads the code that runs."""
+    tree = ast.parse(source)
+    edits = _Edits(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and len(node.body) > 1 \
+                and _is_docstring(node.body[0]):
+            edits.delete(*_span(node.body[0]))
+    return edits.text()
+
+
+def drop_unused(source: str) -> str:
+    """Remove, until none is left, the top-level definitions, single-name constants and imported names that nothing
+    else in the script refers to (by name, or as a string the script reads by name)."""
+    while True:
+        tree = ast.parse(source)
+        lines = source.splitlines()
+        loads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        loads |= {n.value.id for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+        drop: list[tuple[int, int, str | None]] = []
+        for node in tree.body:
+            first, last = _span(node)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if node.name not in loads - _self_references(node):
+                    drop.append((first, last, None))
+            elif isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if all(isinstance(t, ast.Name) and t.id not in loads for t in targets):
+                    drop.append((first, last, None))
+            elif isinstance(node, ast.Import | ast.ImportFrom) and first == last:
+                if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+                    continue
+                used = [a for a in node.names if (a.asname or a.name).split(".")[0] in loads]
+                if not used:
+                    drop.append((first, last, None))
+                elif len(used) < len(node.names):
+                    names = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in used)
+                    head = f"from {node.module} import " if isinstance(node, ast.ImportFrom) else "import "
+                    drop.append((first, last, _indent(lines[first - 1]) + head + names))
+        if not drop:
+            return source
+        for first, last, replacement in sorted(drop, reverse=True):
+            lines[first - 1:last] = [replacement] if replacement is not None else []
+        source = "\n".join(lines) + "\n"
+
+
+def _self_references(node: ast.AST) -> set[str]:
+    """A definition's name where only its own body reads it (recursion keeps nothing alive)."""
+    name = getattr(node, "name", "")
+    inner = {n.id for child in ast.iter_child_nodes(node) for n in ast.walk(child) if isinstance(n, ast.Name)}
+    return {name} if name in inner else set()
+
+
+def tidy(source: str) -> str:
+    """At most two blank lines in a row, none after a definition's line (what removing statements leaves)."""
+    return re.sub(r"\n{4,}", "\n\n\n", source)
+
+
+def reduce_source(source: str, executed: set[int]) -> str:
+    """What never ran (before the shared part), the loops left idle, every docstring but the script's, then what
+    nothing refers to."""
+    return tidy(drop_unused(drop_docstrings(drop_idle_blocks(prune_unexecuted(source, executed)))))
+
+
+# The same bug --------------------------------------------------------------------------------------------------------
+
+
+def verdict_lines(output: str) -> list[str]:
+    """What a script printed of its own about the bug, less the releases line: the tensors' verdicts (values to the
+    digits printed), the failure's line, BUG PRESENT. A nondeterminism's values differ from run to run: its tensors'
+    names stand for them."""
+    from difftest.scripts.check import own_lines
+
+    lines = [line for line in own_lines(output) if not line.startswith("python ")]
+    if any("two runs of the setting differ" in line for line in lines):
+        lines = [line.split(":")[0] + (": differs" if "elements differ" in line else ": same") for line in lines]
+    return lines
+
+
+def same_bug(original: str, reduced: str) -> bool:
+    from difftest.contracts.script import BUG_PRESENT
+
+    mine = verdict_lines(reduced)
+    return mine == verdict_lines(original) and any(line.startswith(BUG_PRESENT) for line in mine)
+
+
+def reduce_script(path: Path, traced: Checked, executed: set[int], timeout_s: float,
+                  env: dict[str, str] | None = None, niceness: int = 0) -> tuple[Reduction, Checked]:
+    """Reduce the script at `path`, whose traced check (`traced_check`) reproduced, in place; its whole form is kept
+    as `standalone.full.py`. The reduced one is kept only if its own check (sealed, by `env`) prints the same verdict
+    and exits 1. Returns the reduction and the check that stands for the script now at `path`."""
+    from difftest.scripts.check import check_script
+
+    started = time.perf_counter()
+    source = path.read_text()
+    before = source.count("\n")
+    path.with_name(FULL_FILE).write_text(source)
+
+    def refused(why: str) -> tuple[Reduction, Checked]:
+        path.write_text(source)
+        return Reduction(before, before, time.perf_counter() - started, False, why), traced
+
+    try:
+        reduced = reduce_source(source, executed)
+        compile(reduced, path.name, "exec")
+    except SyntaxError as exc:  # a reduction of ours that does not parse: the full script stays
+        return refused(f"the reduced script does not compile ({exc.msg}, line {exc.lineno})")
+    if reduced == source:
+        return refused("nothing it does not run")
+    path.write_text(reduced)
+    checked = check_script(path, timeout_s, env=env, niceness=niceness)
+    if checked.exit_code != 1 or not same_bug(traced.output, checked.output):
+        return refused(f"the reduced script did not show the same bug (exit {checked.exit_code})")
+    return Reduction(before, reduced.count("\n"), time.perf_counter() - started, True), checked

@@ -1,0 +1,224 @@
+"""The pipeline step after minimisation: each finding's `standalone.py` (`difftest.scripts.emit`), written for its
+minimal case and run once where difftest does not import, or why it has none; `findings.md` says which and why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from difftest.contracts.errors import Unsupported
+from difftest.contracts.script import DATA_FILE, STANDALONE_FILE, STANDALONE_VERDICT_FILE, StandaloneCase
+from difftest.runner.scheduler import machine_ranks
+from difftest.scripts.check import AGREEING_LINE, Checked, own_lines, sealed_environment
+from difftest.scripts.emit import write_script
+from difftest.scripts.reduce import FULL_FILE
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.findings.minimise import Minimisation
+    from difftest.findings.triage import Finding
+    from difftest.scripts.reduce import Reduction
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """One finding's standalone script, or why it has none."""
+
+    finding_id: str
+    family: str
+    path: Path | None
+    why_not: str = ""
+    checked: Checked | None = None
+    # difftest failed to write it (its emitter raised): counted and told as a defect of ours, not as the library's
+    defect: bool = False
+    reduction: Reduction | None = None  # what reducing the script to what its case runs came to
+
+    @property
+    def our_defect(self) -> bool:
+        """Whether difftest, not the library, kept this finding from a checked script: its emitter raised, or the
+        written script failed on its own (exit 2: a mistake of ours or a missing library; 124: no answer in time)."""
+        return self.defect or (self.checked is not None and self.checked.exit_code not in (0, 1))
+
+    def describe(self) -> str:
+        if self.path is None:
+            return f"{NO_SCRIPT}{self.why_not}"
+        if self.checked is None:
+            return f"{STANDALONE_FILE} written, not run"
+        code = self.checked.exit_code
+        if self.checked.reproduces or code in (0, 1):
+            verdict = "reproduces (exit 1)" if self.checked.reproduces else {0: "does not reproduce (exit 0)"}.get(
+                code, "exits 1 without saying BUG PRESENT")
+            return f"{STANDALONE_FILE} {verdict} in {self.checked.seconds:.1f} s"
+        lines = [line.strip() for line in self.checked.output.splitlines() if line.strip()]
+        why = (lines[-1] if lines else "it printed nothing")[:300]
+        return (f"{STANDALONE_FILE} could not run (exit {code}) in {self.checked.seconds:.1f} s, {OUR_DEFECT}{why}")
+
+
+def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Path, setting_name: str,
+         first_divergence: str, spread: dict[str, float], tolerance: Tolerance, check_timeout_s: float = 0.0,
+         message: str = "") -> Emitted:
+    """Write `findings/<finding_id>/standalone.py` for the case (`model_dir` × `setting_name`) and, with a timeout,
+    run it once in a sealed environment; or say why there is none."""
+    from difftest.contracts.registry import get_setting
+    from difftest.contracts.spec import RunConfig
+    from difftest.runner.pool import simulated_local_size
+    from difftest.storage.artifacts import load_model
+
+    folder = run_dir / "findings" / finding_id
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in (STANDALONE_FILE, DATA_FILE, STANDALONE_VERDICT_FILE, FULL_FILE):
+        (folder / stale).unlink(missing_ok=True)
+    setting = get_setting(setting_name)
+    model, inputs = load_model(model_dir)
+    config = RunConfig.load(run_dir / "run.json")
+    case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
+                          {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
+                          simulated_local_size(setting.world_size), config.lr, message, model_dir, config.seed,
+                          config.steps)
+    try:
+        # building the model again (a converter's warnings) says nothing new here: the sweep's logs have it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            script = setting.standalone(case)
+        if script is None:
+            raise Unsupported(f"the `{setting.family}` family has no emitter")
+        path = write_script(folder, case, script)
+    except Unsupported as exc:
+        emitted = Emitted(finding_id, setting.family, None, str(exc))
+    except Exception as exc:  # the emitter's own failure: a defect of difftest's, never the end of the run
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        emitted = Emitted(finding_id, setting.family, None, f"{OUR_DEFECT}the `{setting.family}` emitter raised "
+                          f"{type(exc).__name__}: {first}", defect=True)
+    else:
+        emitted = Emitted(finding_id, setting.family, path)
+    _record(folder, emitted)
+    return _check_all([emitted], check_timeout_s)[0] if check_timeout_s > 0 else emitted
+
+
+# the priority of a script run while the minimiser still works: below its trials (CFS gives nice 10 a tenth of a core
+# beside nice 0), above nothing
+BACKGROUND_NICENESS = 10
+NO_SCRIPT = "no standalone script: "  # how `standalone.txt` begins where the finding has none, then why
+OUR_DEFECT = "a defect of difftest's: "  # where it has none because difftest failed (after NO_SCRIPT)
+
+
+def recorded_run(folder: Path) -> tuple[str, list[str], int] | None:
+    """What running the folder's script gave (`standalone.txt`): its one-line verdict, the lines it printed itself
+    less those of the tensors it found in agreement, and how many those were; None where it has no script or it was
+    not run."""
+    path = folder / STANDALONE_VERDICT_FILE
+    if not path.is_file() or not (folder / STANDALONE_FILE).is_file():
+        return None
+    verdict, _, output = path.read_text().partition("\n\n")
+    if not output.strip():
+        return None
+    lines = own_lines(output)
+    telling = [line for line in lines if not AGREEING_LINE.search(line)]
+    return verdict.strip(), telling, len(lines) - len(telling)
+
+
+def why_no_script(folder: Path) -> str | None:
+    """Why the finding in `folder` has no script, as its emitter said (a family without one, a case it cannot
+    express); None where it has one or none was attempted."""
+    path = folder / STANDALONE_VERDICT_FILE
+    if (folder / STANDALONE_FILE).is_file() or not path.is_file():
+        return None
+    first = path.read_text().split("\n", 1)[0]
+    return first.removeprefix(NO_SCRIPT) if first.startswith(NO_SCRIPT) else None
+
+
+def _record(folder: Path, emitted: Emitted) -> None:
+    reduced = f"; {emitted.reduction.describe()}" if emitted.reduction is not None else ""
+    text = emitted.describe() + reduced + ("\n\n" + emitted.checked.output if emitted.checked else "") + "\n"
+    (folder / STANDALONE_VERDICT_FILE).write_text(text)
+
+
+def _check(e: Emitted, timeout_s: float, niceness: int = 0) -> Emitted:
+    """Run a written script once, sealed and traced, and where it reproduces reduce it to what its case runs
+    (`difftest.scripts.reduce`, checked again); record what the script now in place printed."""
+    import dataclasses
+
+    from difftest.scripts.reduce import reduce_script, traced_check
+
+    if e.path is None:
+        return e
+    env = sealed_environment(e.path.parent / ".sealed")
+    checked, executed = traced_check(e.path, timeout_s, env, niceness)
+    reduction = None
+    if checked.reproduces:
+        reduction, checked = reduce_script(e.path, checked, executed, timeout_s, env, niceness)
+    done = dataclasses.replace(e, checked=checked, reduction=reduction)
+    _record(e.path.parent, done)
+    return done
+
+
+def _check_all(emitted: list[Emitted], timeout_s: float) -> list[Emitted]:
+    """Run every written script once, as many at a time as the machine has cores (a script is mostly its libraries'
+    import and a rank or two: it waits more than it computes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=machine_ranks()) as pool:
+        return list(pool.map(lambda e: _check(e, timeout_s), emitted))
+
+
+class StandaloneScripts:
+    """Each finding's standalone script, for its minimal case where it has one (judged by the envelope the minimiser
+    measured on it), else for its example (judged by the run's envelope), run once each when `check_timeout_s`.
+
+    A finding's script is written as soon as its minimisation is final (`finding_done`, the minimiser's `on_done`; a
+    fraction of a second, in the minimiser's own thread) and run in the background while the minimiser works on the
+    others, as many at a time as the machine has cores but at a lower priority (`BACKGROUND_NICENESS`): they take the
+    cores the rounds leave idle (while a round's models are built, its verdicts signed) and hardly slow the trials,
+    whose time the findings' budgets are charged. `finish` writes the rest and runs every script not yet started, as
+    many at a time as the machine has cores."""
+
+    def __init__(self, run_dir: Path, findings: list[Finding], tolerance: Tolerance, check_timeout_s: float = 0.0) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._run_dir, self._findings, self._tolerance = run_dir, findings, tolerance
+        self._check_timeout_s = check_timeout_s
+        self._background = ThreadPoolExecutor(max_workers=machine_ranks())
+        self._written: dict[str, Emitted] = {}
+        self._checks: dict[str, Future[Emitted]] = {}
+
+    def finding_done(self, m: Minimisation) -> None:
+        finding = next((f for f in self._findings if f.id == m.finding_id), None)
+        if finding is None:
+            return
+        self._written[finding.id] = written = self._emit(finding, m)
+        if self._check_timeout_s > 0 and written.path is not None:
+            self._checks[finding.id] = self._background.submit(_check, written, self._check_timeout_s,
+                                                               BACKGROUND_NICENESS)
+
+    def finish(self, minimised: list[Minimisation]) -> list[Emitted]:
+        """Every finding's script, in the order of the findings, once each has been written and run."""
+        by_id = {m.finding_id: m for m in minimised}
+        for f in self._findings:
+            if f.id not in self._written:
+                self._written[f.id] = self._emit(f, by_id.get(f.id))
+        # a check still queued runs with the rest, side by side; one already started is waited for
+        unstarted = [e for e in self._written.values() if e.finding_id not in self._checks
+                     or self._checks[e.finding_id].cancel()]
+        self._background.shutdown(wait=False)
+        done = {e.finding_id: e for e in _check_all(unstarted, self._check_timeout_s)} if self._check_timeout_s > 0 \
+            else {e.finding_id: e for e in unstarted}
+        return [done[f.id] if f.id in done else self._checks[f.id].result() for f in self._findings]
+
+    def _emit(self, f: Finding, m: Minimisation | None) -> Emitted:
+        from difftest.judging.analysis import envelope_spread
+
+        run_dir, tolerance = self._run_dir, self._tolerance
+        title = f.known.title if f.known else f.title
+        if m is not None and m.best is not m.original:
+            model_dir = run_dir / "findings" / f.id / "run" / "models" / m.best.model_id
+            setting, spread = m.best.setting, m.spread
+        else:
+            model, setting = str(f.example["model"]), str(f.example["setting"])
+            model_dir, spread = run_dir / "models" / model, envelope_spread(run_dir, model, setting, tolerance)
+        return emit(run_dir, f.id, title, f.status, model_dir, setting, f.first_divergence, spread, tolerance,
+                    message=str(f.example.get("message", "")))

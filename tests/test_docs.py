@@ -28,3 +28,16 @@ def test_the_documentation_site_builds_with_every_link_whole(tmp_path: Path) -> 
     assert nav == pages  # every page is in the site's navigation, and every entry is a page
     for link in re.findall(r"\]\((docs/[\w-]+\.md)\)", (ROOT / "README.md").read_text()):
         assert (ROOT / link).is_file(), link
+    # the reference pages are the code's own account: every command, setting family and model kind registered
+    import typer
+
+    from difftest.cli import app
+    from difftest.contracts.registry import _GENERATORS, all_settings, load_plugins
+
+    load_plugins()
+    site = tmp_path / "site" / "reference"
+    commands, families, kinds = ((site / page / "index.html").read_text() for page in ("commands", "settings", "kinds"))
+    names = [name for name, command in typer.main.get_command(app).commands.items() if not command.hidden]
+    assert len(names) >= 10 and all(f"<code>{name}" in commands for name in names)
+    assert all(f"<code>{s.family}</code>" in families for s in all_settings())
+    assert all(f"<code>{kind}</code>" in kinds for kind in _GENERATORS)

@@ -14,7 +14,8 @@ import argparse
 from pathlib import Path
 
 from difftest.contracts.registry import all_settings, load_plugins, select_settings
-from difftest.runner.pool import CaseRequest, WorkerGroup
+from difftest.runner.messages import CaseRequest
+from difftest.runner.pool import WorkerGroup
 from difftest.storage.artifacts import load_spec
 
 

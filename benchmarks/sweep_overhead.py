@@ -22,7 +22,8 @@ from pathlib import Path
 from difftest.contracts.registry import generator_kinds, get_generator, load_plugins, select_settings
 from difftest.contracts.spec import RunConfig
 from difftest.generation.generate import generate
-from difftest.runner.pool import CaseRequest, CaseResult, WorkerGroup
+from difftest.runner.messages import CaseRequest
+from difftest.runner.pool import CaseResult, WorkerGroup
 from difftest.storage.artifacts import load_spec
 
 FAMILIES = "torchrec/ebc/*/ws{w},ddp/*/ws{w},fsdp1/*/ws{w},fsdp2/*/ws{w},tp/*/ws{w},pipeline/*/ws{w}/*"

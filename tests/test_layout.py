@@ -62,3 +62,22 @@ def test_run_in_processes_returns_rank0s_tensors_and_carries_a_refusal_as_an_obj
         run_in_processes(_answers, {"fail": "refuse", "value": 0}, 2, tmp_path / "refused", "refused")
     with pytest.raises(ProcessesFailed, match=r"phase raised rank 1 exited 1: .*ValueError: the checkpoint is missing"):
         run_in_processes(_answers, {"fail": "raise", "value": 0}, 2, tmp_path / "raised", "raised")
+
+
+def test_a_failure_is_written_and_read_back_in_one_place() -> None:
+    from difftest.contracts.failure import Failure
+    from difftest.findings.signature import normalise_message
+
+    try:
+        raise ValueError("shard 3 of tensor at 0x7f00 is missing")
+    except ValueError as exc:
+        raised = Failure.of(exc)
+    stored = raised.stored()
+    assert stored.startswith("ValueError: shard 3 of tensor at 0x7f00 is missing || ") and "\n" not in stored
+    assert Failure.parse(stored) == raised and Failure.parse(stored).readable().count("\n") >= 3
+    crashed = Failure("rank 1 killed by SIGSEGV", log="Fatal Python error: Segmentation fault | frame")
+    assert str(crashed) == "rank 1 killed by SIGSEGV; log: Fatal Python error: Segmentation fault | frame"
+    assert Failure.parse(str(crashed)) == crashed
+    # a signature is made of the head alone: the traceback and the log vary from run to run
+    assert normalise_message(stored) == normalise_message("ValueError: shard 4 of tensor at 0x7f08 is missing")
+    assert normalise_message(str(crashed)) == "rank N killed by SIGSEGV"

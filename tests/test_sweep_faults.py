@@ -14,7 +14,8 @@ import pytest
 
 from difftest.findings import known
 from difftest.judging.analysis import analyze
-from difftest.runner.pool import CaseRequest, WorkerGroup
+from difftest.runner.messages import CaseRequest
+from difftest.runner.pool import WorkerGroup
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.storage.store import Store
 from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS, committed_cases, sigkill_sweep_after

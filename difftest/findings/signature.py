@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 
 from difftest.contracts.errors import UserError
+from difftest.contracts.failure import Failure
 from difftest.contracts.registry import capabilities_of, get_setting
 from difftest.contracts.setting import without_sizes
 from difftest.contracts.status import DISAGREEMENTS, FAILURES, Status
@@ -27,7 +28,7 @@ _PHASE_RANK = {"eval_before": 0, "train_step": 1, "state_after_step": 2, "param_
 
 def normalise_message(message: str) -> str:
     """The part of a failure message that stays the same across models, ranks, shapes and runs."""
-    text = str(message).split(" || ")[0].split("; log:")[0]
+    text = Failure.parse(message).head
     text = re.sub(r"0x[0-9a-fA-F]+", "ADDR", text)
     # a peer's socket address, or "[none]" where gloo has not connected it yet: which one is a value of the run
     text = re.sub(r"\[(?:none|\d+(?:\.\d+){3}|[\da-fA-F]*:[\da-fA-F:]*)\](?::\d+)?(?:\$\d+)?", "PEER", text)

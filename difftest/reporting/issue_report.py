@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from difftest.contracts.errors import UserError
+from difftest.contracts.failure import Failure
 from difftest.contracts.script import STANDALONE_FILE
 from difftest.contracts.status import Status
 from difftest.reporting.render import render
@@ -88,8 +89,7 @@ def evidence(run_dir: Path, analysis: Analysis, model: str, setting: str, tensor
 
 def _readable(message: str) -> str:
     """A stored message keeps a traceback on one line (`exception || frame | code | frame …`): its lines again."""
-    head, _, frames = message.partition(" || ")
-    return head + ("\n\nTraceback, innermost frames last:\n" + "\n".join(frames.split(" | ")) if frames else "")
+    return Failure.parse(message).readable()
 
 
 def _family(setting: str) -> str:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from difftest.contracts.status import Status
 from difftest.runner.executor import BucketKey, ExecutorReport, SweepContext
-from difftest.runner.pool import CaseRequest, CaseResult, GroupBroken, GroupStartError, WorkerGroup
+from difftest.runner.messages import CaseRequest
+from difftest.runner.pool import CaseResult, GroupBroken, GroupStartError, WorkerGroup
 from difftest.runner.scheduler import WorkQueue, ranks_at_once
 
 if TYPE_CHECKING:

@@ -13,11 +13,13 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from difftest.contracts.failure import Failure
 from difftest.contracts.logs import log_tail
 from difftest.contracts.status import Status
 from difftest.runner import worker
+from difftest.runner.messages import Broken, CaseRequest, RankReply, Ready, RunCase, Stop, StorePort
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -39,18 +41,9 @@ _FAULTHANDLER_SIGNALS = {"Segmentation fault": signal.SIGSEGV, "Floating point e
 _FATAL = re.compile(r"^Fatal Python error: (" + "|".join(_FAULTHANDLER_SIGNALS) + r")$", re.MULTILINE)
 
 
-@dataclass(frozen=True)
-class CaseRequest:
-    model_dir: str
-    setting: str
-    steps: int
-    lr: float
-    seed: int
-
-
 @dataclass
 class CaseResult:
-    status: str  # ok | error | crash | timeout | unsupported
+    status: Status
     outputs: Outputs | None = None
     message: str = ""
     rank: int | None = None
@@ -62,6 +55,9 @@ class CaseResult:
 def simulated_local_size(world_size: int) -> int:
     """Ranks per simulated host. Four ranks are two hosts of two, so host-aware sharding really spans hosts."""
     return 2 if world_size % 2 == 0 and world_size > 2 else world_size
+
+
+_Message = TypeVar("_Message", StorePort, Ready)
 
 
 class GroupStartError(RuntimeError):
@@ -190,11 +186,11 @@ class WorkerGroup:
             self.processes.append(process)
             self.conns.append(parent_end)
         try:
-            port = self._expect(0, "port", start_timeout_s)[1]
+            port = self._expect(0, StorePort, start_timeout_s)
             for conn in self.conns[1:]:
                 conn.send(port)
             for rank in range(world_size):
-                self._expect(rank, "ready", start_timeout_s)
+                self._expect(rank, Ready, start_timeout_s)
         except GroupStartError:
             self.kill()
             raise
@@ -206,44 +202,43 @@ class WorkerGroup:
             return
         try:
             for rank in range(self.world_size):
-                self._expect(rank, "ready", READY_TIMEOUT_S)
+                self._expect(rank, Ready, READY_TIMEOUT_S)
         except GroupStartError as exc:
             self.kill()
             raise GroupBroken(str(exc)) from None
         self._ready = True
 
-    def _expect(self, rank: int, kind: str, timeout_s: float) -> tuple[Any, ...]:
+    def _expect(self, rank: int, kind: type[_Message], timeout_s: float) -> _Message:
         conn, process = self.conns[rank], self.processes[rank]
         ready = wait([conn, process.sentinel], timeout=timeout_s)
         if conn in ready:
             try:
-                message: tuple[Any, ...] = conn.recv()
-                if message[0] == kind:
+                message = conn.recv()
+                if isinstance(message, kind):
                     return message
-                if message[0] == "broken":
-                    raise GroupStartError(f"rank {rank} could not join its group: {message[1]}")
+                if isinstance(message, Broken):
+                    raise GroupStartError(f"rank {rank} could not join its group: {message.message}")
             except EOFError:
                 pass
         if not ready:
-            raise GroupStartError(f"rank {rank} did not start within {timeout_s:.0f}s; log: {_tail(self.log_paths[rank])}")
+            raise GroupStartError(str(Failure(f"rank {rank} did not start within {timeout_s:.0f}s", log=_tail(self.log_paths[rank]))))
         process.join(EXIT_WAIT_S)
-        raise GroupStartError(
-            f"rank {rank} {_describe_exit(process.exitcode, self.log_paths[rank])} while starting; log: {_tail(self.log_paths[rank])}"
-        )
+        raise GroupStartError(str(Failure(f"rank {rank} {_describe_exit(process.exitcode, self.log_paths[rank])} while starting",
+                                          log=_tail(self.log_paths[rank]))))
 
     def run_case(self, request: CaseRequest, timeout_s: float) -> CaseResult:
         self._await_ready()
         started = time.perf_counter()
         for conn in self.conns:
-            conn.send(("case", request))
+            conn.send(RunCase(request))
         self._ready = False
-        replies: dict[int, tuple[Any, ...]] = {}
+        replies: dict[int, RankReply] = {}
         deadline = started + timeout_s
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         while len(replies) < self.world_size:
             pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
             ready = wait(list(pending) + list(sentinels), timeout=max(0.0, deadline - time.perf_counter()))
-            if not ready and any(reply[1] != Status.OK for reply in replies.values()):
+            if not ready and any(reply.status != Status.OK for reply in replies.values()):
                 # the others are still stuck in something the failed rank will never join (not a collective with
                 # it: closing its world has cut those): the failure is the finding, the group is replaced
                 self.kill()
@@ -264,7 +259,7 @@ class WorkerGroup:
                     rank = pending[handle]
                     try:
                         replies[rank] = self.conns[rank].recv()  # `handle` itself
-                        if replies[rank][1] != Status.OK:
+                        if replies[rank].status != Status.OK:
                             deadline = min(deadline, time.perf_counter() + ERROR_GRACE_S)
                         continue
                     except EOFError:
@@ -277,28 +272,29 @@ class WorkerGroup:
     def _crash(self, rank: int, started: float) -> CaseResult:
         process = self.processes[rank]
         process.join(EXIT_WAIT_S)
-        message = f"rank {rank} {_describe_exit(process.exitcode, self.log_paths[rank])}; log: {_tail(self.log_paths[rank])}"
+        message = str(Failure(f"rank {rank} {_describe_exit(process.exitcode, self.log_paths[rank])}",
+                              log=_tail(self.log_paths[rank])))
         self.kill()
         return CaseResult(Status.CRASH, message=message, rank=rank, wall_s=time.perf_counter() - started, reusable=False)
 
-    def _combine(self, replies: dict[int, tuple[Any, ...]], started: float, reusable: bool = True) -> CaseResult:
+    def _combine(self, replies: dict[int, RankReply], started: float, reusable: bool = True) -> CaseResult:
         wall = time.perf_counter() - started
-        compute = max(reply[4] for reply in replies.values())
+        compute = max(reply.compute_s for reply in replies.values())
         # every rank answered: the ranks are back in their serving loop, and each opens a fresh world before the
         # next case, so a failed case leaves nothing behind (`_await_ready` proves it or replaces the group)
         reusable = reusable and len(replies) == self.world_size
-        failed = [r for r, reply in replies.items() if reply[1] != Status.OK]  # error, unsupported, inconsistent (invariant)
+        failed = [r for r, reply in replies.items() if reply.status != Status.OK]  # error, unsupported, inconsistent (invariant)
         if failed:
             # the rank that failed first is the cause, whatever its status; later ones were cut off by it (a closed
             # connection), so a refusal on one rank is not reported as the read error it left its peer
-            rank = min(failed, key=lambda r: (replies[r][5] or 0.0, r))
-            return CaseResult(replies[rank][1], message=replies[rank][3], rank=rank, wall_s=wall, reusable=reusable,
+            rank = min(failed, key=lambda r: (replies[r].failed_at or 0.0, r))
+            return CaseResult(replies[rank].status, message=replies[rank].message, rank=rank, wall_s=wall, reusable=reusable,
                               compute_s=compute)
-        outputs = replies[0][2]
+        outputs = replies[0].outputs
         if outputs is None:
             return CaseResult(Status.ERROR, message="rank 0 returned no outputs", rank=0, wall_s=wall, reusable=reusable,
                               compute_s=compute)
-        return CaseResult(Status.OK, outputs=outputs, message=replies[0][3], wall_s=wall, compute_s=compute)
+        return CaseResult(Status.OK, outputs=outputs, message=replies[0].message, wall_s=wall, compute_s=compute)
 
     @property
     def alive(self) -> bool:
@@ -308,7 +304,7 @@ class WorkerGroup:
         """Stop politely (final barrier inside the ranks), kill whatever does not leave in time."""
         try:
             for conn in self.conns:
-                conn.send(("stop",))
+                conn.send(Stop())
         except (BrokenPipeError, OSError):
             pass
         deadline = time.perf_counter() + timeout_s

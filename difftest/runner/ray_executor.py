@@ -34,7 +34,8 @@ from difftest.contracts.errors import UserError
 from difftest.contracts.status import Status
 from difftest.runner.executor import BucketKey, ExecutorConfig, ExecutorReport, SweepContext
 from difftest.runner.local import GroupRunner
-from difftest.runner.pool import CaseRequest, CaseResult
+from difftest.runner.messages import CaseRequest
+from difftest.runner.pool import CaseResult
 from difftest.runner.scheduler import UNBOUNDED, WorkQueue
 
 if TYPE_CHECKING:

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from difftest.contracts.failure import Failure
 from difftest.contracts.status import Status
+from difftest.runner.messages import Broken, RankReply, Ready, Stop, StorePort
 
 _CACHED_MODELS: dict[str, Any] = {}
 # The cyclic garbage collector's permanent generation (`gc.freeze`) holds what outlives every case: the imports, frozen
@@ -208,9 +210,9 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
     timeout = timedelta(seconds=config.collective_timeout_s)
     if config.rank == 0:
         store = _loopback_store(config.world_size, timeout)
-        conn.send(("port", store.port))
+        conn.send(StorePort(store.port))
     else:
-        port = conn.recv()
+        port = conn.recv().port
         store = TCPStore("127.0.0.1", port, config.world_size, is_master=False, timeout=timeout)
     if config.device == "cuda":
         torch.cuda.set_device(torch.device(_device_for(config)))
@@ -218,13 +220,13 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
     serial = 0
     _open_world(config, store, serial, timeout)
     dist.barrier()
-    conn.send(("ready", os.getpid()))
+    conn.send(Ready(os.getpid()))
 
     while True:
         message = conn.recv()
-        if message[0] == "stop":
+        if isinstance(message, Stop):
             return
-        request = message[1]
+        request = message.request
         status, payload, text, ctx, failed_at, compute_s = Status.OK, None, "", None, None, 0.0
         try:
             _reset_global_state(request.seed)
@@ -255,19 +257,17 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
         except InvariantViolated as exc:
             status, text, failed_at = Status.INCONSISTENT, f"invariant broken: {exc}"[:4000], time.time()
         except Exception as exc:  # a setting that raises is a finding, recorded with its traceback tail
-            status, failed_at = Status.ERROR, time.time()
-            tail = "".join(traceback.format_exception(exc)[-3:]).strip().replace("\n", " | ")
-            text = f"{type(exc).__name__}: {exc} || {tail}"[:4000]
-        conn.send(("done", status, payload if config.rank == 0 else None, text, compute_s, failed_at))
+            status, failed_at, text = Status.ERROR, time.time(), Failure.of(exc).stored()
+        conn.send(RankReply(status, payload if config.rank == 0 else None, text, compute_s, failed_at))
         payload = ctx = None
         serial += 1
         try:
             _close_world(failed=status != Status.OK, store_port=store.port)
             _open_world(config, store, serial, timeout)
         except Exception as exc:  # the parent replaces this group; nothing of a case is lost
-            conn.send(("broken", f"{type(exc).__name__}: {exc}"[:1000]))
+            conn.send(Broken(f"{type(exc).__name__}: {exc}"[:1000]))
             return
-        conn.send(("ready", os.getpid()))
+        conn.send(Ready(os.getpid()))
 
 
 def _loopback_store(world_size: int, timeout: Any) -> Any:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftest.contracts.tolerance import Tolerance
+from difftest.runner.executor import SweepOptions
 
 if TYPE_CHECKING:
     from difftest.findings.minimise import Minimisation
@@ -29,8 +30,8 @@ class PipelineOptions:
     tolerance: Tolerance = field(default_factory=Tolerance)
     oracle: str = "calibrated"  # one of difftest.judging.analysis.ORACLES
     minimise_budget_s: float = 20.0  # per finding; 0: no minimisation
-    timeout_s: float = 120.0  # per case the minimiser runs
-    device: str = "cpu"
+    timeout_s: float = SweepOptions.timeout_s  # per case the minimiser runs
+    device: str = SweepOptions.device
     # each finding's standalone script is run once, in a process where difftest does not import, within this many
     # seconds; 0: written, not run
     check_standalone_s: float = 120.0

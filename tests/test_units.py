@@ -496,3 +496,39 @@ def test_judging_a_case_is_a_pure_function_of_its_outputs_its_references_and_its
     wrong = judge_outputs(off, expected, None, "no calibration", None, Tolerance(), {"model": "m"})
     assert (wrong.verdict, wrong.worst_linf) == ("inconsistent", 0.5)
     assert wrong.rows[0]["model"] == "m" and wrong.rows[0]["tensor"] == "prediction" and wrong.rows[0]["mismatches"] == 1
+
+
+def test_every_commands_options_default_to_the_options_objects_they_fill() -> None:
+    """One default per option: a command's option that an options object also has defaults to that object's value."""
+    import typer
+
+    from difftest.cli import app
+    from difftest.contracts.spec import RunConfig
+    from difftest.pipeline import PipelineOptions
+    from difftest.runner.executor import ExecutorConfig, SweepOptions
+
+    pipeline, sweep, executor, run = PipelineOptions(), SweepOptions(), ExecutorConfig(), RunConfig()
+    expected = {
+        "timeout": sweep.timeout_s, "device": sweep.device, "backend": sweep.backend, "jobs": sweep.jobs,
+        "tier": sweep.tier, "settings": sweep.settings, "twice": sweep.twice,
+        "atol": pipeline.tolerance.atol, "rtol": pipeline.tolerance.rtol, "oracle": pipeline.oracle,
+        "minimise_budget": pipeline.minimise_budget_s,
+        "executor": executor.kind, "address": executor.address, "cpus_per_rank": executor.cpus_per_rank,
+        "steps": run.steps, "lr": run.lr, "batch_size": run.batch_size,
+    }
+    assert pipeline.timeout_s == sweep.timeout_s and pipeline.device == sweep.device
+    # an option of the same name that means something else: bisect's timeout is a whole reproducer's on one release
+    from difftest.releases.bisect import REPRODUCER_TIMEOUT_S
+
+    own = {("bisect", "timeout"): REPRODUCER_TIMEOUT_S}
+    checked = 0
+    for name, command in typer.main.get_command(app).commands.items():
+        for sub in getattr(command, "commands", {name: command}).values():
+            for param in sub.params:
+                if param.name in expected and param.param_type_name == "option":
+                    # None: the run folder's own value, which the command says (generate on an existing run)
+                    keeps_the_runs = param.default is None and "the run's own" in (param.help or "")
+                    wanted = own.get((name, param.name), expected[param.name])
+                    assert param.default == wanted or keeps_the_runs, (name, param.name, param.default)
+                    checked += 1
+    assert checked >= 40

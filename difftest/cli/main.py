@@ -15,10 +15,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from difftest.contracts.errors import UserError
+from difftest.contracts.spec import RunConfig
 from difftest.contracts.status import NOT_OK, Status
 from difftest.contracts.tolerance import Tolerance
 from difftest.pipeline import PipelineEvents, PipelineOptions, run_pipeline
+from difftest.releases.bisect import REPRODUCER_TIMEOUT_S
 from difftest.reporting.progress import SweepProgress
+from difftest.runner.executor import ExecutorConfig, SweepOptions
 from difftest.storage import integrity
 from difftest.storage.paths import absolute, shown
 
@@ -26,7 +29,7 @@ if TYPE_CHECKING:
     from difftest.findings.minimise import Minimisation
     from difftest.findings.triage import Finding
     from difftest.judging.analysis import Analysis
-    from difftest.runner.executor import Case, ExecutorConfig
+    from difftest.runner.executor import Case
     from difftest.scripts.write import Emitted
     from difftest.storage.store import CaseRecord
 
@@ -77,9 +80,9 @@ JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Worker group
 ExecutorOpt = Annotated[str, typer.Option("--executor", help="local: worker groups on this machine; ray: gangs on a Ray cluster (the \\[ray] extra; see --address).")]
 AddressOpt = Annotated[str | None, typer.Option("--address", help="With --executor ray: the cluster to run on ('auto' or HOST:PORT of its head, as `ray start --head` prints); without it, Ray starts on this machine alone.")]
 CpusPerRankOpt = Annotated[float, typer.Option("--cpus-per-rank", min=0.01, help="With --executor ray: CPUs each rank's bundle reserves on its node.")]
-# every option's one default: the pipeline's options object (a command's option declares its own only where no
-# options object has it)
-DEFAULTS = PipelineOptions()
+# every option's one default: the options objects the commands fill (a command declares its own only where none
+# has it; tests/test_units.py checks every command against them)
+DEFAULTS, SWEEP, EXECUTOR, RUN = PipelineOptions(), SweepOptions(), ExecutorConfig(), RunConfig()
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds a case may take before its group is killed and it is recorded as timeout.")]
 PluginOpt = Annotated[list[str] | None, typer.Option("--plugin", help="Extra module registering settings/generators (repeatable); workers import it too.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl, one GPU per rank).")]
@@ -200,7 +203,6 @@ def _tell_repaired(path: Path) -> None:
 
 
 def _executor(executor: str, address: str | None, cpus_per_rank: float) -> ExecutorConfig:
-    from difftest.runner.executor import ExecutorConfig
 
     config = ExecutorConfig(kind=executor, address=address, cpus_per_rank=cpus_per_rank)  # checks the combination
     if executor == "ray":
@@ -240,7 +242,6 @@ def _check_jobs(jobs: int | None, executor: object = None) -> None:
 def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int | None, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: str | None = None, executor: ExecutorConfig | None = None, backend: str | None = None, judging: PipelineOptions | None = None) -> None:
     from difftest.contracts.registry import load_plugins
     from difftest.contracts.spec import RunConfig
-    from difftest.runner.executor import ExecutorConfig, SweepOptions
     from difftest.runner.sweep import plan_cases, run_sweep
 
     load_plugins(RunConfig.load(out / "run.json").plugins + plugins)
@@ -427,17 +428,17 @@ def run(
     settings: SettingsOpt = None,
     tier: TierOpt = None,
     jobs: JobsOpt = None,
-    executor: ExecutorOpt = "local",
+    executor: ExecutorOpt = EXECUTOR.kind,
     address: AddressOpt = None,
-    cpus_per_rank: CpusPerRankOpt = 1.0,
+    cpus_per_rank: CpusPerRankOpt = EXECUTOR.cpus_per_rank,
     timeout: TimeoutOpt = DEFAULTS.timeout_s,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per case.")] = 1,
-    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.1,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=12, help="Global batch (a multiple of 12).")] = 24,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per case.")] = RUN.steps,
+    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = RUN.lr,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=12, help="Global batch (a multiple of 12).")] = RUN.batch_size,
     atol: AtolOpt = DEFAULTS.tolerance.atol,
     rtol: RtolOpt = DEFAULTS.tolerance.rtol,
     oracle: OracleOpt = DEFAULTS.oracle,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = SWEEP.device,
     backend: BackendOpt = None,
     plugin: PluginOpt = None,
     fail_on_inconsistency: FailOpt = False,
@@ -480,9 +481,9 @@ def generate(
     models_of: Annotated[str | None, typer.Option("--models-of", help="Comma-separated kind=N: models of those kinds, instead of --models.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Generation seed (default 0).")] = None,
     kind: Annotated[str | None, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a kind a --plugin registers, or 'all' (the default: every kind this machine can build).")] = None,
-    steps: Annotated[int | None, typer.Option("--steps", min=1, help="Training steps per case (default 1).")] = None,
-    lr: Annotated[float | None, typer.Option("--lr", help="SGD learning rate (default 0.1).")] = None,
-    batch_size: Annotated[int | None, typer.Option("--batch-size", min=12, help="Global batch, a multiple of 12 (default 24).")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", min=1, help=f"Training steps per case (default: the run's own, else {RUN.steps}).")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help=f"SGD learning rate (default: the run's own, else {RUN.lr}).")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", min=12, help=f"Global batch, a multiple of 12 (default: the run's own, else {RUN.batch_size}).")] = None,
     plugin: PluginOpt = None,
 ) -> None:
     """Generate model specs, initial weights and inputs, reproducible from (seed, index), and record each file's
@@ -512,11 +513,11 @@ def sweep(
     tier: TierOpt = None,
     models_filter: ModelsFilterOpt = None,
     jobs: JobsOpt = None,
-    executor: ExecutorOpt = "local",
+    executor: ExecutorOpt = EXECUTOR.kind,
     address: AddressOpt = None,
-    cpus_per_rank: CpusPerRankOpt = 1.0,
+    cpus_per_rank: CpusPerRankOpt = EXECUTOR.cpus_per_rank,
     timeout: TimeoutOpt = DEFAULTS.timeout_s,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = SWEEP.device,
     backend: BackendOpt = None,
     plugin: PluginOpt = None,
     twice: Annotated[bool, typer.Option("--twice", help="Also run every selected setting a second time (rerun/<name>), judged bitwise against the first: differences are `nondeterministic`.")] = False,
@@ -547,12 +548,12 @@ def quant(
     atol: AtolOpt = DEFAULTS.tolerance.atol,
     rtol: RtolOpt = DEFAULTS.tolerance.rtol,
     oracle: OracleOpt = DEFAULTS.oracle,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = SWEEP.device,
     backend: BackendOpt = None,
     plugin: PluginOpt = None,
-    executor: ExecutorOpt = "local",
+    executor: ExecutorOpt = EXECUTOR.kind,
     address: AddressOpt = None,
-    cpus_per_rank: CpusPerRankOpt = 1.0,
+    cpus_per_rank: CpusPerRankOpt = EXECUTOR.cpus_per_rank,
     fail_on_inconsistency: FailOpt = False,
     minimise_budget: MinimiseOpt = DEFAULTS.minimise_budget_s,
 ) -> None:
@@ -587,7 +588,7 @@ def analyze(
     baseline: BaselineOpt = None,
     minimise_budget: MinimiseOpt = DEFAULTS.minimise_budget_s,
     timeout: TimeoutOpt = DEFAULTS.timeout_s,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = SWEEP.device,
     new_only: Annotated[bool, typer.Option("--new-only", help="List only the findings no entry of difftest/findings/known_issues.toml explains (all are still written).")] = False,
 ) -> None:
     """Judge stored outputs against their references (inconsistencies.csv, comparisons.csv), group what is not ok
@@ -620,7 +621,7 @@ def repro(
     model: Annotated[str, typer.Argument(help="A finding's id (e.g. Fbe4d0053): its minimal case; or a model id, e.g. dlrm-s0-i0, with a SETTING.")],
     setting: Annotated[str | None, typer.Argument(help="Setting name, e.g. torchrec/ebc/grid_shard/ws2 (with a model id).")] = None,
     timeout: TimeoutOpt = DEFAULTS.timeout_s,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = SWEEP.device,
     plugin: PluginOpt = None,
 ) -> None:
     """Rerun one case alone (with what it is judged against): a finding's minimal case (`repro RUN FINDING`), or a
@@ -666,7 +667,7 @@ def bisect(
     finding: Annotated[str, typer.Argument(help="A finding's id, as findings.csv lists it (e.g. Fbe4d0053).")],
     torch: Annotated[str, typer.Option("--torch", help="Releases to try, oldest first: a range 2.6.0..2.14.1 (every supported release between), a list 2.8,2.10, or paths to a python with its own torch (a local build, a nightly).")],
     cache: Annotated[Path | None, typer.Option("--cache", help="Where each release's environment is made once and kept (default: $DIFFTEST_STACKS, else ~/.cache/difftest/stacks).")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds the finding's reproducer may take on one release.")] = 600.0,
+    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds the finding's reproducer may take on one release.")] = REPRODUCER_TIMEOUT_S,
     standalone: Annotated[bool, typer.Option("--standalone", help="Run the finding's standalone.py instead of its repro.py: it needs no difftest, so a python given by path needs only torch and the finding's libraries.")] = False,
 ) -> None:
     """Re-run a finding's minimal case on each torch release (with the fbgemm-gpu and torchrec made for it): which
@@ -733,9 +734,9 @@ def campaign(
     timeout: TimeoutOpt = DEFAULTS.timeout_s,
     sampling: Annotated[str, typer.Option("--sampling", help="How each round picks the (setting family × model kind) cells it runs: guided (toward cells that gave new causes or near misses, 30% of the chance spread over all) or uniform.")] = "guided",
     families_per_round: Annotated[int, typer.Option("--families-per-round", min=1, help="Setting families a round runs (on one model kind).")] = 4,
-    executor: ExecutorOpt = "local",
+    executor: ExecutorOpt = EXECUTOR.kind,
     address: AddressOpt = None,
-    cpus_per_rank: CpusPerRankOpt = 1.0,
+    cpus_per_rank: CpusPerRankOpt = EXECUTOR.cpus_per_rank,
     report: Annotated[bool, typer.Option("--report", help="Print the causes the campaign has seen (first seen, how often, upstream) and stop.")] = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Start anew in FOLDER: an existing campaign there (another stack's, or damaged) is moved to FOLDER.old-<time>, kept.")] = False,
     max_disk: Annotated[float, typer.Option("--max-disk", min=0, help="Disk budget of the campaign folder in GB, checked before each round (the ok cases' outputs of counted rounds are deleted anyway).")] = 5.0,

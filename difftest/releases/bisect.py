@@ -90,6 +90,10 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+# seconds a finding's reproducer may take on one release (it builds its own ranks; on an old release, first imports)
+REPRODUCER_TIMEOUT_S = 600.0
+
+
 def probe(python: Path, script: Path, timeout_s: float, standalone: bool = False) -> tuple[str, Outcome, str]:
     """(stack, outcome, one line of detail) of the finding's script (`repro.py`, or `standalone.py`) run by `python`."""
     asked = subprocess.run([str(python), "-c", _STACK_PROBE], capture_output=True, text=True, timeout=120)
@@ -131,7 +135,7 @@ def _standalone_outcome(code: int, printed: list[str], stderr: str) -> tuple[Out
     return Outcome.COULD_NOT_RUN, f"exit {code}: {last if code == 2 and last else _last_line(stderr) or last}"[:400]
 
 
-def bisect(run_dir: Path, finding: str, spec: str, cache: Path | None = None, timeout_s: float = 600.0,
+def bisect(run_dir: Path, finding: str, spec: str, cache: Path | None = None, timeout_s: float = REPRODUCER_TIMEOUT_S,
            log: Callable[[str], None] = lambda _: None, on_step: Callable[[Step], None] = lambda _: None,
            standalone: bool = False) -> list[Step]:
     from difftest.storage.integrity import check_models

@@ -35,15 +35,8 @@ from difftest import (
     traits_of,
 )
 from settings import _error_bounds as bounds
-from settings.torchrec_sharding import (
-    _column_shards,
-    _pooled,
-    collection_tables,
-    embedding_collections,
-    embedding_script_data,
-    standalone_features,
-    standalone_tables,
-)
+from settings._torchrec_plan import _column_shards, collection_tables, embedding_collections
+from settings._torchrec_script import _pooled, embedding_script_data, standalone_features, standalone_tables
 
 # name -> (torch dtype attribute, bits of a row-wise integer scheme or 0 for a float type)
 WEIGHT_TYPES = {"int8": ("qint8", 8), "int4": ("quint4x2", 4), "int2": ("quint2x4", 2), "fp16": ("float16", 0), "bf16": ("bfloat16", 0)}

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest import Outputs, RunContext, Setting, record_training, register_settings, to_numpy, traits_of
+from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, gather_whole
 from settings._training import build_for_training, canonical_parameters, sgd_step
-from settings.torchrec_sharding import SHARDING_TYPES, TorchRecSharding, embedding_collections, gather_whole
+from settings.torchrec_sharding import TorchRecSharding
 
 
 @dataclass(frozen=True)

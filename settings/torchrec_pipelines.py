@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest import RunContext, Unsupported, register_settings
-from settings.torchrec_sharding import TorchRecSharding, gather_whole
+from settings._torchrec_plan import gather_whole
+from settings.torchrec_sharding import TorchRecSharding
 
 # the setting's name for each pipeline class of torchrec.distributed.train_pipeline
 PIPELINES = {"base": "TrainPipelineBase", "sparse-dist": "TrainPipelineSparseDist",

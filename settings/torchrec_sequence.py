@@ -33,10 +33,8 @@ from difftest import (
     to_numpy,
     traits_of,
 )
-from settings._training import build_for_training
-from settings.torchrec_sharding import (
+from settings._torchrec_plan import (
     SHARDING_TYPES,
-    TorchRecSharding,
     _generator,
     _load_full_state,
     _local_pieces,
@@ -48,6 +46,8 @@ from settings.torchrec_sharding import (
     table_configs,
     table_kinds,
 )
+from settings._training import build_for_training
+from settings.torchrec_sharding import TorchRecSharding
 
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "data_parallel")
 DEDUP = {"all-ids": False, "dedup": True}  # (names sort so that the default tier takes every id)

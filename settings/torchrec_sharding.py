@@ -8,13 +8,10 @@ use TorchRec's fused in-backward SGD; both follow the global-mean loss like the 
 from __future__ import annotations
 
 import itertools
-import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
-
-import numpy as np
 
 from difftest import (
     EVAL_BEFORE,
@@ -26,25 +23,36 @@ from difftest import (
     StandaloneCase,
     Unsupported,
     across,
-    gather_to_rank0,
     record_training,
     refuse_changed_hooks,
     register_settings,
     register_world_reset,
-    to_numpy,
     traits_of,
 )
-from settings._training import assemble
-
-SHARDING_TYPES = (
-    "table_wise",
-    "row_wise",
-    "column_wise",
-    "table_row_wise",
-    "table_column_wise",
-    "data_parallel",
-    "grid_shard",
+from settings._torchrec_plan import (
+    SHARDING_TYPES,
+    _full_state,
+    _generator,
+    _load_full_state,
+    _local_pieces,
+    _plan_helpers,
+    _plan_summary,
+    collection_tables,
+    embedding_collections,
+    plan_tables,
+    sharding_plan,
+    table_configs,
+    table_kinds,
 )
+from settings._torchrec_script import (
+    _pooled,
+    embedding_script_data,
+    on_rank,
+    single_process,
+    standalone_features,
+    standalone_tables,
+)
+
 WORLD_SIZES = (2, 3, 4)
 
 
@@ -245,315 +253,6 @@ class TorchRecSharding(Setting):
                        single_process, on_rank),
             tensors={name: recorded for recorded, name in pooled.items()},
             data=data, world_size=self.world_size)
-
-
-def embedding_script_data(case: StandaloneCase, tables: list[Any]) -> tuple[dict[str, np.ndarray], list[dict]]:
-    """What a script of embedding collections ships: the tables' initial weights and the eval batch's bags (its data
-    file), and each table as a literal (its `CASE["tables"]`)."""
-    data = {f"state.{t.state_key}": case.init_state[t.state_key] for t in tables}
-    for feature, bags in case.inputs["eval"].sparse.items():
-        data |= {f"eval.{feature}.lengths": bags.lengths, f"eval.{feature}.values": bags.values}
-        if bags.weights is not None:
-            data[f"eval.{feature}.weights"] = bags.weights
-    return data, [{"collection": t.collection, "name": t.name, "num_embeddings": t.num_embeddings,
-                   "embedding_dim": t.embedding_dim, "pooling": t.pooling, "features": list(t.features),
-                   "weighted": t.weighted, "outputs": list(t.outputs)} for t in tables]
-
-
-def _plan_helpers(sharding: str, tables: list[Any], plan_seed: int, world_size: int) -> tuple[Callable, ...]:
-    """The helpers `_generator` calls for the sharding types this plan uses (a script leaves the others out)."""
-    helpers: dict[str, tuple[Callable, ...]] = {
-        "planner": (_planner_plan,), "column_wise": (_column_shards,),
-        "table_column_wise": (_column_shards, _table_column_wise), "grid_shard": (_column_shards, _grid_shard)}
-    kinds = sorted(set(table_kinds(sharding, plan_seed, world_size, len(tables))))
-    return tuple(dict.fromkeys(h for kind in kinds for h in helpers.get(kind, ())))
-
-
-def table_kinds(sharding: str, plan_seed: int, world_size: int, count: int) -> list[str]:
-    """The sharding type of each of `count` tables, in plan order: `sharding`, or for "mixed" a seeded random one."""
-    rng = random.Random(plan_seed * 1009 + world_size)
-    return [rng.choice(SHARDING_TYPES) if sharding == "mixed" else sharding for _ in range(count)]
-
-
-def sharding_plan(module: Any, sharder: Any, sharding: str, plan_seed: int, world_size: int, local_size: int,
-                  device: str, group: Any) -> Any:
-    """Every table of every collection sharded `sharding` ("mixed": a seeded random type per table), or the plan
-    TorchRec's planner chooses ("planner"). Built explicitly, because the CPU planner refuses the row-wise family."""
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
-    from torchrec.distributed.types import ShardingPlan
-
-    if sharding == "planner":
-        return _planner_plan(module, sharder, world_size, local_size, device, group)
-    collections = embedding_collections(module)
-    count = sum(len(collection_tables(c)) for c in collections.values())
-    kinds = iter(table_kinds(sharding, plan_seed, world_size, count))
-    per_collection: dict[str, Any] = {}
-    for path, collection in collections.items():
-        generators = {}
-        for position, table in enumerate(collection_tables(collection)):
-            generators[table["name"]] = _generator(next(kinds), position, table, world_size, local_size)
-        per_collection[path] = construct_module_sharding_plan(
-            collection, generators, sharder=sharder, local_size=local_size, world_size=world_size,
-            device_type=device.split(":")[0])
-    return ShardingPlan(per_collection)
-
-
-def embedding_collections(module: Any) -> dict[str, Any]:
-    """Qualified name → EmbeddingBagCollection (or EmbeddingCollection) of every collection in an unsharded model, in
-    module order (where a sharding plan names them: the `dlrm` kind's `sparse`, TorchRec DLRM's
-    `sparse_arch.embedding_bag_collection`)."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
-    return {name: m for name, m in module.named_modules() if isinstance(m, EmbeddingBagCollection | EmbeddingCollection)}
-
-
-def table_configs(collection: Any) -> list[Any]:
-    """A collection's table configs: a bag collection's or a sequence collection's."""
-    configs = getattr(collection, "embedding_bag_configs", None) or collection.embedding_configs
-    return list(configs())
-
-
-def collection_tables(collection: Any) -> list[dict[str, Any]]:
-    """The tables of a collection, in its order, as the plan generators read them (name, embedding dim)."""
-    return [{"name": c.name, "embedding_dim": c.embedding_dim, "num_embeddings": c.num_embeddings}
-            for c in table_configs(collection)]
-
-
-def _planner_plan(module: Any, sharder: Any, world_size: int, local_size: int, device: str, group: Any) -> Any:
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-
-    topology = Topology(world_size=world_size, compute_device=device.split(":")[0], local_world_size=local_size)
-    return EmbeddingShardingPlanner(topology=topology).collective_plan(module, [sharder], group)
-
-
-def _column_shards(dim: int, world_size: int) -> int:
-    """Most column shards (≤ world size) that split `dim` into equal multiples of 4 (TBE's row alignment)."""
-    for count in range(world_size, 1, -1):
-        if dim % count == 0 and (dim // count) % 4 == 0:
-            return count
-    return 1
-
-
-def _generator(kind: str, position: int, table: dict, world_size: int, local_size: int) -> Callable:
-    from torchrec.distributed import sharding_plan as sp
-
-    hosts = world_size // local_size
-    if kind == "table_wise":
-        return sp.table_wise(rank=position % world_size)
-    if kind == "row_wise":
-        return sp.row_wise()
-    if kind == "column_wise":
-        count = _column_shards(table["embedding_dim"], world_size)
-        return sp.column_wise(ranks=[(position + j) % world_size for j in range(count)])
-    if kind == "table_row_wise":
-        return sp.table_row_wise(host_index=position % hosts)
-    if kind == "table_column_wise":
-        return _table_column_wise(position, table, world_size, local_size)
-    if kind == "data_parallel":
-        return sp.data_parallel()
-    if kind == "grid_shard":
-        return _grid_shard(table, world_size, local_size)
-    raise ValueError(f"unknown sharding type {kind!r}")
-
-
-def _table_column_wise(position: int, table: dict, world_size: int, local_size: int) -> Callable:
-    """Column shards of a table placed on ranks of one host (TorchRec 1.9 ships no helper for this type)."""
-    from torchrec.distributed import sharding_plan as sp
-    from torchrec.distributed.types import ShardingType
-
-    host = position % (world_size // local_size)
-    count = _column_shards(table["embedding_dim"], local_size)
-    ranks = [host * local_size + (position + j) % local_size for j in range(count)]
-
-    def generator(param: Any, local: int, world: int, device_type: str, sharder: Any) -> Any:
-        width = param.shape[1] // count
-        placements = [([param.shape[0], width], [0, j * width], rank) for j, rank in enumerate(ranks)]
-        return sp._get_parameter_sharding(
-            param, ShardingType.TABLE_COLUMN_WISE.value, placements, local, device_type, sharder
-        )
-
-    return generator
-
-
-def _grid_shard(table: dict, world_size: int, local_size: int) -> Callable:
-    """One column block per host, rows split over the host's ranks.
-
-    TorchRec's `grid_shard` helper takes no column block size and makes a single block for tables narrower
-    than its minimum, so with two hosts it fails with IndexError; we pass the block size it computes with.
-    """
-    from torchrec.distributed import sharding_plan as sp
-    from torchrec.distributed.types import ShardingType
-
-    hosts = _column_shards(table["embedding_dim"], world_size // local_size)
-
-    def generator(param: Any, local: int, world: int, device_type: str, sharder: Any) -> Any:
-        blocks = sp._get_parameter_size_offsets(
-            param, ShardingType.GRID_SHARD, local, world, col_wise_shard_dim=param.shape[1] // hosts
-        )
-        placements = [(size, offset, i) for i, (size, offset) in enumerate(blocks)]  # block-major: host h = ranks h*local..
-        return sp._get_parameter_sharding(
-            param, ShardingType.GRID_SHARD.value, placements, local, device_type, sharder
-        )
-
-    return generator
-
-
-def _plan_summary(plan: Any, features: dict[str, list[str]]) -> str:
-    """Which sharding type and ranks each table (with its features) got, e.g. 't0(tf0)=grid_shard@[0,1]
-    w0(wf0)=table_wise@[1]': what `TorchRecSharding.attribute` reads back."""
-    parts = []
-    for module_plan in plan.plan.values():
-        for table, sharding in module_plan.items():
-            ranks = ",".join(str(r) for r in sharding.ranks or [])
-            parts.append(f"{table}({','.join(features.get(table, []))})={sharding.sharding_type}@[{ranks}]")
-    return " ".join(sorted(parts))
-
-
-_PLAN_ENTRY = re.compile(r"(?P<table>[^\s(=]+)\((?P<features>[^)]*)\)=(?P<sharding>\w+)@")
-
-
-def plan_tables(notes: str) -> dict[str, tuple[str, list[str]]]:
-    """Table → (sharding type, features) from a case's recorded plan (`_plan_summary`); {} where none is recorded."""
-    return {m["table"]: (m["sharding"], [f for f in m["features"].split(",") if f])
-            for m in _PLAN_ENTRY.finditer(notes)}
-
-
-# --- state in and out of a sharded model ------------------------------------------------------------
-def _local_pieces(value: Any) -> list[tuple[tuple[int, ...], Any]] | None:
-    """(offsets, local tensor) of a sharded value, or None for a replicated plain tensor."""
-    if hasattr(value, "local_shards"):
-        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()  # type: ignore[assignment]
-    if isinstance(value, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return [(tuple(offsets), value.to_local())]
-    return None
-
-
-def _load_full_state(dmp: Any, state: dict) -> None:
-    """Copy every rank's share of the initial weights into the model (TorchRec initialises shards afresh)."""
-    import torch
-
-    with torch.no_grad():
-        for name, value in dmp.state_dict().items():
-            full = torch.from_numpy(state[name])
-            pieces = _local_pieces(value)
-            if pieces is None:
-                value.copy_(full)
-                continue
-            for offsets, local in pieces:
-                index = tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))
-                local.copy_(full[index])
-
-
-def _full_state(ctx: RunContext, dmp: Any) -> dict | None:
-    """Every parameter, unsharded, on rank 0 (replicated tensors: rank 0's copy)."""
-    return gather_whole(ctx, dmp.state_dict())
-
-
-def gather_whole(ctx: RunContext, values: dict[str, Any]) -> dict | None:
-    """Each of `values` (sharded, a DTensor, or replicated) whole, on rank 0 (replicated: the copy of the first rank
-    holding it); collective. A name may be held by some ranks only (a fused optimizer's state of a table-wise table
-    lives where the table does)."""
-    mine = {}
-    for name, value in values.items():
-        pieces = _local_pieces(value)
-        whole = pieces is None
-        mine[name] = (tuple(value.shape), whole, [((0,) * value.dim(), to_numpy(value))] if whole else
-                      [(offsets, to_numpy(tensor)) for offsets, tensor in pieces])
-    gathered = gather_to_rank0(ctx, mine)
-    if gathered is None:
-        return None
-    full = {}
-    for name in dict.fromkeys(n for rank_values in gathered for n in rank_values):
-        held = [rank_values[name] for rank_values in gathered if name in rank_values]
-        shape, whole, _ = held[0]
-        full[name] = held[0][2][0][1] if whole else assemble(shape, [p for _, _, pieces in held for p in pieces], name)
-    return full
-
-
-# --- what a standalone script runs (plain torch/torchrec: copied into the script as they are) ------------------------
-def standalone_tables(case: dict[str, Any]) -> Any:
-    """The model's embedding collections alone, each under the name the model gives it."""
-    import torch
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    class Tables(torch.nn.Module):
-        def forward(self, features: dict[str, Any]) -> dict[str, torch.Tensor]:
-            return {k: v for path, kjt in features.items() for k, v in self.get_submodule(path)(kjt).to_dict().items()}
-
-    module = Tables()
-    for path in dict.fromkeys(t["collection"] for t in case["tables"]):
-        mine = [t for t in case["tables"] if t["collection"] == path]
-        configs = [EmbeddingBagConfig(name=t["name"], num_embeddings=t["num_embeddings"], embedding_dim=t["embedding_dim"],
-                                      feature_names=list(t["features"]), pooling=PoolingType[t["pooling"]]) for t in mine]
-        module.add_module(path, EmbeddingBagCollection(tables=configs, is_weighted=mine[0]["weighted"],
-                                                       device=torch.device(case["device"])))
-    return module
-
-
-def standalone_features(data: dict[str, Any], case: dict[str, Any], start: int, stop: int, dtype: Any) -> dict:
-    """Samples start..stop of the evaluation batch: one KeyedJaggedTensor per collection, keyed in table order."""
-    import torch
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    features = {}
-    for path in dict.fromkeys(t["collection"] for t in case["tables"]):
-        keys, values, lengths, weights = [], [], [], []
-        for f in [f for t in case["tables"] if t["collection"] == path for f in t["features"]]:
-            bags = data[f"eval.{f}.lengths"]
-            lo, hi = np.concatenate([[0], np.cumsum(bags)])[[start, stop]]
-            keys.append(f)
-            lengths.append(bags[start:stop])
-            values.append(data[f"eval.{f}.values"][lo:hi])
-            if f"eval.{f}.weights" in data:
-                weights.append(data[f"eval.{f}.weights"][lo:hi])
-        features[path] = KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.from_numpy(np.concatenate(lengths)),
-            weights=torch.from_numpy(np.concatenate(weights)).to(dtype) if weights else None)
-    return features
-
-
-def _pooled(pooled: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {name: pooled[f].detach().cpu().numpy() for t in case["tables"] for f, name in zip(t["features"], t["outputs"])}
-
-
-def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
-    """The reference: the unsharded collections on the whole batch, in `dtype`."""
-    import torch
-
-    tables = standalone_tables(case)
-    tables.load_state_dict({k[len("state."):]: torch.from_numpy(v) for k, v in data.items() if k.startswith("state.")})
-    with torch.no_grad():
-        return _pooled(tables.to(dtype)(standalone_features(data, case, 0, case["batch"], dtype)), case)
-
-
-def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """The setting: DistributedModelParallel over the collections; each rank pools its share of the batch."""
-    import torch
-    import torch.distributed as dist
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.types import ShardingEnv
-
-    module, sharder = standalone_tables(case), EmbeddingBagCollectionSharder()
-    plan = sharding_plan(module, sharder, case["sharding"], case["plan_seed"], world_size, case["local_world_size"],
-                         case["device"], dist.group.WORLD)
-    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
-                                   sharders=[sharder], device=torch.device(case["device"]))
-    _load_full_state(dmp, {k[len("state."):]: v for k, v in data.items() if k.startswith("state.")})
-    share = case["batch"] // world_size
-    with torch.no_grad():
-        mine = _pooled(dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32)), case)
-    shares = [None] * world_size if rank == 0 else None
-    dist.gather_object(mine, shares, dst=0)
-    return {name: np.concatenate([s[name] for s in shares]) for name in mine} if shares else None
 
 
 register_settings(

@@ -13,11 +13,12 @@ from typing import Any, ClassVar
 
 from difftest.contracts.registry import register_settings
 from difftest.contracts.setting import Outputs, RunContext, Setting
+from settings._torchrec_plan import _local_pieces
 from settings.conversion import Conversion
 from settings.quant_tensorflow import TensorFlowQuantization
 from settings.quant_torchrec import QuantizedEmbeddings
 from settings.tensorflow import TensorFlowStrategy
-from settings.torchrec_sharding import TorchRecSharding, _local_pieces
+from settings.torchrec_sharding import TorchRecSharding
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,103 @@
+"""A TorchRec sharding finding's standalone script: the embedding collections alone, sharded by
+DistributedModelParallel on the script's ranks and unsharded in one process (copied into the script as they are)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from difftest import StandaloneCase
+from settings._torchrec_plan import _load_full_state, sharding_plan
+
+
+def embedding_script_data(case: StandaloneCase, tables: list[Any]) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """What a script of embedding collections ships: the tables' initial weights and the eval batch's bags (its data
+    file), and each table as a literal (its `CASE["tables"]`)."""
+    data = {f"state.{t.state_key}": case.init_state[t.state_key] for t in tables}
+    for feature, bags in case.inputs["eval"].sparse.items():
+        data |= {f"eval.{feature}.lengths": bags.lengths, f"eval.{feature}.values": bags.values}
+        if bags.weights is not None:
+            data[f"eval.{feature}.weights"] = bags.weights
+    return data, [{"collection": t.collection, "name": t.name, "num_embeddings": t.num_embeddings,
+                   "embedding_dim": t.embedding_dim, "pooling": t.pooling, "features": list(t.features),
+                   "weighted": t.weighted, "outputs": list(t.outputs)} for t in tables]
+
+
+# --- what a standalone script runs (plain torch/torchrec: copied into the script as they are) ------------------------
+def standalone_tables(case: dict[str, Any]) -> Any:
+    """The model's embedding collections alone, each under the name the model gives it."""
+    import torch
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    class Tables(torch.nn.Module):
+        def forward(self, features: dict[str, Any]) -> dict[str, torch.Tensor]:
+            return {k: v for path, kjt in features.items() for k, v in self.get_submodule(path)(kjt).to_dict().items()}
+
+    module = Tables()
+    for path in dict.fromkeys(t["collection"] for t in case["tables"]):
+        mine = [t for t in case["tables"] if t["collection"] == path]
+        configs = [EmbeddingBagConfig(name=t["name"], num_embeddings=t["num_embeddings"], embedding_dim=t["embedding_dim"],
+                                      feature_names=list(t["features"]), pooling=PoolingType[t["pooling"]]) for t in mine]
+        module.add_module(path, EmbeddingBagCollection(tables=configs, is_weighted=mine[0]["weighted"],
+                                                       device=torch.device(case["device"])))
+    return module
+
+
+def standalone_features(data: dict[str, Any], case: dict[str, Any], start: int, stop: int, dtype: Any) -> dict:
+    """Samples start..stop of the evaluation batch: one KeyedJaggedTensor per collection, keyed in table order."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    features = {}
+    for path in dict.fromkeys(t["collection"] for t in case["tables"]):
+        keys, values, lengths, weights = [], [], [], []
+        for f in [f for t in case["tables"] if t["collection"] == path for f in t["features"]]:
+            bags = data[f"eval.{f}.lengths"]
+            lo, hi = np.concatenate([[0], np.cumsum(bags)])[[start, stop]]
+            keys.append(f)
+            lengths.append(bags[start:stop])
+            values.append(data[f"eval.{f}.values"][lo:hi])
+            if f"eval.{f}.weights" in data:
+                weights.append(data[f"eval.{f}.weights"][lo:hi])
+        features[path] = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.from_numpy(np.concatenate(lengths)),
+            weights=torch.from_numpy(np.concatenate(weights)).to(dtype) if weights else None)
+    return features
+
+
+def _pooled(pooled: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {name: pooled[f].detach().cpu().numpy() for t in case["tables"] for f, name in zip(t["features"], t["outputs"])}
+
+
+def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
+    """The reference: the unsharded collections on the whole batch, in `dtype`."""
+    import torch
+
+    tables = standalone_tables(case)
+    tables.load_state_dict({k[len("state."):]: torch.from_numpy(v) for k, v in data.items() if k.startswith("state.")})
+    with torch.no_grad():
+        return _pooled(tables.to(dtype)(standalone_features(data, case, 0, case["batch"], dtype)), case)
+
+
+def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The setting: DistributedModelParallel over the collections; each rank pools its share of the batch."""
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingEnv
+
+    module, sharder = standalone_tables(case), EmbeddingBagCollectionSharder()
+    plan = sharding_plan(module, sharder, case["sharding"], case["plan_seed"], world_size, case["local_world_size"],
+                         case["device"], dist.group.WORLD)
+    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                   sharders=[sharder], device=torch.device(case["device"]))
+    _load_full_state(dmp, {k[len("state."):]: v for k, v in data.items() if k.startswith("state.")})
+    share = case["batch"] // world_size
+    with torch.no_grad():
+        mine = _pooled(dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32)), case)
+    shares = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, shares, dst=0)
+    return {name: np.concatenate([s[name] for s in shares]) for name in mine} if shares else None

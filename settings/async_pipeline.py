@@ -39,7 +39,8 @@ from difftest import (
     variant_of,
 )
 from generators.inputs import Batch
-from settings.pipeline import _microbatches, balanced_split, chain_examples
+from settings._pipeline_stages import _microbatches, chain_examples
+from settings.pipeline import balanced_split
 
 MODES = ("stash", "vertical-sync", "flush")
 

@@ -37,7 +37,8 @@ from difftest import (
 )
 from generators.inputs import Batch
 from settings._compat import PipelineSchedule
-from settings.pipeline import SCHEDULES, Accumulation, balanced_split, chain_examples, pipeline_script
+from settings._pipeline_stages import chain_examples, pipeline_script
+from settings.pipeline import SCHEDULES, Accumulation, balanced_split
 
 if TYPE_CHECKING:
     from difftest import Script, StandaloneCase

@@ -23,16 +23,11 @@ from difftest import (
     register_world_reset,
 )
 from settings._compat import fully_shard_for
+from settings._tp_apply import parallel_style, stepping, whole_outputs_and_gradients
+from settings._tp_plan import _describe, own_plan
 from settings._training import build_for_training, full_parameters, parameter_holders
 from settings.fsdp import make_contiguous
-from settings.tensor_parallel import (
-    TensorParallel,
-    _describe,
-    own_plan,
-    parallel_style,
-    stepping,
-    whole_outputs_and_gradients,
-)
+from settings.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from difftest import Script, StandaloneCase

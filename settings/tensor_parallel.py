@@ -14,12 +14,8 @@ apply it (torchtitan's Llama plan). Loss parallel keeps the logits sharded over 
 computed under `loss_parallel()`; it applies to those plans only (a derived plan has no vocabulary projection).
 """
 
-# ruff: noqa: F821 -- `distribute` and `backward_on_share` call a kind's own `model_tp_plan` and `model_loss`, which a
-# standalone script of its model defines
-
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -34,40 +30,19 @@ from difftest import (
     refuse_changed_hooks,
     register_settings,
 )
+from settings._tp_apply import (
+    backward_on_share,
+    distribute,
+    keep_dtensor_activations,
+    parallel_style,
+    stepping,
+    whole_outputs_and_gradients,
+)
+from settings._tp_plan import _describe, _feeding, _position_dims, linear_pairs, own_plan
 from settings._training import build_for_training, device_mesh, full_parameters, gathered_parameters
 
 if TYPE_CHECKING:
     from difftest import Script, StandaloneCase
-
-# a kind's own plan, which a standalone script of its model defines (declared here so that this module checks on its own)
-model_tp_plan: Callable[..., dict[str, Any]]
-model_loss: Callable[..., Any]
-
-
-def linear_pairs(module: Any) -> list[tuple[str, str]]:
-    """(column-wise, row-wise) qualified names of Linear layers: consecutive linear children of one parent, paired
-    greedily. A child is linear if it is an nn.Linear, or, in a Sequential/ModuleList (whose children run one after
-    the other), holds exactly one nn.Linear and no other parameter (TorchRec's Perceptron: a Linear then its
-    activation), which then stands for that Linear."""
-    import torch
-
-    def linear_of(name: str, child: Any, in_sequence: bool) -> str | None:
-        if type(child) is torch.nn.Linear:
-            return name
-        if not in_sequence:
-            return None
-        inner = [(n, m) for n, m in child.named_modules() if type(m) is torch.nn.Linear]
-        if len(inner) == 1 and sum(1 for _ in child.parameters()) == sum(1 for _ in inner[0][1].parameters()):
-            return f"{name}.{inner[0][0]}"
-        return None
-
-    pairs = []
-    for parent_name, parent in module.named_modules():
-        prefix = f"{parent_name}." if parent_name else ""
-        in_sequence = isinstance(parent, (torch.nn.Sequential, torch.nn.ModuleList))
-        linears = [found for name, child in parent.named_children() if (found := linear_of(name, child, in_sequence))]
-        pairs += [(prefix + linears[i], prefix + linears[i + 1]) for i in range(0, len(linears) - 1, 2)]
-    return pairs
 
 
 @dataclass(frozen=True)
@@ -198,212 +173,6 @@ class TensorParallel(Setting):
                                 distribute, full_parameters, *((backward_on_share,) if self.loss_parallel else ())),
                                {"plan": plan, "data_parallel": 1, "loss_parallel": self.loss_parallel,
                                 "dtensor_activations": self.dtensor_activations, **fields})
-
-
-def own_plan(case: StandaloneCase, model: Any, module: Any, world_size: int, sequence_parallel: bool,
-             loss_parallel: bool) -> tuple[str, dict[str, Any]]:
-    """How a script describes the plan of a kind that ships its own (`model_tp_plan`, copied from the kind's module with
-    its model), and the setting's field `distribute` calls it with; "" and none where the kind has no plan of its own
-    (the script derives it as the setting does)."""
-    if (plan := model.tp_plan(module, world_size, sequence_parallel, loss_parallel)) is None:
-        return "", {}
-    code = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
-    if code is None or "model_tp_plan" not in {f.__name__ for f in code.functions}:
-        raise Unsupported(f"{case.spec.kind} models run their own tensor-parallel plan, and their standalone form has "
-                          "no model_tp_plan")
-    return (f"the model's own plan, model_tp_plan, over {len(plan)} modules",
-            {"own_plan": [world_size, sequence_parallel, loss_parallel]})
-
-
-def parallel_style(spec: dict[str, Any]) -> Any:
-    """ColwiseParallel keeping its output a DTensor, or RowwiseParallel: all-reduced to a replicated plain tensor, or
-    with `shard_dim` (sequence parallel) reduce-scattered onto the positions, kept a DTensor."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if spec["style"] == "colwise":
-        return ColwiseParallel(use_local_output=False)
-    if spec["shard_dim"] is not None:
-        return RowwiseParallel(output_layouts=Shard(spec["shard_dim"]), use_local_output=False)
-    return RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
-
-
-def keep_dtensor_activations(plan: dict[str, Any]) -> dict[str, Any]:
-    """`plan` with every ColwiseParallel's output kept a DTensor (`use_local_output=False`): what runs between a
-    column-wise and a row-wise layer (attention's views, rotary slices and concatenation, head repetition, the
-    attention itself, a gated activation) runs on DTensors under DTensor's sharding rules, uneven shards included,
-    and the row-wise layer takes the DTensor as it is. The remedy pytorch#150336 proposes for uneven widths."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    for style in plan.values():
-        if isinstance(style, ColwiseParallel):
-            style.use_local_output = False
-    return plan
-
-
-def whole_outputs_and_gradients(module: Any, keep_sharded: Any = lambda: False) -> None:
-    """A sharded tensor reaching the model's output is handed back whole (unless `keep_sharded()`: to a loss-parallel
-    loss), and a parameter outside the plan that met a DTensor activation gets its gradient whole, not a replicated
-    DTensor an optimizer cannot add to it."""
-    from torch.distributed.tensor import DTensor
-
-    def whole_gradient(parameter: Any) -> None:
-        if isinstance(parameter.grad, DTensor):
-            parameter.grad = parameter.grad.full_tensor()
-
-    module.register_forward_hook(lambda _m, _a, out: out.full_tensor()
-                                 if isinstance(out, DTensor) and not keep_sharded() else out)
-    for parameter in module.parameters():
-        if parameter.requires_grad and not isinstance(parameter, DTensor):
-            parameter.register_post_accumulate_grad_hook(whole_gradient)
-
-
-def stepping(module: Any) -> Any:
-    """Plain constants in a converted graph meet DTensor activations: replicated implicitly while the model steps."""
-    from torch.distributed.tensor.experimental import implicit_replication
-
-    return implicit_replication()
-
-
-def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
-    """Tensor parallel over `group` with the plan (module name → `parallel_style`'s spec), as the setting applies it."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("tp",))
-    own = model_tp_plan(module, *setting["own_plan"]) if "own_plan" in setting else None
-    if own is not None and setting.get("dtensor_activations"):
-        own = keep_dtensor_activations(own)
-    parallelize_module(module, mesh, own if own is not None else
-                       {name: parallel_style(spec) for name, spec in setting["plan"].items()})
-    # a script only trains: a loss-parallel model hands its loss the logits sharded, as the setting's training does
-    whole_outputs_and_gradients(module, keep_sharded=lambda: setting.get("loss_parallel", False))
-    return module
-
-
-def backward_on_share(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> None:
-    """Loss parallel's gradients of training samples start..stop: the cross-entropy on the vocabulary-sharded logits
-    under `loss_parallel()`, inside `stepping` as every tensor-parallel step."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    with stepping(module), loss_parallel():
-        model_loss(module, data, start, stop, dtype).backward()
-
-
-def _describe(style: Any) -> str:
-    from torch.distributed.tensor.parallel import RowwiseParallel
-
-    if isinstance(style, RowwiseParallel):
-        return f"RowwiseParallel(output {style.output_layouts[0]})"
-    return type(style).__name__
-
-
-def _feeding(model: Any, module: Any, inputs: Any, pairs: list[tuple[str, str]], device: str) -> list[tuple[str, str]]:
-    """The pairs whose row-wise layer reads what is computed from the column-wise layer's output alone, which nothing
-    else reads: consecutive children need not be consecutive in the data flow (a DAG's branches), a row-wise layer
-    fed a plain tensor would treat the whole of it as its shard, and a sharded activation that escapes the pair (a
-    residual around it) would meet the row-wise layer's plain output. Found by one probe forward in which each
-    column-wise output is replaced by a marker leaf; the autograd graph then shows what each row-wise input is made of
-    and who reads each step between."""
-    import torch
-
-    submodules = dict(module.named_modules())
-    markers: dict[str, Any] = {}
-    reads: dict[str, Any] = {}
-
-    def mark(name: str) -> Any:
-        def hook(_m: Any, _a: Any, out: Any) -> Any:
-            markers[name] = out.detach().requires_grad_(True)
-            return markers[name]
-        return hook
-
-    handles = [submodules[column].register_forward_hook(mark(column)) for column, _ in pairs]
-    handles += [submodules[row].register_forward_pre_hook(lambda _m, args, row=row: reads.update({row: args[0]}))
-                for _, row in pairs]
-    try:
-        with torch.enable_grad():
-            output = model.forward(module, inputs.eval, device)
-    finally:
-        for handle in handles:
-            handle.remove()
-    # the analysis keys autograd nodes by id(): every node's Python object is held until it is done, or a node whose
-    # object was freed comes back as a new object with another id (torch 2.6-2.8 do not keep them: no pair was found)
-    alive: list[Any] = []
-    readers = _readers(output.grad_fn, alive)
-    return [(column, row) for column, row in pairs
-            if column in markers and row in reads and _closed_path(reads[row], markers[column], readers)]
-
-
-def _readers(root: Any, alive: list[Any]) -> dict[int, set[int]]:
-    """Autograd node → the nodes that read its output, over the graph that computed the model's output; every node
-    is appended to `alive`, which the caller holds while it uses the ids."""
-    readers: dict[int, set[int]] = {}  # keyed by id of node (and of each leaf tensor)
-    pending, seen = [root], set()
-    while pending:
-        node = pending.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        alive.append(node)
-        for source, _ in node.next_functions:
-            if source is not None:
-                readers.setdefault(id(source), set()).add(id(node))
-                if type(source).__name__ == "AccumulateGrad":  # a leaf: also keyed by the tensor itself
-                    readers.setdefault(id(source.variable), set()).add(id(node))
-                pending.append(source)
-    return readers
-
-
-def _closed_path(tensor: Any, marker: Any, readers: dict[int, set[int]]) -> bool:
-    """Whether `tensor` is computed from the leaf `marker` and parameters only, by steps nothing else reads (the
-    row-wise layer reads `tensor` in one step of its own)."""
-    import torch
-
-    if tensor is marker:
-        return len(readers.get(id(marker), ())) <= 1
-    top = tensor.grad_fn
-    if len(readers.get(id(top), ())) > 1:
-        return False  # what the row-wise layer reads is read elsewhere too (a residual around the layer)
-    steps, leaves, pending = {}, set(), [top]
-    while pending:
-        node = pending.pop()
-        if node is None or id(node) in steps:
-            continue
-        steps[id(node)] = node
-        for source, _ in node.next_functions:
-            if source is None:
-                continue
-            if type(source).__name__ == "AccumulateGrad":
-                if not isinstance(source.variable, torch.nn.Parameter):
-                    leaves.add(id(source.variable))
-                    steps[id(source)] = source
-            else:
-                pending.append(source)
-    if leaves != {id(marker)}:
-        return False  # it reads another branch (or a plain tensor), not only the column-wise output
-    inside = set(steps) | {id(top)}
-    return all(readers.get(n, set()) <= inside for n in steps if n != id(top))
-
-
-def _position_dims(model: Any, module: Any, inputs: Any, names: list[str], device: str) -> dict[str, int]:
-    """The dim holding positions in each named layer's output: 1 for (batch, seq, feature); 0 for a
-    (batch·seq, feature) output of a layer applied position-wise (more rows than the model has samples)."""
-    import torch
-
-    rows: dict[str, tuple[int, ...]] = {}
-    submodules = dict(module.named_modules())
-    handles = [submodules[n].register_forward_hook(lambda _m, _a, out, n=n: rows.update({n: tuple(out.shape)}))
-               for n in names]
-    try:
-        with torch.no_grad():
-            samples = len(model.forward(module, inputs.eval, device))
-    finally:
-        for handle in handles:
-            handle.remove()
-    dims = {n: 1 for n, shape in rows.items() if len(shape) == 3}
-    dims.update({n: 0 for n, shape in rows.items()
-                 if len(shape) == 2 and shape[0] > samples and shape[0] % samples == 0})
-    return dims
 
 
 @dataclass(frozen=True)

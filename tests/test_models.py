@@ -242,7 +242,7 @@ def test_derived_tp_pairs_follow_the_data_flow() -> None:
     import torch
     from torch import nn
 
-    from settings.tensor_parallel import _feeding, linear_pairs
+    from settings._tp_plan import _feeding, linear_pairs
 
     class Net(nn.Module):
         def __init__(self, residual: bool) -> None:
@@ -279,7 +279,7 @@ def test_a_column_output_read_twice_is_not_paired() -> None:
     import torch
     from torch import nn
 
-    from settings.tensor_parallel import _feeding, linear_pairs
+    from settings._tp_plan import _feeding, linear_pairs
 
     class Net(nn.Module):
         def __init__(self) -> None:

@@ -12,8 +12,8 @@ from difftest.judging.analysis import analyze
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.storage.store import Store
 from generators.inputs import Batch, JaggedFeature
+from settings._partial_reduce_replicas import partner_groups
 from settings.async_pipeline import forward_version, one_f_one_b
-from settings.partial_reduce import partner_groups
 from settings.repartition import moved_split
 from tests.conftest import PLANTED
 

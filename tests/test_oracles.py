@@ -13,7 +13,7 @@ from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.storage.store import Store
 from generators.inputs import Batch, JaggedFeature
 from settings._partial_reduce_replicas import partner_groups
-from settings.async_pipeline import forward_version, one_f_one_b
+from settings._pipedream import forward_version, one_f_one_b
 from settings.repartition import moved_split
 from tests.conftest import PLANTED
 

@@ -178,10 +178,10 @@ def _plan_summary(plan: Any, features: dict[str, list[str]]) -> str:
 _PLAN_ENTRY = re.compile(r"(?P<table>[^\s(=]+)\((?P<features>[^)]*)\)=(?P<sharding>\w+)@")
 
 
-def plan_tables(notes: str) -> dict[str, tuple[str, list[str]]]:
+def plan_tables(plan: str) -> dict[str, tuple[str, list[str]]]:
     """Table → (sharding type, features) from a case's recorded plan (`_plan_summary`); {} where none is recorded."""
     return {m["table"]: (m["sharding"], [f for f in m["features"].split(",") if f])
-            for m in _PLAN_ENTRY.finditer(notes)}
+            for m in _PLAN_ENTRY.finditer(plan)}
 
 
 # --- state in and out of a sharded model ------------------------------------------------------------

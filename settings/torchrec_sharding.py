@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -207,13 +207,13 @@ class TorchRecSharding(Setting):
                 raise
             raise Unsupported(f"TorchRec cannot build this plan: {type(exc).__name__}: {exc}") from exc
 
-    def attribute(self, first_divergence: str, notes: str) -> str | None:
+    def attribute(self, first_divergence: str, notes: Mapping[str, str]) -> str | None:
         """A mixed plan's case is the case of the sharding type of the table its first divergence lies in: a pooled
         embedding names its feature (`pooled.tf0`), a table's weight names its table (`…embedding_bags.t0.weight`)."""
         if self.sharding != "mixed" or not first_divergence:
             return None
         parts = set(re.split(r"[./]", first_divergence.partition("/")[2]))
-        for table, (sharding, features) in plan_tables(notes).items():
+        for table, (sharding, features) in plan_tables(notes.get("plan", "")).items():
             if sharding in SHARDING_TYPES and (table in parts or parts & set(features)):
                 return TorchRecSharding(sharding=sharding, world_size=self.world_size).name
         return None

@@ -81,3 +81,14 @@ def test_a_failure_is_written_and_read_back_in_one_place() -> None:
     # a signature is made of the head alone: the traceback and the log vary from run to run
     assert normalise_message(stored) == normalise_message("ValueError: shard 4 of tensor at 0x7f08 is missing")
     assert normalise_message(str(crashed)) == "rank N killed by SIGSEGV"
+
+
+def test_a_cases_notes_are_written_and_read_back_by_key() -> None:
+    from difftest.contracts.notes import parse_notes, render_notes
+
+    notes = {"plan": "t0(tf0,tf1)=row_wise@[0,1] t1(wf2)=table_wise@[1]", "graph breaks": "0",
+             "layers": "l1: ColwiseParallel, l2: RowwiseParallel(output Replicate())"}
+    line = render_notes(notes)
+    assert line == ("plan: t0(tf0,tf1)=row_wise@[0,1] t1(wf2)=table_wise@[1]; graph breaks: 0; "
+                    "layers: l1: ColwiseParallel, l2: RowwiseParallel(output Replicate())")
+    assert parse_notes(line) == notes and parse_notes("") == {}

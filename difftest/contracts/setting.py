@@ -185,10 +185,10 @@ class Setting(abc.ABC):
         sweep's device makes the setting `unsupported` (`difftest.contracts.devices.collective_refusal`)."""
         return None
 
-    def attribute(self, first_divergence: str, notes: str) -> str | None:
+    def attribute(self, first_divergence: str, notes: Mapping[str, str]) -> str | None:
         """Where one case runs several mechanisms at once (a mixed sharding plan): the name of the registered setting
         that runs only the mechanism its first divergence (`phase/tensor`) lies in, read from what the case recorded
-        (`notes`). Triage signs the case as that setting's where that setting disagrees on the same model too, so one
+        (its `notes`, by key). Triage signs the case as that setting's where that setting disagrees on the same model too, so one
         bug is one finding however it was reached. None: the case stands for itself."""
         return None
 

@@ -14,6 +14,7 @@ import pandas as pd
 
 from difftest.contracts.errors import UserError
 from difftest.contracts.failure import Failure
+from difftest.contracts.notes import parse_notes
 from difftest.contracts.registry import capabilities_of, get_setting
 from difftest.contracts.setting import without_sizes
 from difftest.contracts.status import DISAGREEMENTS, FAILURES, Status
@@ -161,7 +162,7 @@ def attributed_setting(model: str, setting: str, message: str, first_divergence:
     setting disagrees on the same model too (`disagreeing`: (model, setting) pairs). A bug that needs the mix (one table corrupting another
     that alone is fine) stays the mix's."""
     try:
-        narrower = get_setting(setting).attribute(first_divergence, message)
+        narrower = get_setting(setting).attribute(first_divergence, parse_notes(message))
     except UserError:
         return setting
     return narrower if narrower and narrower != setting and (model, narrower) in disagreeing else setting

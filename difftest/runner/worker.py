@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from difftest.contracts.failure import Failure
+from difftest.contracts.notes import render_notes
 from difftest.contracts.status import Status
 from difftest.runner.messages import Broken, RankReply, Ready, Stop, StorePort
 
@@ -251,7 +252,7 @@ def _serve(config: WorkerConfig, conn: _ParentPipe) -> None:
                 payload = setting.run(ctx, model, inputs)
             finally:
                 compute_s = time.perf_counter() - started  # the setting's own time: the floor the engine adds to
-            text = "; ".join(f"{k}: {v}" for k, v in ctx.notes.items())
+            text = render_notes(ctx.notes)
         except Unsupported as exc:
             status, text, failed_at = Status.UNSUPPORTED, str(exc), time.time()
         except InvariantViolated as exc:

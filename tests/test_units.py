@@ -491,7 +491,8 @@ def test_judging_a_case_is_a_pure_function_of_its_outputs_its_references_and_its
 
     expected = {"eval_before/prediction": np.ones(4, np.float32)}
     same = judge_outputs(dict(expected), expected, None, "no calibration", None, Tolerance(), {"model": "m"})
-    assert (same.verdict, same.d3_verdict, same.calibrated, same.worst_linf) == ("ok", "ok", "no: no calibration", 0.0)
+    assert (same.verdict, same.d3_verdict, same.calibrated, same.why_uncalibrated, same.worst_linf) == (
+        "ok", "ok", False, "no calibration", 0.0)
     off = {"eval_before/prediction": np.array([1, 1, 1, 1.5], np.float32)}
     wrong = judge_outputs(off, expected, None, "no calibration", None, Tolerance(), {"model": "m"})
     assert (wrong.verdict, wrong.worst_linf) == ("inconsistent", 0.5)

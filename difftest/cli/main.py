@@ -315,7 +315,7 @@ class _ConsoleEvents(PipelineEvents):
         out_console.print(table)
         counts = {s: analysis.count(s) for s in NOT_OK + (Status.UNSUPPORTED,)}
         cases = analysis.cases
-        judged = cases[cases["calibrated"] == "yes"]
+        judged = cases[cases["calibrated"].astype(bool)]
         out_console.print(
             f"calibrated oracle: {len(judged)} cases judged against their root's float64 envelope; it flags "
             f"{int((judged['verdict'] != Status.OK).sum())}, D3's allclose "

@@ -28,7 +28,8 @@ CSV_COLUMNS = [
     # envelope; `status` is its verdict where it applies, `d3_status` always the fixed allclose/bound one
     "calibrated_linf", "calibrated_ratio", "d3_status",
 ]
-CASE_COLUMNS = ["model", "kind", "setting", "verdict", "d3_verdict", "calibrated", "worst_linf", "wall_s"]
+CASE_COLUMNS = ["model", "kind", "setting", "verdict", "d3_verdict", "calibrated", "why_uncalibrated", "worst_linf",
+                "wall_s"]
 
 
 @dataclass
@@ -84,7 +85,8 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
             rows.extend(judged.rows)
             verdicts.append({"model": record.model, "kind": spec.kind, "setting": record.setting,
                              "verdict": judged.verdict, "d3_verdict": judged.d3_verdict or judged.verdict,
-                             "calibrated": judged.calibrated, "worst_linf": judged.worst_linf,
+                             "calibrated": judged.calibrated, "why_uncalibrated": judged.why_uncalibrated,
+                             "worst_linf": judged.worst_linf,
                              "wall_s": record.wall_s})
     finally:
         store.close()
@@ -163,7 +165,8 @@ class Judgement:
 
     verdict: str
     d3_verdict: str = ""  # "": the case was not compared tensor by tensor, its one verdict is D3's too
-    calibrated: str = ""  # "yes", or why the envelope does not judge it
+    calibrated: bool = False  # judged against its root's envelope
+    why_uncalibrated: str = ""  # where not: why the envelope does not judge it
     worst_linf: float = math.nan
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -281,7 +284,7 @@ def judge_outputs(actual: Outputs, expected: Outputs, envelope: Envelope | None,
                      "calibrated_ratio": judged.ratio if judged else math.nan,
                      "d3_status": Status.OK if c.consistent else mismatch})
     return Judgement(Status.OK if all(finals) else mismatch, Status.OK if all(d3) else mismatch,
-                     "yes" if envelope is not None else f"no: {why_not}",
+                     envelope is not None, "" if envelope is not None else why_not,
                      max((c.linf for c in comparisons if not math.isnan(c.linf)), default=math.nan), rows)
 
 

@@ -74,7 +74,7 @@ def write_report(run_dir: Path, analysis: Analysis, findings: list[Finding], min
     page = render(
         "report.html.j2", run_name=run_dir.name, run_dir=str(run_dir), written=time.strftime("%Y-%m-%d %H:%M:%S"),
         stack=stack.describe(stack.recorded(run_dir)), style=Markup(PAGE_STYLE), sweep_running=analysis.sweep_running,
-        calibrated=int((analysis.cases["calibrated"] == "yes").sum()), total=len(analysis.cases),
+        calibrated=int(analysis.cases["calibrated"].astype(bool).sum()), total=len(analysis.cases),
         counts=[(v, int(counts.get(v, 0)), int(d3.get(v, 0))) for v in VERDICT_COLOURS
                 if counts.get(v, 0) or d3.get(v, 0)],
         findings=[_shown(run_dir, f, smallest.get(f.id)) for f in findings],

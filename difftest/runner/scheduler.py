@@ -37,10 +37,8 @@ def machine_ranks() -> int:
 
 
 # A rank of a case of two or more ranks spends part of it blocked on its peers (the rendezvous, every collective), and
-# tiny cases are mostly that: the default job's sweep on 2 cores kept its CPUs 45-78 % busy through its two- and
-# four-rank cases. One rank beyond the cores computes in that time: the sweep alone took 100.4 and 102.0 s against
-# 108.0 and 118.2 s, back to back in either order, for the same CPU time; the whole job 3 min 20 s against 3 min 42 s
-# (2026-11-26).
+# tiny cases are mostly that: one rank beyond the cores computes in that time, for the same CPU time and a shorter
+# sweep (measured on the default job: benchmarks/RESULTS.md, "One rank beyond the cores").
 RANKS_BEYOND_CORES = 1
 
 

@@ -27,8 +27,8 @@ _CACHED_MODELS: dict[str, Any] = {}
 # by the server ranks fork from (`difftest.runner.rank_imports`), and those a case makes later, frozen when the rank
 # next lets its model go. A full collection that walks them all costs a rank 0.4-0.8 s; one that walks the cached
 # model, a case's garbage and the imports since the last freeze, milliseconds. The model itself never goes into the
-# permanent generation: letting it go would then take a full collection (it did, after a case that imported
-# something: the ranks' collections on a sweep of 8 families took 75.7 s then, 44.3 s now). `_MODULES_FROZEN`: how
+# permanent generation: letting it go would then take a full collection (benchmarks/RESULTS.md has what that cost a
+# sweep's ranks). `_MODULES_FROZEN`: how
 # many modules were imported at this process's last freeze (0: none yet; the server's freeze is not counted, so a
 # forked rank freezes once more, which only moves what it made since the fork). Not `gc.get_freeze_count()`: it walks
 # the whole permanent generation, 50-90 ms of CPU in a rank each time (Python 3.11), more than the freeze it guards.

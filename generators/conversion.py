@@ -247,7 +247,7 @@ def convert_chain(generator: Any, spec: Any, init_state: dict[str, np.ndarray], 
     """The converted model as a LayerChain: one unit per ONNX segment between consecutive layer cuts."""
     import onnx
 
-    from generators.chain import BatchSource, LayerChain
+    from difftest import BatchSource, LayerChain
     from generators.onnx_files import onnx_export
 
     whole = convert_onnx(generator, spec, init_state, model_dir, converter, device)

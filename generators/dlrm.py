@@ -252,7 +252,7 @@ class DlrmGenerator(Generator):
 
     def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
         """[features (embeddings + raw dense), one unit per dense-arch layer, one per over-arch layer]."""
-        from generators.chain import BatchSource, LayerChain
+        from difftest import BatchSource, LayerChain
 
         module = self.build(spec, init_state, device)
         source = BatchSource()

@@ -164,7 +164,7 @@ class TorchRecModelGenerator(DlrmGenerator):
     def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
         """TorchRec's forward cut between its arches: [features (pooled embeddings + raw dense), dense arch,
         interaction, over arch's layers]."""
-        from generators.chain import BatchSource, LayerChain
+        from difftest import BatchSource, LayerChain
 
         module = self.build(spec, init_state, device)
         source = BatchSource()

@@ -226,7 +226,7 @@ class TransformerGenerator(Generator):
 
     def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
         """[token embedding, one unit per block, final norm + output projection]."""
-        from generators.chain import BatchSource, LayerChain
+        from difftest import BatchSource, LayerChain
 
         if spec.params["tied"]:
             raise Unsupported("tied input/output embeddings: the first and the last stage would train two copies of "

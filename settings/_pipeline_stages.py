@@ -67,7 +67,7 @@ def stage_examples(stage_modules: list[Any], size: int, first: int = 0) -> dict[
 
 def chain_examples(chain: Any, batch: Batch, microbatches: int, bounds: list[int]) -> dict[int, tuple]:
     """`stage_examples` of the chain cut at `bounds`, on the first micro-batch of `batch`."""
-    from generators.chain import ChainStage
+    from difftest import ChainStage
 
     first = _microbatches(batch, microbatches)[0]
     chain.feed(first)
@@ -107,7 +107,7 @@ def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_
     `layout_of(chain)` says (the keys `stages_of` and `pipeline_schedule` read; a hybrid's `data_parallel` and `inner`,
     a re-partitioning's `momentum`, `move_after` and `moved_starts`), evaluated once, then the steps under the schedule,
     compared with one process accumulating the same micro-batches' gradients."""
-    from generators.chain import ChainStage
+    from difftest import ChainStage
     from settings._pipeline_script import gather_state, load_state, on_rank, single_process
     from settings._training_script import parameters_after, trained_parameters
 

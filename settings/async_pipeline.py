@@ -96,7 +96,7 @@ class AsyncPipeline(Setting):
         return across(self.world_size, POINT_TO_POINT)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        from generators.chain import ChainStage
+        from difftest import ChainStage
 
         try:
             chain = model.chain(ctx.device)

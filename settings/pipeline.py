@@ -1,4 +1,4 @@
-"""Pipeline parallelism with `torch.distributed.pipelining`: the model's layer chain (generators/chain.py)
+"""Pipeline parallelism with `torch.distributed.pipelining`: the model's layer chain (difftest/contracts/chain.py)
 split into stages, trained on micro-batches under one of torch's schedules.
 
 Split points come from a partitioner that balances trainable parameters over the stages (PipeDream balances
@@ -201,7 +201,7 @@ class Pipeline(Setting):
         groups = _groups(ctx, self.data_parallel, pp)
         dp_index, pp_rank = ctx.rank // pp, ctx.rank % pp
         mine = stages_of(pp_rank, pp, layout)
-        from generators.chain import ChainStage
+        from difftest import ChainStage
 
         bounds = [*layout["starts"], len(chain.units)]
         modules = {s: ChainStage(chain.units[bounds[s]:bounds[s + 1]]) for s in mine}

@@ -67,7 +67,7 @@ class _Stages:
         import torch
         from torch.distributed import pipelining
 
-        from generators.chain import ChainStage
+        from difftest import ChainStage
 
         stages = ctx.world_size
         self.bounds = [*starts, len(chain.units)]

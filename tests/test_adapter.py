@@ -21,11 +21,11 @@ def documented_example() -> str:
     return re.search(r"```python\n(.*?)```", (ROOT / "docs" / "your-model.md").read_text(), re.DOTALL).group(1)
 
 
-def _run(folder: Path, module: str, source: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _run(folder: Path, module: str, source: str, settings: str = SETTINGS) -> tuple[subprocess.CompletedProcess, Path]:
     (folder / f"{module}.py").write_text(source)
     out = folder / "run"
     done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--model", f"{module}:adapter",
-                           "--settings", SETTINGS, "--minimise-budget", "0"], capture_output=True, text=True,
+                           "--settings", settings, "--minimise-budget", "0"], capture_output=True, text=True,
                           timeout=600, cwd=folder, env={**os.environ, "PYTHONPATH": str(folder)})
     return done, out
 
@@ -62,3 +62,59 @@ def test_a_mistake_of_the_users_model_is_a_finding_marked_as_possibly_the_models
 def test_a_broken_adapter_is_one_line(tmp_path: Path, source: str, said: str) -> None:
     done, _ = _run(tmp_path, "broken_model", source)
     assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+LAYERED = '''
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from difftest import ModelAdapter
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down, self.head = (torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8),
+                                                   torch.nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.head(self.down(self.act(self.up(x))))
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return Mlp()
+
+
+def make_batch(seed, size):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 8, generator=generator), torch.randn(size, 1, generator=generator)
+
+
+def plan(module, world_size):
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+adapter = ModelAdapter("my-layered", make_model, make_batch, torch.nn.functional.mse_loss,
+                       layers=("up", "act", "down", "head"), tp_plan=plan)
+'''
+
+
+def test_an_adapter_with_a_layer_list_and_a_plan_runs_pipelines_and_its_own_tensor_parallel_plan(
+        tmp_path: Path) -> None:
+    """`layers` lets the pipeline schedules cut the model; `tp_plan` is what tensor parallelism runs (the plan it
+    recorded names the user's modules); the variants the plan does not cover are refused with the reason."""
+    done, out = _run(tmp_path, "my_layered", LAYERED, "pipeline/gpipe/ws2/stages2/mb2/balanced,"
+                     "pipeline/1f1b/ws2/stages2/mb4/random,tp/colwise-rowwise/ws2,tp/sequence-parallel/ws2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = pd.read_csv(out / "summary.csv", index_col=0)
+    for setting in ("pipeline/gpipe/ws2/stages2/mb2/balanced", "pipeline/1f1b/ws2/stages2/mb4/random",
+                    "tp/colwise-rowwise/ws2"):
+        assert cases.loc[setting, "ok"] == 2, cases.to_string()
+    assert cases.loc["tp/sequence-parallel/ws2", "unsupported"] == 2
+    refused = pd.read_csv(out / "inconsistencies.csv")
+    assert refused["message"].str.contains("gives a tensor-parallel plan, not a sequence").any()
+    compared = pd.read_csv(out / "comparisons.csv")
+    tp_notes = set(compared[compared["setting"] == "tp/colwise-rowwise/ws2"]["message"])
+    assert tp_notes == {"plan: up: ColwiseParallel, down: RowwiseParallel(output R)"}, tp_notes  # the user's plan
+    assert "no findings" in done.stdout

@@ -65,7 +65,7 @@ def test_every_third_model_draws_widths_no_world_size_divides(kind: str) -> None
 def test_the_chain_of_units_computes_the_forward_bit_for_bit(kind: str) -> None:
     import torch
 
-    from generators.chain import ChainStage
+    from difftest.contracts.chain import ChainStage
 
     generator = get_generator(kind)
     for index in (0, 2, 4):
@@ -90,8 +90,8 @@ def test_a_standalone_scripts_model_computes_what_the_kind_does(kind: str) -> No
     kind's forward through its layer chain and its loss, bit for bit: a script shows the model difftest ran."""
     import torch
 
+    from difftest.contracts.chain import ChainStage
     from difftest.scripts.emit import _source
-    from generators.chain import ChainStage
 
     generator = get_generator(kind)
     for index in (0, 1, 2):

@@ -18,9 +18,12 @@ model kind every setting family can take (`AdapterGenerator`), without writing t
 
     adapter = ModelAdapter("my-mlp", make_model, make_batch, torch.nn.functional.mse_loss)
 
-A batch is (input tensor, target tensor), split along dimension 0 by every setting. What the adapter does not give, a
-setting that needs it refuses as `unsupported` with the reason (a pipeline needs a layer chain, tensor parallelism a
-plan). Minimisation shrinks what difftest controls — the batch and the world size — not the model.
+A batch is (input tensor, target tensor), split along dimension 0 by every setting. `layers` (submodule names whose
+composition, in order, is the forward) lets pipelines cut the model into stages; `tp_plan(module, world_size)` (module
+name → ParallelStyle, as the model's authors parallelize it) is what tensor parallelism and FSDP2 × TP run, instead
+of a plan derived from consecutive Linear layers. What the adapter does not give, a setting that needs it refuses as
+`unsupported` with the reason. Minimisation shrinks what difftest controls — the batch and the world size — not the
+model.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from difftest.contracts.batch import Batch
-from difftest.contracts.errors import UserError
+from difftest.contracts.errors import Unsupported, UserError
 from difftest.contracts.generator import Generator
 from difftest.contracts.spec import ModelSpec
 
@@ -45,7 +48,8 @@ class ModelAdapter:
     """A user's model, as difftest takes it: `model(seed)` returns a fresh `nn.Module` (its weights drawn from the
     seed), `batch(seed, size)` an (input, target) pair of tensors of `size` samples, `loss(prediction, target)` the mean
     loss; `blocks` names the repeated blocks (FSDP2's units, activation checkpointing), `frozen` the parameters that
-    do not train."""
+    do not train, `layers` the submodules whose composition is the forward (pipelines), `tp_plan(module, world_size)`
+    the model's own tensor-parallel plan."""
 
     name: str
     model: Callable[[int], Any]
@@ -53,6 +57,8 @@ class ModelAdapter:
     loss: Callable[[Any, Any], Any]
     blocks: tuple[str, ...] = ()
     frozen: tuple[str, ...] = ()
+    layers: tuple[str, ...] = ()
+    tp_plan: Callable[[Any, int], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -165,3 +171,39 @@ class AdapterGenerator(Generator):
 
     def frozen_names(self, params: dict[str, Any]) -> set[str]:
         return set()  # the adapter says what is frozen; difftest draws no frozen variant of a user's model
+
+    def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
+        """The model cut at its `layers`: the first unit reads the batch's inputs at the positions it is given and runs
+        the first layer, every next unit is the next layer."""
+        import torch
+
+        from difftest.contracts.chain import BatchSource, FedUnit, LayerChain
+
+        if not self.adapter.layers:
+            raise Unsupported(f"adapter {self.kind!r} gives no layer list: a pipeline needs "
+                              "ModelAdapter(layers=(...)), the submodules whose composition is the forward")
+        module = self.build(spec, init_state, device)
+        layers = [module.get_submodule(name) for name in self.adapter.layers]
+        held = {id(p) for layer in layers for p in layer.parameters()}
+        outside = [name for name, p in module.named_parameters() if id(p) not in held]
+        if outside:
+            raise Unsupported(f"adapter {self.kind!r}: parameters outside its layers ({', '.join(outside[:3])}): a "
+                              "pipeline stage would not own them")
+        source = BatchSource()
+        dtype = next(iter(module.parameters())).dtype
+
+        def inputs_at(positions: Any) -> Any:
+            x = torch.as_tensor(source.samples(positions).dense, device=device)
+            return x.to(dtype) if x.is_floating_point() else x
+
+        return LayerChain([FedUnit(inputs_at, layers[0]), *layers[1:]], source,
+                          lambda: dict(module.named_parameters()), "prediction")
+
+    def tp_plan(self, module: Any, world_size: int, sequence_parallel: bool,
+                loss_parallel: bool) -> dict[str, Any] | None:
+        if self.adapter.tp_plan is None:
+            return None  # the setting derives one from consecutive Linear layers
+        if sequence_parallel or loss_parallel:
+            raise Unsupported(f"adapter {self.kind!r} gives a tensor-parallel plan, not a sequence- or loss-parallel "
+                              "one")
+        return self.adapter.tp_plan(self._unwrap(module), world_size)

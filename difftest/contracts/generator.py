@@ -145,7 +145,7 @@ class Generator(abc.ABC):
 
     def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str,
               model_dir: Path | None = None) -> Any:
-        """The model as a LayerChain (generators/chain.py) for pipeline stages."""
+        """The model as a LayerChain (difftest/contracts/chain.py) for pipeline stages."""
         from difftest.contracts.errors import Unsupported
 
         raise Unsupported(f"{spec.kind} models do not split into a chain of layers")

@@ -28,7 +28,7 @@ class LoadedModel:
         return self.generator.build(self.spec, self.init_state, device, self.model_dir, **options)
 
     def chain(self, device: str) -> Any:
-        """The model as a LayerChain (generators/chain.py) for pipeline stages, if its kind has one."""
+        """The model as a LayerChain (difftest/contracts/chain.py) for pipeline stages, if its kind has one."""
         return self.generator.chain(self.spec, self.init_state, device, self.model_dir)
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from generators.inputs import Batch
+from difftest.contracts.batch import Batch
 
 
 class BatchSource:
@@ -50,6 +50,19 @@ class LayerChain:
 
     def parameter_counts(self) -> list[int]:
         return [sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in self.units]
+
+
+
+class FedUnit(torch.nn.Module):
+    """A chain's first unit where the model's first layer takes the batch's inputs as they are: those at the positions
+    it is given, through `layer`."""
+
+    def __init__(self, inputs_at: Callable[[torch.Tensor], Any], layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.inputs_at, self.layer = inputs_at, layer
+
+    def forward(self, positions: torch.Tensor) -> Any:
+        return self.layer(self.inputs_at(positions))
 
 
 class ChainStage(torch.nn.Module):

@@ -255,3 +255,33 @@ def test_a_failures_reduced_script_still_exits_0_once_the_failure_is_gone(tmp_pa
     assert check_script(path, 120, env=bug).exit_code == 1
     fixed = check_script(path, 120, env={k: v for k, v in os.environ.items() if k != "LIBRARY_BUG"})
     assert fixed.exit_code == 0 and "ok: the setting runs through" in fixed.output, fixed.output
+
+
+def test_a_reducer_that_fails_keeps_the_full_script_and_a_check_that_fails_is_that_findings_defect_alone(
+        tmp_path: Path, monkeypatch) -> None:
+    """The reducer and the check are difftest's code: their failing (on 3.11, a parse in one thread beside another
+    once raised "AST constructor recursion depth mismatch") is told on that finding, and the run goes on."""
+    from difftest.scripts import reduce, write
+
+    folder = tmp_path / "finding"
+    folder.mkdir()
+    script = folder / "standalone.py"
+    script.write_text(SCRIPT)
+    checked, executed = traced_check(script, 60)
+
+    def broken(source: str, executed: set[int]) -> str:
+        raise SystemError("AST constructor recursion depth mismatch (before=33, after=67)")
+
+    monkeypatch.setattr(reduce, "reduce_source", broken)
+    reduction, kept = reduce.reduce_script(script, checked, executed, 60)
+    assert not reduction.kept and "the reducer failed, a defect of difftest's: SystemError" in reduction.why_not
+    assert script.read_text() == SCRIPT and kept is checked  # the full script stands
+
+    def no_tracer(*args: object, **kwargs: object) -> None:
+        raise OSError("no such interpreter")
+
+    monkeypatch.setattr(reduce, "traced_check", no_tracer)
+    done = write._check(write.Emitted("F1", "family", script), 60)
+    assert done.our_defect and done.checked is None
+    said = (folder / "standalone.txt").read_text()
+    assert said.startswith("standalone.py written, not checked: a defect of difftest's: OSError: no such interpreter")

@@ -30,6 +30,7 @@ from difftest.contracts.script import (
     Script,
     StandaloneCase,
 )
+from difftest.scripts.syntax import parse
 
 MAX_LINES = 500  # a script a maintainer reads through (the library code is copied whole, never condensed; the longest,
 # a resume's of a converted Keras model from DDP to FSDP2, has 496 lines, a hybrid pipeline's on a whole DLRM-like
@@ -124,7 +125,7 @@ def _called_from(entry: str, sources: dict[str, str]) -> tuple[set[str], set[str
     """The definitions among `sources` that `entry` uses, itself included, directly or through others (by the names
     their code reads): a script holds what it runs, and the same code a finding of the other sort would not. Also
     every name those definitions read."""
-    reads = {name: {n.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name)} for name, text in sources.items()}
+    reads = {name: {n.id for n in ast.walk(parse(text)) if isinstance(n, ast.Name)} for name, text in sources.items()}
     called: set[str] = set()
     pending = [entry]
     while pending:
@@ -139,13 +140,13 @@ def _local_imports(sources: Iterable[str]) -> tuple[str, ...]:
     what every rank would otherwise import again after the fork."""
     found: dict[str, None] = {}
     for text in sources:
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(parse(text)):
             if isinstance(node, ast.Import):
                 found.update(dict.fromkeys(alias.name for alias in node.names))
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module != "__future__":
                 found[node.module] = None
     first = {node.module if isinstance(node, ast.ImportFrom) else alias.name
-             for node in ast.walk(ast.parse("\n".join(RUNTIME_IMPORTS))) if isinstance(node, ast.Import | ast.ImportFrom)
+             for node in ast.walk(parse("\n".join(RUNTIME_IMPORTS))) if isinstance(node, ast.Import | ast.ImportFrom)
              for alias in node.names}  # what every script imports at its top
     return tuple(name for name in found if name not in first)
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from difftest.scripts.syntax import parse
+
 if TYPE_CHECKING:
     from difftest.scripts.check import Checked
 
@@ -240,7 +242,7 @@ def prune_unexecuted(source: str, executed: set[int]) -> str:
     keep: set[str] = set()
     while True:
         pruned = _prune(source, executed, keep)
-        tree = ast.parse(pruned)
+        tree = parse(pruned)
         defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
         named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         missing = (named - defined) & _definitions(source) - keep
@@ -250,11 +252,11 @@ def prune_unexecuted(source: str, executed: set[int]) -> str:
 
 
 def _definitions(source: str) -> set[str]:
-    return {n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+    return {n.name for n in parse(source).body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
 
 
 def _prune(source: str, executed: set[int], keep: set[str]) -> str:
-    tree = ast.parse(source)
+    tree = parse(source)
     edits = _Edits(source)
     marker = _shared_start(edits.lines)
     for node in tree.body:
@@ -272,7 +274,7 @@ def drop_idle_blocks(source: str) -> str:
     """Remove, until none is left, the loops and `with` blocks whose whole body is `pass` (pruning left it so: what
     they did for other cases never happened in this one); a block they leave empty gets a `pass` of its own."""
     while True:
-        tree = ast.parse(source)
+        tree = parse(source)
         edits = _Edits(source)
         marker = _shared_start(edits.lines)
         for parent in ast.walk(tree):
@@ -297,7 +299,7 @@ def drop_idle_blocks(source: str) -> str:
 
 def drop_docstrings(source: str) -> str:
     """Every docstring but the script's own (which says what it shows): the maintainer reads the code that runs."""
-    tree = ast.parse(source)
+    tree = parse(source)
     edits = _Edits(source)
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and len(node.body) > 1 \
@@ -310,7 +312,7 @@ def drop_unused(source: str) -> str:
     """Remove, until none is left, the top-level definitions, single-name constants and imported names that nothing
     else in the script refers to (by name, or as a string the script reads by name)."""
     while True:
-        tree = ast.parse(source)
+        tree = parse(source)
         lines = source.splitlines()
         loads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         loads |= {n.value.id for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
@@ -402,6 +404,8 @@ def reduce_script(path: Path, traced: Checked, executed: set[int], timeout_s: fl
         compile(reduced, path.name, "exec")
     except SyntaxError as exc:  # a reduction of ours that does not parse: the full script stays
         return refused(f"the reduced script does not compile ({exc.msg}, line {exc.lineno})")
+    except Exception as exc:  # the reducer failing is ours to fix, never the end of the run: the full script stays
+        return refused(f"the reducer failed, a defect of difftest's: {type(exc).__name__}: {exc}")
     if reduced == source:
         return refused("nothing it does not run")
     path.write_text(reduced)

@@ -48,7 +48,8 @@ class Emitted:
         if self.path is None:
             return f"{NO_SCRIPT}{self.why_not}"
         if self.checked is None:
-            return f"{STANDALONE_FILE} written, not run"
+            return f"{STANDALONE_FILE} written, not checked: {self.why_not}" if self.why_not else \
+                f"{STANDALONE_FILE} written, not run"
         code = self.checked.exit_code
         if self.checked.reproduces or code in (0, 1):
             verdict = "reproduces (exit 1)" if self.checked.reproduces else {0: "does not reproduce (exit 0)"}.get(
@@ -148,10 +149,15 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0) -> Emitted:
     if e.path is None:
         return e
     env = sealed_environment(e.path.parent / ".sealed")
-    checked, executed = traced_check(e.path, timeout_s, env, niceness)
-    reduction = None
-    if checked.reproduces:
-        reduction, checked = reduce_script(e.path, checked, executed, timeout_s, env, niceness)
+    try:
+        checked, executed = traced_check(e.path, timeout_s, env, niceness)
+        reduction = None
+        if checked.reproduces:
+            reduction, checked = reduce_script(e.path, checked, executed, timeout_s, env, niceness)
+    except Exception as exc:  # checking one script failed in difftest's own code: that finding says so, the run goes on
+        done = dataclasses.replace(e, defect=True, why_not=f"{OUR_DEFECT}{type(exc).__name__}: {exc}")
+        _record(e.path.parent, done)
+        return done
     done = dataclasses.replace(e, checked=checked, reduction=reduction)
     _record(e.path.parent, done)
     return done

@@ -1,0 +1,18 @@
+"""Python source parsed into its syntax tree one parse at a time in this process.
+
+A run writes, checks and reduces its findings' scripts in threads. CPython 3.11 keeps the recursion depth of its
+conversion of a parse into `ast` objects in state its threads share, so two parses at once could fail with
+"SystemError: AST constructor recursion depth mismatch" (python/cpython#106905; a default job died of it once).
+"""
+
+from __future__ import annotations
+
+import ast
+import threading
+
+_ONE_AT_A_TIME = threading.Lock()
+
+
+def parse(source: str) -> ast.Module:
+    with _ONE_AT_A_TIME:
+        return ast.parse(source)

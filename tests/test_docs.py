@@ -36,8 +36,12 @@ def test_the_documentation_site_builds_with_every_link_whole(tmp_path: Path) -> 
 
     load_plugins()
     site = tmp_path / "site" / "reference"
-    commands, families, kinds = ((site / page / "index.html").read_text() for page in ("commands", "settings", "kinds"))
+    commands, families, kinds, manifest = ((site / page / "index.html").read_text()
+                                           for page in ("commands", "settings", "kinds", "manifest"))
     names = [name for name, command in typer.main.get_command(app).commands.items() if not command.hidden]
     assert len(names) >= 10 and all(f"<code>{name}" in commands for name in names)
     assert all(f"<code>{s.family}</code>" in families for s in all_settings())
     assert all(f"<code>{kind}</code>" in kinds for kind in _GENERATORS)
+    from difftest.findings.known import load
+
+    assert all(f"<code>{issue.id}</code>" in manifest for issue in load())

@@ -1,6 +1,7 @@
 """The documentation site's reference pages, generated at build time from the code they describe (an mkdocs hook):
 `reference/commands.md` from the `difftest` command's own declarations, `reference/settings.md` and
-`reference/kinds.md` from the registry with every built-in plugin loaded. A command, option, setting family or model
+`reference/kinds.md` from the registry with every built-in plugin loaded, `reference/manifest.md` from the manifest of
+known bugs. A command, option, setting family or model
 kind added to the code is in the site the next time it is built, and a page never describes one that is gone."""
 
 from __future__ import annotations
@@ -16,13 +17,6 @@ from mkdocs.structure.files import File, Files
 from difftest import Setting
 from difftest.cli import app
 from difftest.contracts.registry import _GENERATORS, all_settings, load_plugins, tier
-
-PAGES = {
-    "reference/commands.md": "Reference: commands",
-    "reference/settings.md": "Reference: setting families",
-    "reference/kinds.md": "Reference: model kinds",
-}
-
 
 def _cell(text: Any) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
@@ -89,8 +83,26 @@ def kinds_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def manifest_page() -> str:
+    from difftest.findings.known import MANIFEST, load
+
+    header = [line[2:] if line.startswith("# ") else "" for line in MANIFEST.read_text().splitlines()
+              if line.startswith("#")]
+    lines = ["# The manifest of known bugs", "",
+             "`difftest/findings/known_issues.toml`: one `[[issue]]` per root cause in a library. Triage marks a "
+             "finding `known`, `related` or `unreported` by the entry that explains its cases (`new` where none "
+             "does). Its fields, as the file's own header states them:", "", "```", *header, "```", "",
+             "Its entries, generated from the file:", "",
+             "| id | library | affects | upstream | references |", "|---|---|---|---|---|"]
+    for issue in load():
+        references = ", ".join(f"{r.tracker}#{r.number} ({r.state}, {r.relation})" for r in issue.references)
+        lines.append(f"| `{issue.id}` | {issue.library} | `{issue.affects}` | {issue.upstream} | "
+                     f"{_cell(references) or 'not filed'} |")
+    return "\n".join(lines) + "\n"
+
+
 def on_files(files: Files, config: Any) -> Files:
     for uri, page in (("reference/commands.md", commands_page), ("reference/settings.md", settings_page),
-                      ("reference/kinds.md", kinds_page)):
+                      ("reference/kinds.md", kinds_page), ("reference/manifest.md", manifest_page)):
         files.append(File.generated(config, uri, content=page()))
     return files

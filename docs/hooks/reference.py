@@ -18,6 +18,7 @@ from difftest import Setting
 from difftest.cli import app
 from difftest.contracts.registry import _GENERATORS, all_settings, load_plugins, tier
 
+
 def _cell(text: Any) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 

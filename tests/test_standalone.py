@@ -3,6 +3,7 @@ verdict on the same case (`difftest.scripts.emit`, `difftest.scripts.write`)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,12 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
     assert failure_pattern("error", "AssertionError: can't steal_bwd_input if 'x' ...") == \
         r"AssertionError:\ can't\ steal_bwd_input\ if"
     assert failure_pattern("inconsistent", "plan: ...") == ""
+    # an exception raised bare: its traceback's last line is the type alone, not the line that raised it
+    bare = failure_pattern("error", "AssertionError:  || File \"…/_tp_conv.py\", line 288 | raise AssertionError")
+    shown = "Traceback (most recent call last):\n  File \"_tp_conv.py\", line 288\n    raise AssertionError\nAssertionError\n"
+    found = re.search(bare, shown)
+    assert found and shown[found.start():].split("\n")[0] == "AssertionError"
+    assert not re.search(bare, "AssertionErrors happen\n    raise AssertionError\n")
 
 
 # the training settings' scripts: the model's own code (`Generator.standalone_model`) and the setting's wrapper

@@ -115,6 +115,8 @@ def failure_pattern(status: str, message: str) -> str:
     if status == Status.CRASH and (signal := _SIGNAL.search(message)):
         return rf"signal {signal[1]}\b"
     if status == Status.ERROR and (raised := _EXCEPTION.match(message.strip())):
+        if not raised[2].strip():  # raised bare (`raise AssertionError`): a traceback's last line is its type alone
+            return rf"(?m)^(?:[\w.]*\.)?{re.escape(raised[1])}(?::|$)"
         return re.escape(f"{raised[1]}: {raised[2].strip()}")
     raise Unsupported(f"its failure ({status}: {message[:80]!r}) is not one a script can recognise "
                       "(a timeout, or no exception type or signal in its message)")

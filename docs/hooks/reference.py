@@ -16,7 +16,7 @@ from mkdocs.structure.files import File, Files
 
 from difftest import Setting
 from difftest.cli import app
-from difftest.contracts.registry import _GENERATORS, all_settings, load_plugins, tier
+from difftest.contracts.registry import all_settings, generator_kinds, get_generator, load_plugins, tier
 
 
 def _cell(text: Any) -> str:
@@ -77,7 +77,8 @@ def kinds_page() -> str:
     load_plugins()
     lines = ["# Model kinds", "", "Generated from the registry; each kind makes its models from (seed, index).", "",
              "| kind | traits | what it generates |", "|---|---|---|"]
-    for kind, generator in sorted(_GENERATORS.items()):
+    for kind in sorted(generator_kinds()):
+        generator = get_generator(kind)
         # a kind's module says what it generates (two kinds may share one)
         lines.append(f"| `{kind}` | {', '.join(sorted(generator.traits))} | "
                      f"{_first_paragraph(sys.modules[type(generator).__module__])} |")

@@ -110,6 +110,26 @@ def test_a_campaign_of_another_stack_is_one_line_and_fresh_keeps_it_aside(tmp_pa
         run_campaign(folder, config, full_disk, cases=10)
 
 
+def test_a_campaign_starts_from_a_checkout_that_is_not_installed(tmp_path: Path, monkeypatch) -> None:
+    """A GPU machine runs difftest from a copied checkout on PYTHONPATH, with no package metadata: the campaign's stack
+    record says so instead of ending the campaign (PackageNotFoundError on the first device run)."""
+    from importlib import metadata
+
+    from difftest.campaign.rounds import STACK_FILE, CampaignConfig, start
+    from difftest.storage.stack import FROM_CHECKOUT
+
+    installed = metadata.version
+
+    def checkout_only(name: str) -> str:
+        if name == "difftest":
+            raise metadata.PackageNotFoundError(name)
+        return installed(name)
+
+    monkeypatch.setattr(metadata, "version", checkout_only)
+    start(tmp_path / "hunt", CampaignConfig(kind="dlrm"))
+    assert json.loads((tmp_path / "hunt" / STACK_FILE).read_text())["difftest"] == FROM_CHECKOUT
+
+
 def test_guided_sampling_favours_what_gave_new_causes_and_keeps_a_floor_for_the_rest() -> None:
     from difftest.campaign.sampling import BATCH_SIZES, EXPLORE, Cell, CellRecord, Sampling, chances, draw
 

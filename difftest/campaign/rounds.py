@@ -202,11 +202,9 @@ class CampaignEvents:
 
 def made_by() -> dict[str, Any]:
     """This difftest's release and the libraries a finding can live in, as `difftest --version` shows them."""
-    from importlib import metadata
-
     from difftest.storage import stack
 
-    return {"difftest": metadata.version("difftest"), **stack.current()["libraries"]}
+    return {"difftest": stack.difftest_version(), **stack.current()["libraries"]}
 
 
 def stack_change(before: dict[str, Any], now: dict[str, Any]) -> str:

@@ -45,15 +45,9 @@ def _version(value: bool) -> None:
     """`--version`: difftest's release and the stack it would test (every library a finding can live in)."""
     if not value:
         return
-    from importlib import metadata
-
     from difftest.storage import stack
 
-    try:
-        mine = metadata.version("difftest")
-    except metadata.PackageNotFoundError:
-        mine = "not installed (run from a checkout)"
-    print(f"difftest {mine}\nstack under test: {stack.describe(stack.current())}")
+    print(f"difftest {stack.difftest_version()}\nstack under test: {stack.describe(stack.current())}")
     raise typer.Exit()
 
 

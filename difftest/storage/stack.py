@@ -18,6 +18,17 @@ LIBRARIES = ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "tensorflow", 
              "onnx", "onnxruntime", "onnx2torch", "onnx2pytorch", "numpy", "ray")
 
 
+FROM_CHECKOUT = "not installed (run from a checkout)"
+
+
+def difftest_version() -> str:
+    """This difftest's release; a checkout on PYTHONPATH (a GPU machine's, `benchmarks/`) has no metadata to read."""
+    try:
+        return metadata.version("difftest")
+    except metadata.PackageNotFoundError:
+        return FROM_CHECKOUT
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

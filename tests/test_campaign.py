@@ -130,6 +130,15 @@ def test_a_campaign_starts_from_a_checkout_that_is_not_installed(tmp_path: Path,
     assert json.loads((tmp_path / "hunt" / STACK_FILE).read_text())["difftest"] == FROM_CHECKOUT
 
 
+def test_a_round_grows_with_the_cores_and_stays_small_on_a_laptop() -> None:
+    """Rounds of one model and four families left 14 of 16 cores idle between stragglers (415 cases/min against 361
+    on 2 cores); the default round is sized to the machine, unchanged up to 7 cores."""
+    from difftest.campaign.rounds import round_size
+
+    assert [round_size(n) for n in (1, 2, 4, 7)] == [(1, 4)] * 4
+    assert round_size(16) == (4, 8) and round_size(64) == (16, 32)
+
+
 def test_guided_sampling_favours_what_gave_new_causes_and_keeps_a_floor_for_the_rest() -> None:
     from difftest.campaign.sampling import BATCH_SIZES, EXPLORE, Cell, CellRecord, Sampling, chances, draw
 

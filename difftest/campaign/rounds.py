@@ -213,6 +213,14 @@ def stack_change(before: dict[str, Any], now: dict[str, Any]) -> str:
                      for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name))
 
 
+def round_size(ranks: int) -> tuple[int, int]:
+    """Models per kind and setting families per round for a machine of `ranks` cores: 1 and 4 up to 7 cores, more
+    above. A round ends with its slowest case, and its generation, judging and triage run between sweeps: rounds of
+    one model and four families kept 16 cores at 415 cases/min against 361 on 2 of them, rounds of 4 models and 8
+    families at 1265 (`python -m benchmarks.campaign_cores`, benchmarks/RESULTS.md)."""
+    return max(1, ranks // 4), max(4, ranks // 2)
+
+
 def start(folder: Path, config: CampaignConfig, fresh: bool = False) -> CampaignConfig:
     """Make the campaign folder, or check that an existing one asks the same and was made on this stack (one line
     otherwise). `fresh`: an existing campaign is moved aside (`<folder>.old-<time>`) and a new one begun."""

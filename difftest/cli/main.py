@@ -721,13 +721,13 @@ def campaign(
     settings: SettingsOpt = None,
     tier: TierOpt = None,
     kind: KindOpt = "all",
-    models: Annotated[int, typer.Option("--models", min=1, help="Models per kind and round.")] = 1,
+    models: Annotated[int | None, typer.Option("--models", min=1, help="Models per kind and round (default: 1, and a core in 4 above 7 cores; a resumed campaign keeps its own).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Round r draws its models from seed SEED + r.")] = 1000,
     minimise_budget: MinimiseOpt = DEFAULTS.minimise_budget_s,
     jobs: JobsOpt = None,
     timeout: TimeoutOpt = DEFAULTS.timeout_s,
     sampling: Annotated[str, typer.Option("--sampling", help="How each round picks the (setting family × model kind) cells it runs: guided (toward cells that gave new causes or near misses, 30% of the chance spread over all) or uniform.")] = "guided",
-    families_per_round: Annotated[int, typer.Option("--families-per-round", min=1, help="Setting families a round runs (on one model kind).")] = 4,
+    families_per_round: Annotated[int | None, typer.Option("--families-per-round", min=1, help="Setting families a round runs (on one model kind; default: 4, and a core in 2 above 8 cores; a resumed campaign keeps its own).")] = None,
     executor: ExecutorOpt = EXECUTOR.kind,
     address: AddressOpt = None,
     cpus_per_rank: CpusPerRankOpt = EXECUTOR.cpus_per_rank,
@@ -741,9 +741,11 @@ def campaign(
     a cause the manifest or an earlier round explains is counted, a new one minimised, scripted and announced. Resumes
     after any interruption."""
     from difftest.campaign.page import write_live_page
-    from difftest.campaign.rounds import CampaignConfig, CampaignEvents, RoundResult, report_rows, run_campaign
+    from difftest.campaign.rounds import (CampaignConfig, CampaignEvents, RoundResult, report_rows, round_size,
+                                          run_campaign)
     from difftest.campaign.sampling import RoundPlan, Sampling
     from difftest.pipeline import run_pipeline
+    from difftest.runner.scheduler import machine_ranks
 
     folder = absolute(folder)
     if report:
@@ -754,14 +756,18 @@ def campaign(
     plugins = tuple(plugin or ())
     if sampling not in {str(s) for s in Sampling}:
         raise UserError(f"--sampling {sampling!r}: write one of {', '.join(map(str, Sampling))}")
-    config = CampaignConfig(settings, tier, kind, models, seed, minimise_budget, plugins, sampling, families_per_round)
+    # a round sized to this machine's cores unless asked; a campaign resumed (on this or another machine) keeps its own
+    existing = None if fresh else CampaignConfig.load(folder)
+    sized = (existing.models, existing.families_per_round) if existing else round_size(machine_ranks())
+    config = CampaignConfig(settings, tier, kind, models or sized[0], seed, minimise_budget, plugins, sampling,
+                            families_per_round or sized[1])
     cluster = _executor(executor, address, cpus_per_rank)
 
     def one_round(where: Path, round_seed: int, focus: Callable[[Finding], bool], plan: RoundPlan) -> Any:
         import dataclasses
 
         judging = dataclasses.replace(_options(DEFAULTS.tolerance.atol, DEFAULTS.tolerance.rtol, DEFAULTS.oracle, minimise_budget, timeout, "cpu"), focus=focus)
-        _generate(where, models, round_seed, plan.kind, 1, 0.1, plan.batch_size, plugins, "", plan.first_index)
+        _generate(where, config.models, round_seed, plan.kind, 1, 0.1, plan.batch_size, plugins, "", plan.first_index)
         _sweep(where, ",".join(plan.settings), None, jobs, timeout, "cpu", plugins, judging=judging, executor=cluster)
         return run_pipeline(where, judging)
 

@@ -302,7 +302,7 @@ def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpo
         "placement": dataclasses.asdict(phase.placement), "first_step": phase.first_step, "last_step": phase.last_step,
         "load": phase.load, "save": phase.save, "carried": sorted(phase.carried),
     }
-    return run_in_processes(phase_main, request, phase.placement.world_size, workdir, tag)
+    return run_in_processes(phase_main, request, phase.placement.world_size, workdir, tag, device=kind)
 
 
 def phase_main(request: Mapping[str, Any], rank: int) -> Outputs | None:

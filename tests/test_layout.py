@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -52,7 +53,7 @@ def _answers(request: Mapping[str, Any], rank: int) -> dict[str, np.ndarray] | N
         raise Unsupported("rank 1 has no such layout")
     if request["fail"] == "raise" and rank == 1:
         raise ValueError("the checkpoint is missing a shard")
-    return {"rank": np.array([rank, request["value"]])} if rank == 0 else None
+    return {"rank": np.array([rank, request["value"]]), "parent": np.array(os.getppid())} if rank == 0 else None
 
 
 def test_run_in_processes_returns_rank0s_tensors_and_carries_a_refusal_as_an_object(tmp_path: Path) -> None:
@@ -62,6 +63,15 @@ def test_run_in_processes_returns_rank0s_tensors_and_carries_a_refusal_as_an_obj
         run_in_processes(_answers, {"fail": "refuse", "value": 0}, 2, tmp_path / "refused", "refused")
     with pytest.raises(ProcessesFailed, match=r"phase raised rank 1 exited 1: .*ValueError: the checkpoint is missing"):
         run_in_processes(_answers, {"fail": "raise", "value": 0}, 2, tmp_path / "raised", "raised")
+
+
+def test_processes_that_compute_on_a_gpu_are_spawned_not_forked_from_the_import_server(tmp_path: Path) -> None:
+    """A process forked from a server whose imports touched CUDA cannot use it: off the CPU the caller starts the
+    processes itself (spawned, its child), on the CPU the import server forks them (its children)."""
+    on_cpu = run_in_processes(_answers, {"fail": "", "value": 1}, 1, tmp_path / "cpu", "cpu")
+    on_gpu = run_in_processes(_answers, {"fail": "", "value": 2}, 1, tmp_path / "gpu", "gpu", device="cuda")
+    assert on_gpu["rank"].tolist() == [0, 2] and int(on_gpu["parent"]) == os.getpid()
+    assert int(on_cpu["parent"]) != os.getpid()
 
 
 def test_a_failure_is_written_and_read_back_in_one_place() -> None:

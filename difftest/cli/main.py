@@ -741,8 +741,14 @@ def campaign(
     a cause the manifest or an earlier round explains is counted, a new one minimised, scripted and announced. Resumes
     after any interruption."""
     from difftest.campaign.page import write_live_page
-    from difftest.campaign.rounds import (CampaignConfig, CampaignEvents, RoundResult, report_rows, round_size,
-                                          run_campaign)
+    from difftest.campaign.rounds import (
+        CampaignConfig,
+        CampaignEvents,
+        RoundResult,
+        report_rows,
+        round_size,
+        run_campaign,
+    )
     from difftest.campaign.sampling import RoundPlan, Sampling
     from difftest.pipeline import run_pipeline
     from difftest.runner.scheduler import machine_ranks

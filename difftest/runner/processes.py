@@ -32,12 +32,15 @@ class ProcessesFailed(RuntimeError):
 
 
 def run_in_processes(entry: Entry, request: Mapping[str, Any], processes: int, workdir: Path, tag: str,
-                     timeout_s: float = 600.0) -> Outputs:
+                     timeout_s: float = 600.0, device: str = "cpu") -> Outputs:
     """`entry(request, rank)` in `processes` new processes (`entry` a module-level function, `request` plain JSON);
     rank 0's returned tensors come back (saved as .npz, read without pickle). Raises `Unsupported` where a process
-    refused, `ProcessesFailed` where one failed otherwise, or did not finish within `timeout_s`."""
+    refused, `ProcessesFailed` where one failed otherwise, or did not finish within `timeout_s`. `device`: where the
+    processes compute; off the CPU they are spawned, as a worker group's ranks are there (`pool.rank_start`): the
+    import server's imports may have touched CUDA (torchrec's and fbgemm's can), and a process forked from one that
+    did cannot use it."""
     from difftest.contracts.registry import loaded_plugins
-    from difftest.runner.pool import import_server
+    from difftest.runner.pool import import_server, rank_start
 
     workdir.mkdir(parents=True, exist_ok=True)
     result, request_path = workdir / f"outputs-{tag}.npz", workdir / f"request-{tag}.json"
@@ -46,7 +49,7 @@ def run_in_processes(entry: Entry, request: Mapping[str, Any], processes: int, w
                                         "plugins": list(loaded_plugins()), "request": dict(request)}))
     logs = [workdir / f"rank{r}-{tag}.log" for r in range(processes)]
     failures = [workdir / f"failure-rank{r}-{tag}.json" for r in range(processes)]
-    context = import_server()
+    context = import_server() if device == "cpu" else rank_start(device)
     running = [context.Process(target=_started, args=(str(request_path), r, str(logs[r]), str(failures[r])),
                                daemon=True) for r in range(processes)]
     for process in running:

@@ -243,6 +243,22 @@ def test_a_cases_gloo_connections_are_on_the_loopback(fresh_run: Path, monkeypat
     assert addresses and set(addresses.split(",")) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, addresses
 
 
+def test_cpu_ranks_and_the_processes_they_start_see_no_gpu(fresh_run: Path, monkeypatch: Any) -> None:
+    """The import server hides the GPUs before torch is imported: TorchRec's and fbgemm's CPU paths asked CUDA for
+    streams where a GPU was in reach, and ranks forked from a server that had touched CUDA failed every such case on
+    a GPU machine. The user's own CUDA_VISIBLE_DEVICES does not reach a CPU rank either."""
+    from difftest.contracts.registry import load_plugins
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    group = WorkerGroup(1, fresh_run / "logs", load_plugins((PLANTED,)))
+    try:
+        probe = group.run_case(_request(_model_dirs(fresh_run)[0], "probes/visible_gpus"), 120)
+    finally:
+        group.close()
+    assert probe.status == "ok", probe.message
+    assert probe.outputs["rank/utf8"].tobytes() == probe.outputs["started/utf8"].tobytes() == b"none"
+
+
 def test_a_plugin_raising_connection_error_in_a_rank_is_that_ranks_error_not_its_parent_leaving(tmp_path: Path) -> None:
     """Only the pipe to the parent failing means the parent is gone (the rank leaves quietly, exit 0): any other
     ConnectionError is the rank's own failure, with its traceback in the log the start error quotes."""

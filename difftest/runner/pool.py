@@ -178,6 +178,7 @@ class WorkerGroup:
                 collective_timeout_s=collective_timeout_s,
                 local_world_size=local_world_size,
                 environment=dict(os.environ),
+                gpus_hidden=start is _FORKSERVER,
                 temp_dir=self.temp_dir,
             )
             process = start.Process(target=worker.main, args=(config, child_end), daemon=True)

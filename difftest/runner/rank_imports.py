@@ -3,13 +3,20 @@
 The worker, torch and the built-in plugins, and the libraries those plugins name in a module-level `RANK_IMPORTS`
 (TorchRec: a second and more per rank). A rank forked from the server has run nothing, as a spawned one, but starts
 in a tenth of a second instead of seconds. Nothing here may touch a GPU: a process forked from one that did cannot.
+So the server sees none: where TorchRec and fbgemm are installed their imports and CPU paths ask CUDA for streams and
+devices when a GPU is in reach (on a 16-core H200 machine every TorchRec pipeline, optimizer and resume case of a
+CPU campaign then failed: "Cannot re-initialize CUDA in forked subprocess", "CUDA error: initialization error"). Its
+ranks compute on the CPU alone (`pool.forks_from_import_server`) and see none either (`worker.main`).
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
+import os
 import sys
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: CUDA reads it once, at its first use
 
 
 def _import_all() -> None:

@@ -48,6 +48,8 @@ class WorkerConfig:
     # the starting process's environment when the group started: a rank forked from the import server
     # (`difftest.runner.pool.rank_start`) would otherwise have the server's, from the sweep's first group
     environment: dict[str, str] | None = None
+    # forked from the import server, which sees no GPU (`rank_imports`): nor does the rank, whatever the environment
+    gpus_hidden: bool = False
     # the group's own temporary folder, removed once the group is gone (by the parent, or by the ranks when the parent
     # was killed): what libraries leave in the temporary folder for deletion at exit (TensorFlow's autograph writes a
     # source file per converted function) is never deleted by a rank, which leaves through os._exit or is killed
@@ -136,6 +138,8 @@ def main(config: WorkerConfig, conn: Any) -> None:
     if config.environment is not None:  # before any plugin import reads it (a planted fault is chosen this way)
         os.environ.clear()
         os.environ.update(config.environment)
+    if config.gpus_hidden:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     redirect_output(config.log_path)
     # daemonic so the parent's exit takes the ranks along; but a setting may start processes of its own (a resume's
     # new process group) and multiprocessing refuses children to a daemon: this process waits for its children itself

@@ -501,6 +501,43 @@ class GlooAddresses(Setting):
 register_settings([GlooAddresses()])
 
 
+def _visible_gpus_in_a_new_process(request: Any, rank: int) -> Outputs:
+    import os
+
+    import numpy as np
+
+    return {"seen/utf8": np.frombuffer(os.environ.get("CUDA_VISIBLE_DEVICES", "unset").encode() or b"none", np.uint8)}
+
+
+@dataclass(frozen=True)
+class VisibleGpus(Setting):
+    """Reports CUDA_VISIBLE_DEVICES as a rank sees it and as a process the rank starts through the runner sees it:
+    the CPU ranks' import server hides the GPUs, so that what it imports never touches one."""
+
+    world_size: int = 1
+    family: ClassVar[str] = "probes"
+
+    @property
+    def name(self) -> str:
+        return "probes/visible_gpus"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import os
+        import tempfile
+        from pathlib import Path
+
+        import numpy as np
+
+        from difftest import run_in_processes
+
+        started = run_in_processes(_visible_gpus_in_a_new_process, {}, 1, Path(tempfile.mkdtemp()), "gpus")
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES", "unset").encode() or b"none"
+        return {"rank/utf8": np.frombuffer(seen, np.uint8), "started/utf8": started["seen/utf8"]}
+
+
+register_settings([VisibleGpus()])
+
+
 @dataclass(frozen=True)
 class LaterKernelScaled(Setting):
     """The reference with the weights of one layer before the logits 1 % too large (`scaled_layer`): every layer

@@ -168,7 +168,8 @@ def _cast_batch(batch: Batch, dtype: Any) -> Batch:
         return array.astype(dtype) if array is not None and array.dtype.kind == "f" else array
 
     sparse = {name: dataclasses.replace(f, weights=cast(f.weights)) for name, f in batch.sparse.items()}
-    return Batch(cast(batch.labels), cast(batch.dense), sparse)
+    named = {name: array.astype(dtype) if array.dtype.kind == "f" else array for name, array in batch.named.items()}
+    return Batch(cast(batch.labels), cast(batch.dense), sparse, named)
 
 
 class _Float64Model(LoadedModel):

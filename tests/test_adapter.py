@@ -118,3 +118,61 @@ def test_an_adapter_with_a_layer_list_and_a_plan_runs_pipelines_and_its_own_tens
     tp_notes = set(compared[compared["setting"] == "tp/colwise-rowwise/ws2"]["message"])
     assert tp_notes == {"plan: up: ColwiseParallel, down: RowwiseParallel(output R)"}, tp_notes  # the user's plan
     assert "no findings" in done.stdout
+
+
+SEVERAL_INPUTS = '''
+import torch
+
+from difftest import ModelAdapter
+
+
+class MaskedPool(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+
+    def forward(self, ids, mask):
+        return (self.embed(ids) * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool, self.head = MaskedPool(), torch.nn.Linear(8, 1)
+
+    def forward(self, ids, mask):
+        return self.head(self.pool(ids, mask))
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return Classifier()
+
+
+def make_batch(seed, size):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 32, (size, 6), generator=generator)
+    mask = (torch.rand(size, 6, generator=generator) > 0.3).float()
+    mask[:, 0] = 1.0
+    return AS_GIVEN, torch.randn(size, 1, generator=generator)
+
+
+adapter = ModelAdapter("masked", make_model, make_batch, torch.nn.functional.mse_loss, layers=("pool", "head"))
+'''
+
+
+@pytest.mark.parametrize(("given", "pipeline"), [("(ids, mask)", "ok"), ('{"ids": ids, "mask": mask}', "unsupported")])
+def test_a_batch_of_several_inputs_is_split_by_every_setting(tmp_path: Path, given: str, pipeline: str) -> None:
+    """Ids and a mask, as a tuple (positional arguments: a pipeline feeds them to its first layer) or a dict (keyword
+    arguments: a pipeline stage cannot take them, and says so); every tensor split along the batch."""
+    settings = "ddp/default/ws2,fsdp2/per-layer/reshard/fp32/ws2,accumulate/mb2,pipeline/gpipe/ws2/stages2/mb2/balanced"
+    done, out = _run(tmp_path, "masked_model", SEVERAL_INPUTS.replace("AS_GIVEN", given), settings)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = pd.read_csv(out / "summary.csv", index_col=0)
+    for setting in ("ddp/default/ws2", "fsdp2/per-layer/reshard/fp32/ws2", "accumulate/mb2"):
+        assert cases.loc[setting, "ok"] == 2, cases.to_string()
+    assert cases.loc["pipeline/gpipe/ws2/stages2/mb2/balanced", pipeline] == 2, cases.to_string()
+    if pipeline == "unsupported":
+        refused = pd.read_csv(out / "inconsistencies.csv")
+        assert refused["message"].str.contains("takes keyword inputs").any()
+    assert "no findings" in done.stdout

@@ -18,7 +18,8 @@ model kind every setting family can take (`AdapterGenerator`), without writing t
 
     adapter = ModelAdapter("my-mlp", make_model, make_batch, torch.nn.functional.mse_loss)
 
-A batch is (input tensor, target tensor), split along dimension 0 by every setting. `layers` (submodule names whose
+A batch is (inputs, target): the inputs a tensor, a tuple of tensors (the module's positional arguments) or a dict of
+tensors (its keyword arguments: ids, masks, several inputs), every tensor split along dimension 0 by every setting. `layers` (submodule names whose
 composition, in order, is the forward) lets pipelines cut the model into stages; `tp_plan(module, world_size)` (module
 name → ParallelStyle, as the model's authors parallelize it) is what tensor parallelism and FSDP2 × TP run, instead
 of a plan derived from consecutive Linear layers. What the adapter does not give, a setting that needs it refuses as
@@ -35,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from difftest.contracts.batch import Batch
+from difftest.contracts.batch import POSITIONAL, Batch
 from difftest.contracts.errors import Unsupported, UserError
 from difftest.contracts.generator import Generator
 from difftest.contracts.spec import ModelSpec
@@ -87,6 +88,28 @@ def _numpy(value: Any, what: str, name: str) -> np.ndarray:
                         f"{exc})") from None
 
 
+def _inputs(batch: Batch, device: str, dtype: Any) -> tuple[Any, dict[str, Any]]:
+    """A batch's inputs as the module takes them: one tensor, positional tensors, or keyword ones (floats in the
+    module's dtype: the float64 calibration runs the same batch)."""
+    import torch
+
+    def tensor(array: np.ndarray) -> Any:
+        x = torch.as_tensor(array, device=device)
+        return x.to(dtype) if x.is_floating_point() else x
+
+    if not batch.named:
+        assert batch.dense is not None  # an adapter batch holds one tensor or named ones
+        return tensor(batch.dense), {}
+    positional = tuple(tensor(batch.named[f"{POSITIONAL}{i}"]) for i in range(len(batch.named))
+                       if f"{POSITIONAL}{i}" in batch.named)
+    return positional, {k: tensor(v) for k, v in batch.named.items() if not k.startswith(POSITIONAL)}
+
+
+def _call(module: Any, batch: Batch, device: str, dtype: Any) -> Any:
+    inputs, keywords = _inputs(batch, device, dtype)
+    return module(*inputs, **keywords) if isinstance(inputs, tuple) else module(inputs, **keywords)
+
+
 class AdapterGenerator(Generator):
     """The generator protocol over a `ModelAdapter`."""
 
@@ -118,11 +141,16 @@ class AdapterGenerator(Generator):
             if not (isinstance(made, tuple | list) and len(made) == 2):
                 raise UserError(f"adapter {self.kind!r}: batch(seed, size) must return (inputs, target), not "
                                 f"{type(made).__name__}")
-            x, y = (_numpy(v, what, self.kind) for v, what in zip(made, ("inputs", "target"), strict=True))
-            if len(x) != batch_size or len(y) != batch_size:
-                raise UserError(f"adapter {self.kind!r}: batch(seed, {batch_size}) gave {len(x)} inputs and {len(y)} "
-                                f"targets; it must give {batch_size} of each")
-            batches[split] = Batch(labels=y.astype(np.float32) if y.dtype.kind == "f" else y, dense=x)
+            given, y = made[0], _numpy(made[1], "target", self.kind)
+            named = ({str(k): v for k, v in given.items()} if isinstance(given, dict) else
+                     {f"{POSITIONAL}{i}": v for i, v in enumerate(given)} if isinstance(given, tuple | list) else {})
+            arrays = {k: _numpy(v, f"input {k!r}", self.kind) for k, v in named.items()}
+            x = None if named else _numpy(given, "inputs", self.kind)
+            for what, array in [("target", y), *([("inputs", x)] if x is not None else arrays.items())]:
+                if array.ndim == 0 or len(array) != batch_size:
+                    raise UserError(f"adapter {self.kind!r}: batch(seed, {batch_size}) gave {what} of shape "
+                                    f"{array.shape}; every tensor of a batch must have {batch_size} samples first")
+            batches[split] = Batch(labels=y.astype(np.float32) if y.dtype.kind == "f" else y, dense=x, named=arrays)
         return batches
 
     def build(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None,
@@ -144,11 +172,7 @@ class AdapterGenerator(Generator):
         return module
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
-        import torch
-
-        dtype = next(iter(module.parameters())).dtype
-        x = torch.as_tensor(batch.dense, device=device)
-        return module(x.to(dtype) if x.is_floating_point() else x)
+        return _call(module, batch, device, next(iter(module.parameters())).dtype)
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         return {"prediction": self.forward(module, batch, device)}
@@ -175,7 +199,6 @@ class AdapterGenerator(Generator):
     def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
         """The model cut at its `layers`: the first unit reads the batch's inputs at the positions it is given and runs
         the first layer, every next unit is the next layer."""
-        import torch
 
         from difftest.contracts.chain import BatchSource, FedUnit, LayerChain
 
@@ -189,14 +212,13 @@ class AdapterGenerator(Generator):
         if outside:
             raise Unsupported(f"adapter {self.kind!r}: parameters outside its layers ({', '.join(outside[:3])}): a "
                               "pipeline stage would not own them")
+        if any(not name.startswith(POSITIONAL) for name in self.inputs(spec, 2)["train"].named):
+            raise Unsupported(f"adapter {self.kind!r}: its first layer takes keyword inputs; a pipeline stage is fed "
+                              "one tensor or positional ones")
         source = BatchSource()
         dtype = next(iter(module.parameters())).dtype
-
-        def inputs_at(positions: Any) -> Any:
-            x = torch.as_tensor(source.samples(positions).dense, device=device)
-            return x.to(dtype) if x.is_floating_point() else x
-
-        return LayerChain([FedUnit(inputs_at, layers[0]), *layers[1:]], source,
+        return LayerChain([FedUnit(lambda positions: _inputs(source.samples(positions), device, dtype)[0], layers[0]),
+                           *layers[1:]], source,
                           lambda: dict(module.named_parameters()), "prediction")
 
     def tp_plan(self, module: Any, world_size: int, sequence_parallel: bool,

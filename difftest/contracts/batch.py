@@ -41,13 +41,18 @@ class JaggedFeature:
         return JaggedFeature(self.lengths, self.values[order], None if self.weights is None else self.weights[order])
 
 
+POSITIONAL = "*"  # a `Batch.named` input passed by position: "*0", "*1", … (no keyword argument is named so)
+
+
 @dataclass
 class Batch:
-    """A batch of samples: dense features, sparse features and labels."""
+    """A batch of samples: dense features, sparse features and labels; `named` holds a model's several inputs (a
+    user's dict of tensors, masks and ids; a tuple's as "*0", "*1", …), each split along its first axis like the rest."""
 
     labels: np.ndarray
     dense: np.ndarray | None = None
     sparse: dict[str, JaggedFeature] = field(default_factory=dict)
+    named: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -56,12 +61,13 @@ class Batch:
     def slice(self, start: int, stop: int) -> Batch:
         dense = None if self.dense is None else self.dense[start:stop]
         sparse = {name: feature.slice(start, stop) for name, feature in self.sparse.items()}
-        return Batch(self.labels[start:stop], dense, sparse)
+        return Batch(self.labels[start:stop], dense, sparse, {k: v[start:stop] for k, v in self.named.items()})
 
     def take(self, samples: np.ndarray) -> Batch:
         """The samples at positions `samples`, in that order (a data loader's shuffled batch)."""
         dense = None if self.dense is None else self.dense[samples]
-        return Batch(self.labels[samples], dense, {name: f.take(samples) for name, f in self.sparse.items()})
+        return Batch(self.labels[samples], dense, {name: f.take(samples) for name, f in self.sparse.items()},
+                     {k: v[samples] for k, v in self.named.items()})
 
     def reordered(self, rng: np.random.Generator) -> tuple[Batch, np.ndarray]:
         """The samples in another order, and each bag's ids too, with the order taken (sums over either are
@@ -93,6 +99,7 @@ class Batch:
             arrays[f"{prefix}.sparse.{name}.values"] = feature.values
             if feature.weights is not None:
                 arrays[f"{prefix}.sparse.{name}.weights"] = feature.weights
+        arrays.update({f"{prefix}.named.{name}": array for name, array in self.named.items()})
         return arrays
 
     @classmethod
@@ -106,4 +113,5 @@ class Batch:
             )
             for name in names
         }
-        return cls(arrays[cls.labels_key(prefix)], arrays.get(f"{prefix}.dense"), sparse)
+        named = {k[len(f"{prefix}.named."):]: v for k, v in arrays.items() if k.startswith(f"{prefix}.named.")}
+        return cls(arrays[cls.labels_key(prefix)], arrays.get(f"{prefix}.dense"), sparse, named)

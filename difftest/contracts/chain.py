@@ -55,14 +55,15 @@ class LayerChain:
 
 class FedUnit(torch.nn.Module):
     """A chain's first unit where the model's first layer takes the batch's inputs as they are: those at the positions
-    it is given, through `layer`."""
+    it is given (one tensor, or a tuple of the layer's positional arguments), through `layer`."""
 
     def __init__(self, inputs_at: Callable[[torch.Tensor], Any], layer: torch.nn.Module) -> None:
         super().__init__()
         self.inputs_at, self.layer = inputs_at, layer
 
     def forward(self, positions: torch.Tensor) -> Any:
-        return self.layer(self.inputs_at(positions))
+        inputs = self.inputs_at(positions)
+        return self.layer(*inputs) if isinstance(inputs, tuple) else self.layer(inputs)
 
 
 class ChainStage(torch.nn.Module):

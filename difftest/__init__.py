@@ -29,7 +29,7 @@ import sys
 import warnings
 from typing import Any
 
-from difftest.contracts.adapter import ModelAdapter
+from difftest.contracts.adapter import AdapterGenerator, ModelAdapter
 from difftest.contracts.batch import Batch, JaggedFeature
 from difftest.contracts.devices import (
     DATA_PARALLEL,
@@ -69,6 +69,7 @@ __all__ = [
     "SHARDED",
     "UNIT_ROUNDOFF",
     "UNPLACED",
+    "AdapterGenerator",
     "Batch",
     "BatchSource",
     "ChainStage",

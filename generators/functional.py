@@ -241,4 +241,4 @@ def _is_residual(layers: list[dict], add: dict) -> bool:
 
 register_generator("keras-dag", FunctionalGenerator("keras-dag", _draw_dag, frozenset({"keras", "torch", "dag"})))
 register_generator("keras-transformer", FunctionalGenerator(
-    "keras-transformer", _draw_transformer, frozenset({"keras", "torch", "transformer"})))
+    "keras-transformer", _draw_transformer, frozenset({"keras", "torch", "transformer", "blocks"})))

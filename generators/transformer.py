@@ -40,7 +40,7 @@ _STAGE_WORDS = (("tok_embeddings", 0), ("norm", 3), ("output", 4), ("prediction"
 
 class TransformerGenerator(Generator):
     kind = KIND
-    traits = frozenset({"torch", "transformer"})
+    traits = frozenset({"torch", "transformer", "blocks"})
 
     def spec(self, seed: int, index: int) -> ModelSpec:
         rng = _rng(seed, index)

@@ -65,8 +65,9 @@ class ActivationCheckpointing(Setting):
         return across(self.world_size, {"single": frozenset(), "ddp": DATA_PARALLEL, "fsdp2": SHARDED}[self.wrap])
 
     def supports(self, spec: ModelSpec) -> str | None:
-        if "transformer" not in traits_of(spec.kind):
-            return f"model kind {spec.kind!r} has no transformer blocks to checkpoint"
+        if "blocks" not in traits_of(spec.kind):
+            return (f"model kind {spec.kind!r} has no blocks to checkpoint (an adapter names them: "
+                    "ModelAdapter(blocks=(...)))")
         return None
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:

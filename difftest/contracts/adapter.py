@@ -118,6 +118,8 @@ class AdapterGenerator(Generator):
     def __init__(self, adapter: ModelAdapter) -> None:
         self.adapter = adapter
         self.kind = adapter.name
+        if adapter.blocks:  # activation checkpointing wraps them
+            self.traits = self.traits | {"blocks"}
 
     def spec(self, seed: int, index: int) -> ModelSpec:
         return ModelSpec(kind=self.kind, seed=seed, index=index, params={}, frozen=tuple(self.adapter.frozen))

@@ -68,7 +68,8 @@ class Generator(abc.ABC):
     """Base class of every model kind's generator."""
 
     kind: str  # the name it registers under, which model ids begin with
-    # what its models are made of ("torch", "torchrec", "keras", "transformer"): settings decide `supports` by these,
+    # what its models are made of ("torch", "torchrec", "keras", "transformer"; "blocks": repeated blocks, `blocks`,
+    # to checkpoint), what they are ("user": a user's own, "zoo": a model library's): settings decide `supports` by these,
     # never by a kind's name, so a new kind runs every family its traits admit
     traits: frozenset[str] = frozenset()
 

@@ -1,0 +1,163 @@
+"""Model zoos as kinds (the `[zoo]` extra): what users train, with the parallel plans their libraries ship.
+
+`hf-<architecture>`: Hugging Face `transformers` models built from their config classes at small sizes — Llama,
+Qwen2 and Mixtral (a mixture of experts) as causal language models, GPT-2, BERT as a sequence classifier — their
+weights drawn from the seed (nothing is downloaded). Their batch is what the library takes, `input_ids` and an
+`attention_mask` with right padding, by keyword. The tensor-parallel settings (and FSDP2 × TP) run the model's own
+plan as the library applies it: `transformers.distributed.tensor_parallel.apply_tensor_parallelism` with the plan the
+model resolves for the world size (`_resolve_parallel_plans`, what `from_pretrained(tp_plan=…)` runs); an
+architecture that ships no plan is refused with that reason. FSDP2's units and activation checkpointing take the
+decoder or encoder layers.
+
+`timm-<model>`: small `timm` vision models (a ViT, a ConvNeXt) from `timm.create_model(…, pretrained=False)`,
+classifying 32×32 images; FSDP2 and checkpointing take their blocks.
+
+A zoo's findings are the library's (triaged against the manifest like any built-in kind's), not the user's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from difftest import AdapterGenerator, ModelAdapter, Unsupported, register_generator
+
+EXTRA = "install the zoo: pip install 'difftest[zoo]'"
+VOCABULARY, POSITIONS, CLASSES = 64, 8, 5
+
+# architecture → (config class, model class, config fields, the blocks' module path)
+_SMALL = dict(vocab_size=VOCABULARY, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4 * POSITIONS)
+HUGGING_FACE = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _SMALL, "model.layers"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _SMALL, "model.layers"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**_SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
+                "model.layers"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCABULARY, n_embd=32, n_layer=2, n_head=8,
+                                                   n_positions=4 * POSITIONS, bos_token_id=0, eos_token_id=0),
+             "transformer.h"),
+    "bert": ("BertConfig", "BertForSequenceClassification", dict(vocab_size=VOCABULARY, hidden_size=32,
+                                                                 num_hidden_layers=2, num_attention_heads=8,
+                                                                 intermediate_size=64, num_labels=CLASSES,
+                                                                 max_position_embeddings=4 * POSITIONS),
+             "bert.encoder.layer"),
+}
+# timm model → its options and the blocks' module path
+TIMM = {
+    "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4), "blocks"),
+    "convnext": ("convnext_atto", dict(depths=(1, 1, 1, 1), dims=(16, 32, 48, 64)), "stages"),
+}
+LAYERS = 2
+
+
+def _missing(library: str) -> str | None:
+    return None if importlib.util.find_spec(library) else f"needs {library} ({EXTRA})"
+
+
+def _module_class() -> Any:
+    import torch  # here, not at import: the plugin loads in every rank, a zoo kind only where it runs
+
+    class LibraryModel(torch.nn.Module):
+        """The library's model, called as the library documents it, its output's tensor handed back."""
+
+        def __init__(self, model: Any, output: str) -> None:
+            super().__init__()
+            self.lm, self.output = model, output
+
+        def forward(self, **inputs: Any) -> Any:
+            return getattr(self.lm(**inputs), self.output) if self.output else self.lm(**inputs)
+
+    return LibraryModel
+
+
+def _hugging_face_model(architecture: str, seed: int) -> Any:
+    import torch
+    import transformers
+
+    config_class, model_class, fields, _ = HUGGING_FACE[architecture]
+    config = getattr(transformers, config_class)(**fields)
+    torch.manual_seed(seed)
+    return _module_class()(getattr(transformers, model_class)(config), "logits")
+
+
+def _token_batch(architecture: str, seed: int, size: int) -> tuple[dict[str, Any], Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCABULARY, (size, POSITIONS), generator=generator)
+    lengths = torch.randint(POSITIONS // 2, POSITIONS + 1, (size,), generator=generator)
+    mask = (torch.arange(POSITIONS)[None, :] < lengths[:, None]).long()  # right padding, as a tokenizer pads
+    if architecture == "bert":
+        return {"input_ids": ids, "attention_mask": mask}, torch.randint(0, CLASSES, (size,), generator=generator)
+    return {"input_ids": ids, "attention_mask": mask}, torch.roll(ids, -1, dims=1)
+
+
+def _class_loss(prediction: Any, target: Any) -> Any:
+    """The mean cross-entropy over every position's (or sample's) classes."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1))
+
+
+def _library_plan(module: Any, world_size: int) -> dict[str, Any]:
+    """The model's own tensor-parallel plan, applied by the library: one ParallelStyle at the wrapped model whose
+    `_apply` is transformers' own."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    if not module.lm._tp_plan:
+        raise Unsupported(f"{type(module.lm).__name__} ships no tensor-parallel plan in this transformers release")
+
+    class TransformersTensorParallel(ParallelStyle):
+        def _apply(self, model: Any, device_mesh: Any) -> Any:
+            plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=device_mesh.size()))
+            return apply_tensor_parallelism(model, device_mesh, plan)
+
+    return {"lm": TransformersTensorParallel()}
+
+
+def _image_model(name: str, seed: int) -> Any:
+    import timm
+    import torch
+
+    model, options, _ = TIMM[name]
+    torch.manual_seed(seed)
+    return timm.create_model(model, pretrained=False, num_classes=CLASSES, **options)
+
+
+def _image_batch(seed: int, size: int) -> tuple[Any, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 3, 32, 32, generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
+
+
+class ZooKind(AdapterGenerator):
+    """A zoo model as a kind: the adapter's protocol, the library's findings (no "user" trait)."""
+
+    traits = frozenset({"torch", "zoo"})
+
+    def __init__(self, adapter: ModelAdapter, library: str) -> None:
+        super().__init__(adapter)
+        self.library = library
+
+    def available(self) -> str | None:
+        return _missing(self.library)
+
+
+def _register() -> None:
+    from functools import partial
+
+    for architecture, (_, _, _, blocks) in HUGGING_FACE.items():
+        adapter = ModelAdapter(f"hf-{architecture}", partial(_hugging_face_model, architecture),
+                               partial(_token_batch, architecture), _class_loss,
+                               blocks=tuple(f"lm.{blocks}.{i}" for i in range(LAYERS)), tp_plan=_library_plan)
+        register_generator(adapter.name, ZooKind(adapter, "transformers"))
+    for name, (_, _, blocks) in TIMM.items():
+        adapter = ModelAdapter(f"timm-{name}", partial(_image_model, name), _image_batch, _class_loss,
+                               blocks=tuple(f"{blocks}.{i}" for i in range(LAYERS)))
+        register_generator(adapter.name, ZooKind(adapter, "timm"))
+
+
+_register()

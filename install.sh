@@ -39,10 +39,10 @@ else
   FBGEMM_PKG="fbgemm-gpu-cpu==$FBGEMM"
 fi
 
-EXTRAS=${DIFFTEST_EXTRAS:-test,tf,ray}
+EXTRAS=${DIFFTEST_EXTRAS:-test,tf,ray,zoo}
 pip_install "torch==$TORCH"
-# the converters import torchvision, whose build must match torch's
-case ",$EXTRAS," in *,tf,*) pip_install "torch==$TORCH" "torchvision==$TORCHVISION" ;; esac
+# the converters and timm import torchvision, whose build must match torch's
+case ",$EXTRAS," in *,tf,*|*,zoo,*) pip_install "torch==$TORCH" "torchvision==$TORCHVISION" ;; esac
 pip_install "$FBGEMM_PKG"
 pip_install --no-deps "torchrec==$TORCHREC"
 # DIFFTEST_EXTRAS=test installs without TensorFlow (DLRM models and PyTorch settings only) and without Ray

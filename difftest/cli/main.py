@@ -119,6 +119,15 @@ def _models_of(text: str) -> dict[str, int]:
     return counts
 
 
+def _default_job_models_of() -> str:
+    """The default job's models per kind: a model zoo's kinds (trait "zoo", the [zoo] extra) only when asked for."""
+    from difftest.contracts.registry import generator_kinds, load_plugins, traits_of
+
+    load_plugins()
+    zoo = [f"{kind}=0" for kind in generator_kinds() if "zoo" in traits_of(kind)]
+    return ",".join([DEFAULT_JOB_MODELS_OF, *zoo])
+
+
 def model_counts(models: int | None, models_of: str | None, kind: str,
                  default_models_of: str = DEFAULT_JOB_MODELS_OF) -> tuple[int, str, str | None]:
     """(models per kind, --models-of, one line saying which option won where they disagree) for `run`: `--kind K`
@@ -453,7 +462,7 @@ def run(
     where = _executor(executor, address, cpus_per_rank)
     _check_devices(device, backend, where)
     _check_jobs(jobs, where)
-    count, models_of, which_wins = model_counts(models, models_of, kind)
+    count, models_of, which_wins = model_counts(models, models_of, kind, _default_job_models_of())
     if which_wins:
         console.print(which_wins, highlight=False)
     if getattr(where, "kind", "local") == "local":

@@ -26,15 +26,18 @@ EXTRA = "install the zoo: pip install 'difftest[zoo]'"
 VOCABULARY, POSITIONS, CLASSES = 64, 8, 5
 
 # architecture → (config class, model class, config fields, the blocks' module path)
+# use_cache off, as for training: a decoder's key/value cache grows at every forward, so a checkpointed layer's
+# recomputation would attend over the keys twice (HF's own gradient checkpointing turns it off for that reason)
 _SMALL = dict(vocab_size=VOCABULARY, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4 * POSITIONS)
+              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4 * POSITIONS, use_cache=False)
 HUGGING_FACE = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _SMALL, "model.layers"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _SMALL, "model.layers"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**_SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
                 "model.layers"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCABULARY, n_embd=32, n_layer=2, n_head=8,
-                                                   n_positions=4 * POSITIONS, bos_token_id=0, eos_token_id=0),
+                                                   n_positions=4 * POSITIONS, bos_token_id=0, eos_token_id=0,
+                                                   use_cache=False),
              "transformer.h"),
     "bert": ("BertConfig", "BertForSequenceClassification", dict(vocab_size=VOCABULARY, hidden_size=32,
                                                                  num_hidden_layers=2, num_attention_heads=8,

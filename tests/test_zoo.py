@@ -1,0 +1,64 @@
+"""Model zoos as kinds (generators/zoo.py, the [zoo] extra): Hugging Face models under their library's own
+tensor-parallel plan, FSDP2 per decoder layer and activation checkpointing; what a zoo model cannot take, refused with
+the reason; its findings the library's, not the user's."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="the [zoo] extra (transformers, timm) is not installed")
+
+SETTINGS = ("ddp/default/ws2,tp/colwise-rowwise/ws2,fsdp2-tp/dp2-tp2/colwise-rowwise/ws4,"
+            "ac/fsdp2/reentrant/ws2,pipeline/gpipe/ws2/stages2/mb2/balanced")
+
+
+def _run(out: Path, kind: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", kind,
+                           "--models", "1", "--settings", SETTINGS, "--minimise-budget", "0"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_mixture_of_experts_trains_the_same_under_the_librarys_own_tensor_parallel_plan(tmp_path: Path) -> None:
+    done = _run(tmp_path / "run", "hf-mixtral")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = pd.read_csv(tmp_path / "run" / "summary.csv", index_col=0)
+    for setting in ("ddp/default/ws2", "tp/colwise-rowwise/ws2", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4",
+                    "ac/fsdp2/reentrant/ws2"):
+        assert cases.loc[setting, "ok"] == 1, cases.to_string()
+    compared = pd.read_csv(tmp_path / "run" / "comparisons.csv")
+    notes = set(compared[compared["setting"] == "tp/colwise-rowwise/ws2"]["message"])
+    assert notes == {"plan: lm: TransformersTensorParallel"}, notes  # transformers applied its own plan
+    refused = pd.read_csv(tmp_path / "run" / "inconsistencies.csv").set_index("setting")
+    assert "gives no layer list" in refused.loc["pipeline/gpipe/ws2/stages2/mb2/balanced", "message"]
+
+
+def test_an_architecture_without_a_plan_is_refused_for_tensor_parallel_with_that_reason(tmp_path: Path) -> None:
+    done = _run(tmp_path / "run", "hf-gpt2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused = pd.read_csv(tmp_path / "run" / "inconsistencies.csv").set_index("setting")
+    assert "GPT2LMHeadModel ships no tensor-parallel plan" in refused.loc["tp/colwise-rowwise/ws2", "message"]
+    cases = pd.read_csv(tmp_path / "run" / "summary.csv", index_col=0)
+    assert cases.loc["ddp/default/ws2", "ok"] == 1 and cases.loc["ac/fsdp2/reentrant/ws2", "ok"] == 1
+
+
+def test_zoo_kinds_are_the_librarys_findings_and_stay_out_of_the_default_job() -> None:
+    from difftest.cli.main import _default_job_models_of, _models_of
+    from difftest.contracts.registry import generator_kinds, load_plugins, traits_of
+
+    load_plugins()
+    zoo = {kind for kind in generator_kinds() if "zoo" in traits_of(kind)}
+    assert {"hf-llama", "hf-mixtral", "hf-bert", "timm-vit"} <= zoo
+    assert all("user" not in traits_of(kind) for kind in zoo)  # triaged against the manifest, not "your-model"
+    counts = _models_of(_default_job_models_of())
+    assert all(counts[kind] == 0 for kind in zoo)

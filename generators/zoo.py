@@ -25,7 +25,8 @@ from difftest import AdapterGenerator, ModelAdapter, Unsupported, register_gener
 EXTRA = "install the zoo: pip install 'difftest[zoo]'"
 VOCABULARY, POSITIONS, CLASSES = 64, 8, 5
 
-# architecture → (config class, model class, config fields, the blocks' module path)
+# architecture → (config class, model class, config fields, the blocks' module path). Dropout is off: each process
+# would draw its own masks, a difference of the setup, not of the library (GPT-2's and BERT's defaults are 0.1)
 # use_cache off, as for training: a decoder's key/value cache grows at every forward, so a checkpointed layer's
 # recomputation would attend over the keys twice (HF's own gradient checkpointing turns it off for that reason)
 _SMALL = dict(vocab_size=VOCABULARY, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -37,12 +38,15 @@ HUGGING_FACE = {
                 "model.layers"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCABULARY, n_embd=32, n_layer=2, n_head=8,
                                                    n_positions=4 * POSITIONS, bos_token_id=0, eos_token_id=0,
-                                                   use_cache=False),
+                                                   use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                   attn_pdrop=0.0),
              "transformer.h"),
     "bert": ("BertConfig", "BertForSequenceClassification", dict(vocab_size=VOCABULARY, hidden_size=32,
                                                                  num_hidden_layers=2, num_attention_heads=8,
                                                                  intermediate_size=64, num_labels=CLASSES,
-                                                                 max_position_embeddings=4 * POSITIONS),
+                                                                 max_position_embeddings=4 * POSITIONS,
+                                                                 hidden_dropout_prob=0.0,
+                                                                 attention_probs_dropout_prob=0.0),
              "bert.encoder.layer"),
 }
 # timm model → its options and the blocks' module path

@@ -62,3 +62,18 @@ def test_zoo_kinds_are_the_librarys_findings_and_stay_out_of_the_default_job() -
     assert all("user" not in traits_of(kind) for kind in zoo)  # triaged against the manifest, not "your-model"
     counts = _models_of(_default_job_models_of())
     assert all(counts[kind] == 0 for kind in zoo)
+
+
+def test_a_view_dtensor_refuses_by_design_is_unsupported_with_its_words(tmp_path: Path) -> None:
+    """timm's ViT reshapes its fused qkv projection to (3, heads, width): under a derived tensor-parallel plan the
+    sharded width cannot be unflattened, which DTensor refuses by design (pytorch#149764); not an error of anyone's."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", "timm-vit",
+                           "--models", "1", "--settings", "tp/colwise-rowwise/ws2", "--minimise-budget", "0"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused = pd.read_csv(out / "inconsistencies.csv").set_index("setting")
+    message = refused.loc["tp/colwise-rowwise/ws2", "message"]
+    assert refused.loc["tp/colwise-rowwise/ws2", "status"] == "unsupported", message
+    assert "refuses, by design" in message and "Cannot unflatten unevenly sharded tensor" in message

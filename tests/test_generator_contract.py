@@ -11,12 +11,14 @@ import pytest
 
 from difftest.cli.main import BUILTIN_KINDS
 from difftest.contracts.registry import generator_kinds, get_generator, load_plugins
+from generators.zoo import HUGGING_FACE, TIMM
 from tests.conftest import PLANTED
 
 # the kinds as parameters, without loading a plugin at collection: a plugin's settings registered while pytest collects
 # would join every tier of a session that runs none of these tests (the end-to-end one)
 PLUGINS = (PLANTED, "tests.plugins.tiny")
-KINDS = (*BUILTIN_KINDS, "tiny-mlp")
+ZOO = (*(f"hf-{name}" for name in HUGGING_FACE), *(f"timm-{name}" for name in TIMM))
+KINDS = (*BUILTIN_KINDS, *ZOO, "tiny-mlp")
 
 
 def test_the_contract_covers_every_registered_kind() -> None:

@@ -380,15 +380,17 @@ def test_install_sh_installs_into_dot_venv_whatever_virtualenv_is_active(tmp_pat
 
 def test_help_lists_the_model_kinds() -> None:
     from difftest.cli.main import BUILTIN_KINDS
-    from difftest.contracts.registry import generator_kinds, get_generator
+    from difftest.contracts.registry import generator_kinds, get_generator, traits_of
 
     load_plugins()  # other tests of this process may have loaded plugins of their own: compare the built-in ones
     builtin = {k for k in generator_kinds() if type(get_generator(k)).__module__.startswith("generators.")}
-    assert set(BUILTIN_KINDS) == builtin
+    zoo = {k for k in builtin if "zoo" in traits_of(k)}
+    assert set(BUILTIN_KINDS) == builtin - zoo
     for command in ("generate", "run"):
         result = subprocess.run([sys.executable, "-m", "difftest.cli", command, "--help"], capture_output=True,
                                 text=True, timeout=60, env={**__import__("os").environ, "COLUMNS": "200"})
         assert all(kind in result.stdout for kind in BUILTIN_KINDS), result.stdout
+        assert "hf-llama" in result.stdout and "[zoo] extra" in result.stdout
 
 
 @pytest.mark.parametrize(("models", "models_of", "kind", "expected"), [

@@ -91,7 +91,7 @@ FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 w
 BaselineOpt = Annotated[Path | None, typer.Option("--baseline", help="Accepted causes: a JSON list of cause keys, or an earlier run's summary.json. Exit 1 only when a finding's cause is not in it (summary.json and junit.xml mark the accepted ones).")]
 # the built-in kinds, written out so that --help needs no import of torch (a test keeps the list in step)
 BUILTIN_KINDS = ("dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer", "sequential", "keras-dag", "keras-transformer")
-KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
+KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a model zoo's (hf-llama, hf-qwen2, hf-mixtral, hf-gpt2, hf-bert, timm-vit, timm-convnext: the \\[zoo] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
 TierOpt = Annotated[str | None, typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
 MinimiseOpt = Annotated[float, typer.Option("--minimise-budget", "--minimize-budget", min=0, help="Seconds per finding to shrink its example case (fewer tables, layers, rows, ranks) while it still fails the same way; 0: no minimisation.")]
 # the default job's models per kind where not --models: one each of the larger kinds keeps it within minutes
@@ -483,7 +483,7 @@ def generate(
     models: Annotated[int | None, typer.Option("--models", min=1, help="Models per kind (default 2).")] = None,
     models_of: Annotated[str | None, typer.Option("--models-of", help="Comma-separated kind=N: models of those kinds, instead of --models.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Generation seed (default 0).")] = None,
-    kind: Annotated[str | None, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a kind a --plugin registers, or 'all' (the default: every kind this machine can build).")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a model zoo's (hf-llama, hf-mixtral, timm-vit, …: the \\[zoo] extra), a kind a --plugin registers, or 'all' (the default: every kind this machine can build).")] = None,
     steps: Annotated[int | None, typer.Option("--steps", min=1, help=f"Training steps per case (default: the run's own, else {RUN.steps}).")] = None,
     lr: Annotated[float | None, typer.Option("--lr", help=f"SGD learning rate (default: the run's own, else {RUN.lr}).")] = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size", min=12, help=f"Global batch, a multiple of 12 (default: the run's own, else {RUN.batch_size}).")] = None,

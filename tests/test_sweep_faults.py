@@ -224,20 +224,25 @@ def test_what_ranks_leave_in_the_temporary_folder_goes_with_their_group_closed_o
         assert not left.exists() and not Path(group.temp_dir).exists(), ending
 
 
+def _probe(fresh_run: Path, setting: str, world_size: int) -> Any:
+    """A planted probe setting's result in a fresh group of `world_size` ranks."""
+    from difftest.contracts.registry import load_plugins
+
+    group = WorkerGroup(world_size, fresh_run / "logs", load_plugins((PLANTED,)))
+    try:
+        probe = group.run_case(_request(_model_dirs(fresh_run)[0], setting), 120)
+    finally:
+        group.close()
+    assert probe.status == "ok", probe.message
+    return probe
+
+
 def test_a_cases_gloo_connections_are_on_the_loopback(fresh_run: Path, monkeypatch: Any) -> None:
     """Ranks meet at 127.0.0.1, but gloo binds its connections to the address the host name resolves to: a network
     interface where /etc/hosts does not name the host (after a DNS lookup). The ranks name the loopback for it (the
     store's server from torch 2.11 on: this stack's)."""
-    from difftest.contracts.registry import load_plugins
-
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)  # the user's own choice would win
-
-    group = WorkerGroup(2, fresh_run / "logs", load_plugins((PLANTED,)))
-    try:
-        probe = group.run_case(_request(_model_dirs(fresh_run)[0], "probes/gloo_addresses"), 120)
-    finally:
-        group.close()
-    assert probe.status == "ok", probe.message
+    probe = _probe(fresh_run, "probes/gloo_addresses", 2)
     interface, addresses = probe.outputs["addresses/utf8"].tobytes().decode().split("|")
     assert interface == "lo"
     assert addresses and set(addresses.split(",")) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, addresses
@@ -247,15 +252,8 @@ def test_cpu_ranks_and_the_processes_they_start_see_no_gpu(fresh_run: Path, monk
     """The import server hides the GPUs before torch is imported: TorchRec's and fbgemm's CPU paths asked CUDA for
     streams where a GPU was in reach, and ranks forked from a server that had touched CUDA failed every such case on
     a GPU machine. The user's own CUDA_VISIBLE_DEVICES does not reach a CPU rank either."""
-    from difftest.contracts.registry import load_plugins
-
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    group = WorkerGroup(1, fresh_run / "logs", load_plugins((PLANTED,)))
-    try:
-        probe = group.run_case(_request(_model_dirs(fresh_run)[0], "probes/visible_gpus"), 120)
-    finally:
-        group.close()
-    assert probe.status == "ok", probe.message
+    probe = _probe(fresh_run, "probes/visible_gpus", 1)
     assert probe.outputs["rank/utf8"].tobytes() == probe.outputs["started/utf8"].tobytes() == b"none"
 
 

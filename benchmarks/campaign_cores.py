@@ -5,8 +5,9 @@
 Each core count runs `difftest campaign` in a fresh folder (the same seeds and options: the same rounds, as far as each
 gets), its process and every rank it starts pinned to the first N cores the machine gives this process (the
 scheduler sizes its worker groups by that affinity). Per count the table gives rounds, cases, the rounds' wall
-time, cases per minute of the rounds and of the call's wall time, distinct causes and the folder's size on disk; `--out` keeps every campaign's log, its
-`--report` and a JSON of the rows. Options after `--` go to `difftest campaign` (e.g. `--kind transformer`).
+time, cases per minute of the rounds and of the call's wall time, distinct causes and the folder's size on disk;
+`--out` keeps every campaign's log, its `--report` and a JSON of the rows. Options after `--` go to `difftest
+campaign` (e.g. `--kind transformer`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ model kind every setting family can take (`AdapterGenerator`), without writing t
     adapter = ModelAdapter("my-mlp", make_model, make_batch, torch.nn.functional.mse_loss)
 
 A batch is (inputs, target): the inputs a tensor, a tuple of tensors (the module's positional arguments) or a dict of
-tensors (its keyword arguments: ids, masks, several inputs), every tensor split along dimension 0 by every setting. `layers` (submodule names whose
-composition, in order, is the forward) lets pipelines cut the model into stages; `tp_plan(module, world_size)` (module
+tensors (its keyword arguments: ids, masks, several inputs), every tensor split along dimension 0 by every setting.
+`layers` (submodule names whose composition, in order, is the forward) lets pipelines cut the model into stages; `tp_plan(module, world_size)` (module
 name → ParallelStyle, as the model's authors parallelize it) is what tensor parallelism and FSDP2 × TP run, instead
 of a plan derived from consecutive Linear layers. What the adapter does not give, a setting that needs it refuses as
 `unsupported` with the reason. Minimisation shrinks what difftest controls — the batch and the world size — not the

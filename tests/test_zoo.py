@@ -15,8 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="the [zoo] extra (transformers, timm) is not installed")
+needs_zoo = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                               reason="the [zoo] extra (transformers, timm) is not installed")
 
 SETTINGS = ("ddp/default/ws2,tp/colwise-rowwise/ws2,fsdp2-tp/dp2-tp2/colwise-rowwise/ws4,"
             "ac/fsdp2/reentrant/ws2,pipeline/gpipe/ws2/stages2/mb2/balanced")
@@ -29,6 +29,7 @@ def _run(out: Path, kind: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@needs_zoo
 def test_a_mixture_of_experts_trains_the_same_under_the_librarys_own_tensor_parallel_plan(tmp_path: Path) -> None:
     done = _run(tmp_path / "run", "hf-mixtral")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,6 +44,7 @@ def test_a_mixture_of_experts_trains_the_same_under_the_librarys_own_tensor_para
     assert "gives no layer list" in refused.loc["pipeline/gpipe/ws2/stages2/mb2/balanced", "message"]
 
 
+@needs_zoo
 def test_an_architecture_without_a_plan_is_refused_for_tensor_parallel_with_that_reason(tmp_path: Path) -> None:
     done = _run(tmp_path / "run", "hf-gpt2")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -52,6 +54,7 @@ def test_an_architecture_without_a_plan_is_refused_for_tensor_parallel_with_that
     assert cases.loc["ddp/default/ws2", "ok"] == 1 and cases.loc["ac/fsdp2/reentrant/ws2", "ok"] == 1
 
 
+@needs_zoo
 def test_zoo_kinds_are_the_librarys_findings_and_stay_out_of_the_default_job() -> None:
     from difftest.cli.main import _default_job_models_of, _models_of
     from difftest.contracts.registry import generator_kinds, load_plugins, traits_of
@@ -64,6 +67,7 @@ def test_zoo_kinds_are_the_librarys_findings_and_stay_out_of_the_default_job() -
     assert all(counts[kind] == 0 for kind in zoo)
 
 
+@needs_zoo
 def test_a_view_dtensor_refuses_by_design_is_unsupported_with_its_words(tmp_path: Path) -> None:
     """timm's ViT reshapes its fused qkv projection to (3, heads, width): under a derived tensor-parallel plan the
     sharded width cannot be unflattened, which DTensor refuses by design (pytorch#149764); not an error of anyone's."""
@@ -77,3 +81,12 @@ def test_a_view_dtensor_refuses_by_design_is_unsupported_with_its_words(tmp_path
     message = refused.loc["tp/colwise-rowwise/ws2", "message"]
     assert refused.loc["tp/colwise-rowwise/ws2", "status"] == "unsupported", message
     assert "refuses, by design" in message and "Cannot unflatten unevenly sharded tensor" in message
+
+
+def test_a_zoo_kind_without_its_library_says_which_extra_to_install() -> None:
+    from difftest import ModelAdapter
+    from generators.zoo import ZooKind
+
+    adapter = ModelAdapter("hf-nothing", lambda seed: None, lambda seed, size: (None, None), lambda p, t: None)
+    said = ZooKind(adapter, "no_such_library_here").available()
+    assert said == "needs no_such_library_here (install the zoo: pip install 'difftest[zoo]')"

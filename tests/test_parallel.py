@@ -333,3 +333,27 @@ def test_sequence_embeddings_shard_like_one_process_and_data_parallel_is_fbgemms
     assert any(t.startswith("seq.") for t in compared["tensor"])
     found = {f.known.id for f in triage(run_dir, analysis) if f.known is not None}
     assert "fbgemm-dense-tbe-cpu-pools-sequence" in found
+
+
+def test_torchrecs_clipping_optimizer_clips_the_dense_gradients_as_clip_grad_norm_does(tmp_path: Path) -> None:
+    """GradientClippingOptimizer around the dense part of a sharded model (fused tables unclipped, as in one
+    process): the same weights as clip_grad_norm_ in one process, for norm 2 and inf, with the clipping really
+    scaling (each case notes a total norm above max_norm)."""
+    import re
+
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
+    from settings.gradient_clipping import MAX_NORM
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
+    run_sweep(run_dir, SweepOptions(settings="torchrec-clip/*/table_wise/ws2,torchrec-clip/norm2/data_parallel/ws2,"
+                                             "torchrec-clip/norminf/column_wise/ws4"))
+    analysis = analyze(run_dir)
+    verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
+    for setting in ("torchrec-clip/norm2/table_wise/ws2", "torchrec-clip/norminf/table_wise/ws2",
+                    "torchrec-clip/norm2/data_parallel/ws2", "torchrec-clip/norminf/column_wise/ws4"):
+        assert verdicts[setting] == "ok", verdicts
+    notes = analysis.comparisons[analysis.comparisons["setting"].str.startswith("torchrec-clip/")]["message"]
+    norms = [float(n) for n in re.findall(r"total norm before clipping: ([0-9.e+-]+)", " ".join(notes))]
+    assert norms and min(norms) > MAX_NORM, norms

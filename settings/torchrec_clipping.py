@@ -96,7 +96,8 @@ class TorchRecClippingReference(Setting):
 
     def supports(self, spec: Any) -> str | None:
         if "torchrec" not in traits_of(spec.kind):
-            return f"TorchRec's clipping optimizer trains models with EmbeddingBagCollections; {spec.kind!r} has none"
+            return (f"TorchRec's clipping optimizer trains models with EmbeddingBagCollections; model kind "
+                    f"{spec.kind!r} has none")
         return None
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:

@@ -17,6 +17,7 @@ A zoo's findings are the library's (triaged against the manifest like any built-
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
@@ -61,6 +62,7 @@ def _missing(library: str) -> str | None:
     return None if importlib.util.find_spec(library) else f"needs {library} ({EXTRA})"
 
 
+@functools.cache  # one class per process, made at the first zoo model (not a new class per build)
 def _module_class() -> Any:
     import torch  # here, not at import: the plugin loads in every rank, a zoo kind only where it runs
 

@@ -144,6 +144,29 @@ def test_a_definition_named_on_the_line_that_failed_stays_though_it_never_ran() 
     compile(reduced, "reduced", "exec")
 
 
+def test_a_local_function_registered_to_run_after_the_failure_stays_though_it_never_ran() -> None:
+    """A gradient hook defined inside a function and registered before the forward fails: it never ran, but the
+    registration names it (a tensor-parallel script's reduction once lost it, and the reduced script raised NameError
+    instead of the library's exception)."""
+    source = textwrap.dedent('''\
+        def distribute(module):
+            def whole_gradient(parameter):
+                parameter.grad = parameter.grad.full_tensor()
+
+            def never_named(parameter):
+                return parameter
+
+            module.register_hook(whole_gradient)
+            return module
+        ''')
+    executed = _lines(source, "def distribute", "def whole_gradient", "def never_named", "module.register_hook",
+                      "return module")
+    reduced = prune_unexecuted(source, executed)
+    assert "def whole_gradient" in reduced and "full_tensor" in reduced
+    assert "def never_named" not in reduced
+    compile(reduced, "reduced", "exec")
+
+
 def test_unused_definitions_go_until_none_is_left_and_docstrings_but_the_scripts_own() -> None:
     source = '"""Own."""\nimport a, b\nfrom c import d, e\n\ndef f():\n    """Doc."""\n    return g()\n\n' \
              'def g():\n    return d\n\ndef h():\n    return h()\n\nprint(b)\n'

@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from difftest.scripts.syntax import parse
@@ -145,7 +146,10 @@ def _reduce_body(body: list[ast.stmt], executed: set[int], edits: _Edits) -> Non
     for node in body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             if not _body_ran(node.body, executed):
-                doomed.append(node)
+                # a local function never called, unless what runs beside it names it (a hook registered, to run
+                # after the failure): then it stays whole, as a top-level one does (`prune_unexecuted`)
+                if node.name not in _names_read(s for s in body if s is not node):
+                    doomed.append(node)
             else:
                 _reduce_body(node.body, executed, edits)
             continue
@@ -175,6 +179,10 @@ def _reduce_body(body: list[ast.stmt], executed: set[int], edits: _Edits) -> Non
         edits.replaced[first] = _indent(edits.lines[first - 1]) + "pass"
     for node in doomed:
         edits.delete(*_span(node))
+
+
+def _names_read(nodes: Iterable[ast.stmt]) -> set[str]:
+    return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def _is_docstring(node: ast.stmt) -> bool:

@@ -21,9 +21,11 @@ calibration runs that root's own code again, unchanged, with one thing changed a
   sharded parameters; the same root on an AVX2 instead of an AVX-512 CPU) legitimately lands;
 * `calib-bf16-{a,b,c}/<root>` — the same Monte Carlo arithmetic at bf16's unit roundoff, ±2⁻⁸: how far a
   legitimately bf16 computation of the root may land, for the bf16 settings; `calib-tf32-{a,b,c}/<root>` likewise at
-  TF32's, ±2⁻¹¹, for a root run on CUDA with TF32 on (`settings.device`).
+  TF32's, ±2⁻¹¹, for a root run on CUDA with TF32 on (`settings.device`), and `calib-fp16-{a,b,c}/<root>` at fp16's,
+  ±2⁻¹¹, for a setting that rounds what it sends to fp16 (TorchRec's quantized comms).
 
-The fp32 runs and the root itself give the envelope of legitimate fp32 results; the `bf16` runs the bf16 one. The
+The fp32 runs and the root itself give the envelope of legitimate fp32 results; the `bf16` runs the bf16 one, and
+so on. The
 root's code is not told it is being calibrated: the model and inputs it receives are wrapped. A root that builds its
 model somewhere this wrapper cannot reach (a fresh process) does not produce float64 outputs; that is checked, and
 the calibration is then `unsupported` with the reason, so its dependants are judged by the fixed oracle only.
@@ -309,10 +311,11 @@ def _calibration(base: Setting, mode: str) -> Calibration | None:
     return Calibration(base, mode)
 
 
-for _mode, _needed_by in (("float64", ("fp32", "bf16")), ("order", ("fp32",)), ("threads", ("fp32",)),
+for _mode, _needed_by in (("float64", ("fp32", "tf32", "fp16", "bf16")), ("order", ("fp32",)), ("threads", ("fp32",)),
                           ("microbatch", ("fp32",)),
                           ("fp32-a", ("fp32",)), ("fp32-b", ("fp32",)), ("fp32-c", ("fp32",)),
                           ("tf32-a", ("tf32",)), ("tf32-b", ("tf32",)), ("tf32-c", ("tf32",)),
+                          ("fp16-a", ("fp16",)), ("fp16-b", ("fp16",)), ("fp16-c", ("fp16",)),
                           ("bf16-a", ("bf16",)), ("bf16-b", ("bf16",)), ("bf16-c", ("bf16",))):
     register_calibration(f"calib-{_mode}", lambda base, mode=_mode: _calibration(base, mode), _needed_by,
                          centre=_mode == "float64")

@@ -20,4 +20,4 @@ BOUND_PREFIX = "allowed/"
 ACTIVATION = "/act"
 
 # the unit roundoff of each precision a setting may compute in (half the spacing of floats just above 1)
-UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-8}
+UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "fp16": 2.0**-11, "bf16": 2.0**-8}

@@ -130,8 +130,10 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     events.triaged(findings, time.perf_counter() - started)
     focused = [f for f in findings if options.focus is None or options.focus(f)]
     # a running sweep's findings are not final: they get no scripts
+    # a script is shrunk by trials within its finding's minimisation budget
     scripts = None if analysis.sweep_running else StandaloneScripts(run_dir, focused, options.tolerance,
-                                                                      options.check_standalone_s)
+                                                                      options.check_standalone_s,
+                                                                      options.minimise_budget_s)
     minimised = minimise(run_dir, focused, analysis, options, events,
                          on_done=scripts.finding_done if scripts is not None else None)
     if scripts is not None:

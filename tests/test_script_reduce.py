@@ -308,3 +308,64 @@ def test_a_reducer_that_fails_keeps_the_full_script_and_a_check_that_fails_is_th
     assert done.our_defect and done.checked is None
     said = (folder / "standalone.txt").read_text()
     assert said.startswith("standalone.py written, not checked: a defect of difftest's: OSError: no such interpreter")
+
+
+SHRINKABLE = textwrap.dedent(f'''\
+    """What the script shows."""
+    import sys
+
+    def scale(x):
+        return x * 2
+
+    def compute(x):
+        # a comment about the padding below, which goes with it
+        padding = sum(range(10))
+        if x > 0:
+            x = scale(x)
+        print("a line of the library's, not a verdict")
+        with open(__file__):
+            x = x + 1
+        return x
+
+    {SHARED_MARKER}: start the ranks, judge, report ---
+    def main():
+        value = compute(3)
+        print(f"t: 1 of 1 elements off, 9.9x what rounding explains; at (0,) single process 3.0, setting {{value}}")
+        print("BUG PRESENT: the setting disagrees with the single-process program")
+        return 1
+
+    if __name__ == "__main__":
+        sys.exit(main())
+    ''')
+
+
+def test_trials_remove_what_the_verdict_does_not_need_and_keep_what_changes_it(tmp_path: Path) -> None:
+    """Deleting the padding, the chatter and its comment, and unwrapping the `if` and the `with`, leave the verdict
+    line as it was: kept. Deleting the doubling or the increment changes the value printed: not kept. The part every
+    script shares is the same text after the trials."""
+    from difftest.scripts.shrink import shrink
+
+    folder = tmp_path / "finding"
+    folder.mkdir()
+    script = folder / "standalone.py"
+    script.write_text(SHRINKABLE)
+    original = script.read_text()
+    checked, _ = traced_check(script, 60)
+    assert checked.exit_code == 1 and "setting 7" in checked.output, checked.output
+    result = shrink(script, checked.output, budget_s=120, timeout_s=60)
+    shrunk = script.read_text()
+    assert "padding" not in shrunk and "a comment about" not in shrunk and "library's" not in shrunk, shrunk
+    assert "if x > 0" not in shrunk and "with open" not in shrunk, shrunk
+    assert "x = scale(x)" in shrunk and "x = x + 1" in shrunk and "return x * 2" in shrunk, shrunk
+    marker = original.index(SHARED_MARKER)
+    assert shrunk.endswith(original[marker:])
+    assert result.kept == 4 and result.lines_after == result.lines_before - 5, result
+    assert same_bug(checked.output, traced_check(script, 60)[0].output)
+
+
+def test_an_edit_that_leaves_a_name_undefined_is_never_run() -> None:
+    from difftest.scripts.shrink import undefined_names
+
+    assert undefined_names("def f():\n    return g()\n") == {"g"}
+    assert undefined_names("import os\nfrom a import b as c\ndef f(x, *a, k=1, **kw):\n    try:\n        pass\n"
+                           "    except E as e:\n        return os, c, x, a, k, kw, e, len, [y for y in x]\n") == {"E"}

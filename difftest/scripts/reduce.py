@@ -17,9 +17,9 @@ import ast
 import re
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from difftest.scripts.syntax import parse
@@ -72,12 +72,15 @@ class Reduction:
     seconds: float
     kept: bool
     why_not: str = ""  # where not kept: why (it did not reproduce the same way, the traced run failed, …)
+    trials: int = 0  # edits tried one at a time (`difftest.scripts.shrink`)
+    kept_edits: int = 0  # of them, those that showed the same bug
 
     def describe(self) -> str:
+        trials = f"; {self.kept_edits} of {self.trials} trial edits kept" if self.trials else ""
         if self.kept:
             return (f"reduced from {self.lines_before} to {self.lines_after} lines in {self.seconds:.0f} s "
-                    f"({FULL_FILE} keeps the whole program)")
-        return f"not reduced ({self.why_not}; {self.seconds:.0f} s)"
+                    f"(what never ran{trials}; {FULL_FILE} keeps the whole program)")
+        return f"not reduced ({self.why_not}{trials}; {self.seconds:.0f} s)"
 
 
 def traced_check(script: Path, timeout_s: float, env: dict[str, str] | None = None,

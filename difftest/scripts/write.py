@@ -139,12 +139,13 @@ def _record(folder: Path, emitted: Emitted) -> None:
     (folder / STANDALONE_VERDICT_FILE).write_text(text)
 
 
-def _check(e: Emitted, timeout_s: float, niceness: int = 0) -> Emitted:
+def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: float = 0.0) -> Emitted:
     """Run a written script once, sealed and traced, and where it reproduces reduce it to what its case runs
     (`difftest.scripts.reduce`, checked again); record what the script now in place printed."""
     import dataclasses
 
-    from difftest.scripts.reduce import reduce_script, traced_check
+    from difftest.scripts.reduce import traced_check
+    from difftest.scripts.shrink import reduce_and_shrink
 
     if e.path is None:
         return e
@@ -153,7 +154,8 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0) -> Emitted:
         checked, executed = traced_check(e.path, timeout_s, env, niceness)
         reduction = None
         if checked.reproduces:
-            reduction, checked = reduce_script(e.path, checked, executed, timeout_s, env, niceness)
+            reduction, checked = reduce_and_shrink(e.path, checked, executed, timeout_s, env, niceness,
+                                                   shrink_budget_s)
     except Exception as exc:  # checking one script failed in difftest's own code: that finding says so, the run goes on
         done = dataclasses.replace(e, defect=True, why_not=f"{OUR_DEFECT}{type(exc).__name__}: {exc}")
         _record(e.path.parent, done)
@@ -163,13 +165,13 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0) -> Emitted:
     return done
 
 
-def _check_all(emitted: list[Emitted], timeout_s: float) -> list[Emitted]:
+def _check_all(emitted: list[Emitted], timeout_s: float, shrink_budget_s: float = 0.0) -> list[Emitted]:
     """Run every written script once, as many at a time as the machine has cores (a script is mostly its libraries'
     import and a rank or two: it waits more than it computes)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=machine_ranks()) as pool:
-        return list(pool.map(lambda e: _check(e, timeout_s), emitted))
+        return list(pool.map(lambda e: _check(e, timeout_s, shrink_budget_s=shrink_budget_s), emitted))
 
 
 class StandaloneScripts:
@@ -183,11 +185,12 @@ class StandaloneScripts:
     whose time the findings' budgets are charged. `finish` writes the rest and runs every script not yet started, as
     many at a time as the machine has cores."""
 
-    def __init__(self, run_dir: Path, findings: list[Finding], tolerance: Tolerance, check_timeout_s: float = 0.0) -> None:
+    def __init__(self, run_dir: Path, findings: list[Finding], tolerance: Tolerance, check_timeout_s: float = 0.0,
+                 shrink_budget_s: float = 0.0) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._run_dir, self._findings, self._tolerance = run_dir, findings, tolerance
-        self._check_timeout_s = check_timeout_s
+        self._check_timeout_s, self._shrink_budget_s = check_timeout_s, shrink_budget_s
         self._background = ThreadPoolExecutor(max_workers=machine_ranks())
         self._written: dict[str, Emitted] = {}
         self._checks: dict[str, Future[Emitted]] = {}
@@ -199,7 +202,7 @@ class StandaloneScripts:
         self._written[finding.id] = written = self._emit(finding, m)
         if self._check_timeout_s > 0 and written.path is not None:
             self._checks[finding.id] = self._background.submit(_check, written, self._check_timeout_s,
-                                                               BACKGROUND_NICENESS)
+                                                               BACKGROUND_NICENESS, self._shrink_budget_s)
 
     def finish(self, minimised: list[Minimisation]) -> list[Emitted]:
         """Every finding's script, in the order of the findings, once each has been written and run."""
@@ -211,8 +214,9 @@ class StandaloneScripts:
         unstarted = [e for e in self._written.values() if e.finding_id not in self._checks
                      or self._checks[e.finding_id].cancel()]
         self._background.shutdown(wait=False)
-        done = {e.finding_id: e for e in _check_all(unstarted, self._check_timeout_s)} if self._check_timeout_s > 0 \
-            else {e.finding_id: e for e in unstarted}
+        checked = _check_all(unstarted, self._check_timeout_s, self._shrink_budget_s) if self._check_timeout_s > 0 \
+            else unstarted
+        done = {e.finding_id: e for e in checked}
         return [done[f.id] if f.id in done else self._checks[f.id].result() for f in self._findings]
 
     def _emit(self, f: Finding, m: Minimisation | None) -> Emitted:

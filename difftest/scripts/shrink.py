@@ -1,0 +1,333 @@
+"""A standalone script shrunk by trials: what C-Reduce does for compiler bugs, at the level of Python statements.
+
+The reduction by trace (`difftest.scripts.reduce`) removes what no process ran. What ran but does not matter to the
+bug (an evaluation before the step that shows it, the weights a crash never reads, a guard that always held, a `try`
+whose handler never fired) goes here: one candidate edit at a time, on the syntax tree's statements and with the
+source's own text kept — delete a statement (largest first), or put a compound statement's body in its place (`if`,
+`with`, `try`) — then the definitions, constants and imports nothing refers to any more. An edit is kept only if the
+script, run sealed as a maintainer runs it, prints the same verdict lines (the same tensors off with the same values
+to the digits printed, or the same failure line) and exits 1. Edits that cannot compile, or that leave a name with no
+definition, are never run. The part every script shares is never touched, and neither is anything above the first
+definition (the docstring, imports, constants).
+
+Trials run in a fork server that has imported the script's libraries once (`_SERVER`): a trial costs what its ranks
+compute, a fraction of a second on the findings' small cases, not the seconds TorchRec's import takes; the script is
+run in a forked child exactly as `python standalone.py` would run it (as `__main__`, its own folder beside its data).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import dataclasses
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from difftest.scripts.reduce import SHARED_MARKER, Reduction, drop_unused, reduce_script, same_bug, tidy
+from difftest.scripts.syntax import parse
+
+if TYPE_CHECKING:
+    from difftest.scripts.check import Checked
+
+# Run as `python server.py MODULE...`: imports them, says it is ready, then for each request line (JSON: script, out,
+# timeout) forks a child that runs the script as `python script` would and answers with its exit code. Only the
+# standard library: it runs sealed, where difftest does not import.
+_SERVER = '''
+import importlib, json, os, runpy, signal, sys, time, traceback
+
+for name in sys.argv[1:]:  # what every trial would import again: once here
+    try:
+        importlib.import_module(name)
+    except Exception:  # a release without it: the script says what it does then
+        pass
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    started = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()  # its ranks in its own group: a timeout kills them all
+        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        sys.argv = [request["script"]]
+        code = 0
+        try:
+            runpy.run_path(request["script"], run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 2
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        if time.perf_counter() - started > request["timeout"]:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            code = 124
+            break
+        time.sleep(0.01)
+    print(json.dumps({"code": code}), flush=True)
+'''
+
+_RANK_IMPORTS = re.compile(r"^RANK_IMPORTS = (\(.*\))$", re.MULTILINE)
+_TOP_IMPORTS = re.compile(r"^(?:import|from) ([\w.]+)", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Shrinking:
+    """What the trials came to."""
+
+    lines_before: int
+    lines_after: int
+    trials: int
+    kept: int  # edits that showed the same bug
+    seconds: float
+
+
+class TrialServer:
+    """A fork server for one script's trials (`_SERVER`), in the script's folder, with the script's environment."""
+
+    def __init__(self, script: Path, env: dict[str, str] | None, niceness: int = 0) -> None:
+        source = script.read_text()
+        found = _RANK_IMPORTS.search(source)
+        modules = ["numpy", "torch", *(ast.literal_eval(found.group(1)) if found else ()),
+                   *(m for m in _TOP_IMPORTS.findall(source) if m != "__future__")]
+        self._folder = tempfile.TemporaryDirectory(prefix="difftest-trials-")
+        server = Path(self._folder.name) / "server.py"
+        server.write_text(_SERVER)
+        command = ([] if not niceness else ["nice", "-n", str(niceness)]) + [sys.executable, str(server),
+                                                                            *dict.fromkeys(modules)]
+        self._process = subprocess.Popen(command, cwd=script.parent.parent, env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        ready = self._process.stdout.readline() if self._process.stdout else ""
+        if '"ready"' not in ready:
+            self.close()
+            raise RuntimeError("the trial server did not start")
+
+    def run(self, script: Path, timeout_s: float) -> tuple[int, str]:
+        """The script's exit code and output, run as `python script` runs it."""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        out = Path(self._folder.name) / "out.txt"
+        self._process.stdin.write(json.dumps({"script": str(script), "out": str(out), "timeout": timeout_s}) + "\n")
+        self._process.stdin.flush()
+        reply = self._process.stdout.readline()
+        if not reply:
+            raise RuntimeError("the trial server stopped")
+        return int(json.loads(reply)["code"]), out.read_text(errors="replace").strip()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            if self._process.stdin:
+                self._process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=10)
+        if self._process.poll() is None:
+            self._process.kill()
+        self._folder.cleanup()
+
+
+# Candidate edits ------------------------------------------------------------------------------------------------------
+
+
+def _region(source: str) -> tuple[int, int]:
+    """The lines a trial may edit: from the first definition to the part every script shares."""
+    tree = parse(source)
+    first = next((n.lineno for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)),
+                 None)
+    lines = source.splitlines()
+    marker = next((n for n, line in enumerate(lines, 1) if line.startswith(SHARED_MARKER)), len(lines) + 1)
+    return (first or marker), marker
+
+
+def _start(node: ast.stmt) -> int:
+    return min([node.lineno, *(int(d.lineno) for d in getattr(node, "decorator_list", ()))])
+
+
+def _blocks(tree: ast.AST) -> Iterator[list[ast.stmt]]:
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+        for handler in getattr(node, "handlers", ()):
+            yield handler.body
+
+
+def _indent(line: str) -> str:
+    return line[: len(line) - len(line.lstrip())]
+
+
+def _with_comments(lines: list[str], first: int) -> int:
+    """The first line of a statement with the comment lines right above it (they are about it)."""
+    while first > 1 and lines[first - 2].strip().startswith("#") and \
+            len(_indent(lines[first - 2])) >= len(_indent(lines[first - 1])):
+        first -= 1
+    return first
+
+
+def _delete(lines: list[str], block: list[ast.stmt], node: ast.stmt) -> list[str]:
+    first, last = _with_comments(lines, _start(node)), node.end_lineno or node.lineno
+    if len(block) == 1:  # the block needs a statement
+        return [*lines[:first - 1], _indent(lines[first - 1]) + "pass", *lines[last:]]
+    return [*lines[:first - 1], *lines[last:]]
+
+
+def _unwrap(lines: list[str], node: ast.If | ast.With | ast.Try) -> list[str] | None:
+    """The compound statement's body in its place, one level out; None where its text does not allow it."""
+    body = node.body
+    first, last = body[0].lineno, body[-1].end_lineno or body[-1].lineno
+    step = len(_indent(lines[first - 1])) - len(_indent(lines[node.lineno - 1]))
+    if step <= 0 or any(line.strip() and not line[:step].isspace() for line in lines[first - 1:last]):
+        return None
+    inner = [line[step:] if line.strip() else line for line in lines[first - 1:last]]
+    return [*lines[:node.lineno - 1], *inner, *lines[(node.end_lineno or last):]]
+
+
+def candidates(source: str) -> Iterator[tuple[str, str]]:
+    """(which edit: its kind and the text it removes, the edited source) for each statement of the editable region:
+    deletions, largest first, then unwrappings (an `if` with no `else`, a `with`, a `try` with no `else` or
+    `finally`)."""
+    tree = parse(source)
+    lines = source.splitlines()
+    first, marker = _region(source)
+    edits: list[tuple[int, str, list[str]]] = []
+    for block in _blocks(tree):
+        for node in block:
+            start, end = _start(node), node.end_lineno or node.lineno
+            if start < first or end >= marker:
+                continue
+            text = "\n".join(lines[start - 1:end])
+            edits.append((end - start + 1, f"delete\n{text}", _delete(lines, block, node)))
+            unwrappable = (isinstance(node, ast.If) and not node.orelse) or isinstance(node, ast.With) or (
+                isinstance(node, ast.Try) and not node.orelse and not node.finalbody)
+            if unwrappable and (unwrapped := _unwrap(lines, node)) is not None:  # type: ignore[arg-type]
+                edits.append((0, f"unwrap\n{text}", unwrapped))
+    for _size, key, edited in sorted(edits, key=lambda e: -e[0]):
+        yield key, "\n".join(edited) + "\n"
+
+
+_BLANK_AFTER_OPENER = re.compile(r"(:[ \t]*(?:#[^\n]*)?\n)(?:[ \t]*\n)+(?=[ \t]+\S)")
+_BLANKS_INDENTED = re.compile(r"\n(?:[ \t]*\n){2,}(?=[ \t]+\S)")
+
+
+def tidy_blocks(source: str) -> str:
+    """In the editable region, no blank line right after a block's opening line and at most one between indented
+    statements (what deleting statements leaves); at most two between top-level ones."""
+    first, marker = _region(source)
+    lines = source.splitlines(keepends=True)
+    region = "".join(lines[first - 1:marker - 1])
+    region = _BLANKS_INDENTED.sub("\n\n", _BLANK_AFTER_OPENER.sub(r"\1", region))
+    return tidy("".join(lines[:first - 1]) + region + "".join(lines[marker - 1:]))
+
+
+def undefined_names(source: str) -> set[str]:
+    """Names the source reads that nothing in it defines and Python does not provide (a static NameError)."""
+    tree = parse(source)
+    bound = set(dir(builtins)) | {"__file__", "__name__"}
+    read: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.Global | ast.Nonlocal):
+            bound.update(node.names)
+    return read - bound
+
+
+def shrink(path: Path, original_output: str, budget_s: float, timeout_s: float, env: dict[str, str] | None = None,
+           niceness: int = 0, server: Callable[[Path], TrialServer] | None = None) -> Shrinking:
+    """Shrink the (reproducing) script at `path` in place by trials within `budget_s` seconds; it keeps every edit
+    that showed the same bug as `original_output`, so the script at `path` reproduces whenever this returns."""
+    started = time.perf_counter()
+    source = path.read_text()
+    before = source.count("\n")
+    trial = path.with_name(".trial.py")
+    tried: set[str] = set()
+    undefined = undefined_names(source)
+    trials = kept = 0
+    trial_server = (server or (lambda p: TrialServer(p, env, niceness)))(path)
+    try:
+        improved = True
+        while improved and time.perf_counter() - started < budget_s:  # passes, until one keeps nothing
+            improved, seen = False, set()
+            pending = candidates(source)
+            while (edit := next(pending, None)) is not None and time.perf_counter() - started < budget_s:
+                key, edited = edit
+                if key in seen:
+                    continue  # tried in this pass, on the script before a later edit was kept
+                seen.add(key)
+                reduced = tidy_blocks(drop_unused(edited))
+                digest = hashlib.sha1(reduced.encode()).hexdigest()
+                if digest in tried or reduced == source:
+                    continue
+                tried.add(digest)
+                try:
+                    compile(reduced, path.name, "exec")
+                except SyntaxError:
+                    continue
+                if undefined_names(reduced) - undefined:
+                    continue
+                trial.write_text(reduced)
+                trials += 1
+                code, output = trial_server.run(trial, timeout_s)
+                if code == 1 and same_bug(original_output, output):
+                    source, kept, improved = reduced, kept + 1, True
+                    path.write_text(source)
+                    pending = candidates(source)  # the rest of this pass, on the smaller script
+    finally:
+        trial_server.close()
+        trial.unlink(missing_ok=True)
+    return Shrinking(before, source.count("\n"), trials, kept, time.perf_counter() - started)
+
+
+def reduce_and_shrink(path: Path, traced: Checked, executed: set[int], timeout_s: float,
+                      env: dict[str, str] | None = None, niceness: int = 0,
+                      budget_s: float = 0.0) -> tuple[Reduction, Checked]:
+    """The script at `path` (its traced check `traced` reproduced) reduced to what ran (`reduce_script`), then shrunk
+    by trials within `budget_s`; what the trials kept stays only if a fresh, sealed check of the script shows the
+    same bug and exits 1. Returns the reduction and the check that stands for the script now at `path`."""
+    from difftest.scripts.check import check_script
+
+    reduction, checked = reduce_script(path, traced, executed, timeout_s, env, niceness)
+    if budget_s <= 0:
+        return reduction, checked
+    started, before_trials = time.perf_counter(), path.read_text()
+    try:
+        shrunk = shrink(path, traced.output, budget_s, timeout_s, env, niceness)
+    except Exception as exc:  # the trials failing are ours to fix, never the end of the run: the script stays
+        path.write_text(before_trials)
+        why = f"the trials failed, a defect of difftest's: {type(exc).__name__}: {exc}"
+        return dataclasses.replace(reduction, why_not=reduction.why_not or why), checked
+    if shrunk.kept:
+        final = check_script(path, timeout_s, env=env, niceness=niceness)
+        if final.exit_code == 1 and same_bug(traced.output, final.output):
+            return Reduction(reduction.lines_before, shrunk.lines_after,
+                             reduction.seconds + time.perf_counter() - started, True, "", shrunk.trials,
+                             shrunk.kept), final
+        path.write_text(before_trials)  # a forked trial showed it where a fresh interpreter does not
+    return dataclasses.replace(reduction, seconds=reduction.seconds + time.perf_counter() - started,
+                               trials=shrunk.trials), checked

@@ -8,6 +8,7 @@ from settings import torchrec_sharding  # noqa: F401
 from settings import torchrec_optimizers  # noqa: F401
 from settings import torchrec_clipping  # noqa: F401
 from settings import torchrec_qcomms  # noqa: F401
+from settings import torchrec_vbe  # noqa: F401
 from settings import torchrec_pipelines  # noqa: F401
 from settings import torchrec_sequence  # noqa: F401
 from settings import ddp  # noqa: F401

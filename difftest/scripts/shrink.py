@@ -271,6 +271,14 @@ def shrink(path: Path, original_output: str, budget_s: float, timeout_s: float, 
     trials = kept = 0
     trial_server = (server or (lambda p: TrialServer(p, env, niceness)))(path)
     try:
+        # the script as it is, first: the trials' yardstick of time, and proof that a forked run shows the bug
+        trial.write_text(source)
+        baseline = time.perf_counter()
+        code, output = trial_server.run(trial, timeout_s)
+        if code != 1 or not same_bug(original_output, output):
+            return Shrinking(before, before, 0, 0, time.perf_counter() - started)
+        # an edit that makes the ranks wait for each other forever (a collective removed on one path) costs this
+        timeout_s = min(timeout_s, max(2.0, 4 * (time.perf_counter() - baseline)))
         improved = True
         while improved and time.perf_counter() - started < budget_s:  # passes, until one keeps nothing
             improved, seen = False, set()

@@ -1,0 +1,265 @@
+"""TorchRec's variable batch per feature (VBE): each rank sends, per feature, only the distinct bags of its samples
+(`KeyedJaggedTensor(stride_per_key_per_rank=…, inverse_indices=…)`), and the sharded EmbeddingBagCollections pool
+those and hand every sample its bag's result back, sharded by DistributedModelParallel.
+
+The batch is made to have repeated bags first, the same for the family's root and its settings: for the j-th feature,
+groups of 1 + j mod 3 consecutive samples share the first one's bag (ids and weights). Each rank then finds the runs of
+equal bags in its share (a run may be cut by the share's edge: strides differ per feature and per rank, as VBE is meant
+for) and sends each run's bag once, with every sample's run as its inverse index. The root pools the same samples with
+every bag written out, unsharded in one process, plain SGD; the settings train the tables with TorchRec's fused SGD.
+Recorded: every feature's pooled embedding per sample (`pooled.<feature>`), the loss (the mean over samples of the
+pooled embeddings' dot products with a fixed vector, summed in float64) and every table after each step. What fbgemm's
+CPU kernels refuse in their own words ("… is not supported on CPU": several table batches on a rank, as mixed pooling
+makes) is `unsupported` with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from difftest import (
+    Inputs,
+    Outputs,
+    RunContext,
+    Setting,
+    Unsupported,
+    record_training,
+    register_settings,
+    to_numpy,
+    traits_of,
+)
+from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, gather_whole, table_configs
+from settings._training import build_for_training
+from settings.torchrec_sharding import TorchRecSharding
+
+WORLD_SIZES = (2, 4)
+
+
+def repeated_bags(inputs: Inputs, features: list[str]) -> Inputs:
+    """`inputs` with, for the j-th of `features`, every group of 1 + j mod 3 consecutive samples given the bag (ids,
+    weights) of the group's first sample."""
+    def repeat(batch: Any) -> Any:
+        sparse = dict(batch.sparse)
+        for j, name in enumerate(features):
+            bags = sparse[name]
+            starts = np.concatenate([[0], np.cumsum(bags.lengths)])
+            heads = [i - i % (1 + j % 3) for i in range(batch.size)]
+            pieces = [slice(starts[h], starts[h + 1]) for h in heads]
+            sparse[name] = dataclasses.replace(
+                bags, lengths=bags.lengths[heads],
+                values=np.concatenate([bags.values[p] for p in pieces]),
+                weights=None if bags.weights is None else np.concatenate([bags.weights[p] for p in pieces]))
+        return dataclasses.replace(batch, sparse=sparse)
+
+    return Inputs(repeat(inputs.train), repeat(inputs.eval))
+
+
+def _features(model: Any) -> list[str]:
+    """The model's features, in the order of its generator's tables: which of them repeat bags how often."""
+    return [f for table in model.generator.embedding_tables(model.spec) or () for f in table.features]
+
+
+def _feature_kjt(batch: Any, names: list[str], device: str, dtype: Any, variable: bool) -> Any:
+    """The batch's bags of `names` as one KeyedJaggedTensor: every sample's bag written out, or (`variable`) each run
+    of equal consecutive bags once, with each sample's run as its inverse index (VBE)."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    lengths, values, weights, strides, inverse = [], [], [], [], []
+    weighted = batch.sparse[names[0]].weights is not None
+    for name in names:
+        bags = batch.sparse[name]
+        starts = np.concatenate([[0], np.cumsum(bags.lengths)])
+        bag = [(bags.values[starts[i]:starts[i + 1]],
+                None if bags.weights is None else bags.weights[starts[i]:starts[i + 1]]) for i in range(batch.size)]
+        runs = [i for i in range(batch.size) if not variable or i == 0 or not _same_bag(bag[i], bag[i - 1])]
+        lengths.append(bags.lengths[runs])
+        values += [bag[i][0] for i in runs]
+        weights += [bag[i][1] for i in runs] if weighted else []
+        strides.append([len(runs)])
+        inverse.append(np.searchsorted(runs, np.arange(batch.size), side="right") - 1)
+
+    def tensor(parts: list[np.ndarray]) -> Any:
+        return torch.from_numpy(np.concatenate(parts)).to(device)
+
+    options: dict[str, Any] = {"weights": tensor(weights).to(dtype)} if weighted else {}
+    if variable:
+        options |= {"stride_per_key_per_rank": strides,
+                    "inverse_indices": (list(names), torch.from_numpy(np.stack(inverse)).to(device))}
+    return KeyedJaggedTensor(keys=list(names), values=tensor(values), lengths=tensor(lengths), **options)
+
+
+def _same_bag(a: tuple[np.ndarray, np.ndarray | None], b: tuple[np.ndarray, np.ndarray | None]) -> bool:
+    return np.array_equal(a[0], b[0]) and (a[1] is None or np.array_equal(a[1], b[1]))
+
+
+def pooled_outputs(holder: Any, features: dict[str, list[str]], batch: Any, device: str, variable: bool,
+                   strides: dict[str, int] | None = None) -> dict[str, Any]:
+    """`pooled.<feature>` → [samples, dim]: every sample's pooled embedding of the feature, from the collections of
+    `holder` (sharded or not) at their paths in `features`; `strides` gets how many bags each feature sent."""
+    import torch
+
+    found = {}
+    for path, names in features.items():
+        collection = holder.get_submodule(path)
+        dtype = next((p.dtype for p in collection.parameters()), torch.float32)
+        kjt = _feature_kjt(batch, names, device, dtype, variable)
+        if strides is not None:
+            strides.update(zip(names, kjt.stride_per_key(), strict=True))
+        pooled = collection(kjt).to_dict()
+        found |= {f"pooled.{name}": pooled[name] for name in names}
+    return found
+
+
+def pooled_loss(outputs: dict[str, Any], samples: int) -> Any:
+    """Per sample, the sum of its pooled embeddings' dot products with a fixed vector (1, -1/2, 1/3, …); the mean
+    over the `samples` of the batch, summed in float64: the loss is the test's own arithmetic, and a share's sum
+    added to the others' must not differ from the whole batch's by more than the pooled values do."""
+    import torch
+
+    total = torch.zeros((), dtype=torch.float64)
+    for value in outputs.values():
+        dim = value.shape[-1]
+        direction = torch.tensor([(-1) ** i / (i + 1) for i in range(dim)], dtype=torch.float64, device=value.device)
+        total = total + (value.double() * direction).sum() / samples
+    return total
+
+
+def _supports(spec: Any) -> str | None:
+    if "torchrec" not in traits_of(spec.kind):
+        return f"TorchRec's variable batch pools a model's EmbeddingBagCollections; model kind {spec.kind!r} has none"
+    return None
+
+
+@dataclass(frozen=True)
+class VariableBatchSharding(TorchRecSharding):
+    """TorchRec DMP over the model's EmbeddingBagCollections, every table one sharding type, fed VBE batches."""
+
+    family: ClassVar[str] = "torchrec-vbe"
+    tier_axes: ClassVar[tuple[str, ...]] = ()  # the default tier: column-wise, two ranks
+
+    @property
+    def name(self) -> str:
+        return f"torchrec-vbe/{self.sharding}/ws{self.world_size}"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return VariableBatchReference().name
+
+    def describe(self) -> str:
+        return (f"TorchRec DMP, every table {self.sharding}, {self.world_size} ranks, each feature's distinct bags "
+                "sent once (variable batch per feature)")
+
+    def supports(self, spec: Any) -> str | None:
+        return _supports(spec)
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        try:
+            return super().run(ctx, model, repeated_bags(inputs, _features(model)))
+        except AssertionError as exc:  # fbgemm's own words for what its CPU kernels lack: "… is not supported on CPU"
+            if "not supported on CPU" in str(exc) and ctx.device == "cpu":
+                raise Unsupported(f"fbgemm refuses it on CPU: {exc}") from exc
+            raise
+
+    def sharded_module(self, model: Any, module: Any, inputs: Any) -> Any:
+        return _holder(module)
+
+    def initial_state(self, model: Any, module: Any) -> dict[str, Any]:
+        return {name: to_numpy(value) for name, value in module.state_dict().items()}
+
+    def trainer(self, ctx: RunContext, model: Any, dmp: Any, optimizer: Any) -> tuple[Callable, Callable]:
+        features = dmp.module.features
+
+        def evaluate(batch: Any) -> dict[str, Any]:
+            strides: dict[str, int] = {}
+            found = pooled_outputs(dmp.module, features, batch, ctx.device, variable=True, strides=strides)
+            ctx.notes["bags sent per feature"] = (f"{', '.join(f'{f} {n}' for f, n in strides.items())} "
+                                                  f"(of {batch.size} samples)")
+            return found
+
+        def train_step(batch: Any) -> float:
+            if optimizer is not None:
+                optimizer.zero_grad()
+            loss = pooled_loss(evaluate(batch), batch.size)
+            loss.backward()  # the tables are updated inside backward (fused SGD)
+            if optimizer is not None:
+                self.dense_step(ctx, optimizer)
+            return float(loss.item())
+
+        return train_step, evaluate
+
+    def full_state(self, ctx: RunContext, dmp: Any) -> dict | None:
+        return gather_whole(ctx, {name.replace("_dmp_wrapped_module.", "").replace("module.", ""): value
+                                  for name, value in dmp.state_dict().items()})
+
+    def standalone(self, case: Any) -> Any:
+        raise Unsupported("the TorchRec variable-batch family writes no standalone script (repro.py reproduces the "
+                          "case through difftest)")
+
+
+def _holder(module: Any) -> Any:
+    """The model's bag collections alone, under their own paths (dots as `_`); `features`: path → its features."""
+    import torch
+
+    holder = torch.nn.Module()
+    holder.features = {}
+    for path, collection in embedding_collections(module).items():
+        name = path.replace(".", "_")
+        holder.add_module(name, collection)
+        holder.features[name] = [f for config in table_configs(collection) for f in config.feature_names]
+    return holder
+
+
+@dataclass(frozen=True)
+class VariableBatchReference(Setting):
+    """The family's root: the model's bag collections unsharded in one process, every bag written out, plain SGD."""
+
+    world_size: int = 1
+    family: ClassVar[str] = "torchrec-vbe"
+    deterministic: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        return "torchrec-vbe/single/ws1"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return self.name
+
+    def describe(self) -> str:
+        return "one process, the model's bag collections unsharded, every sample's bag written out, trained by SGD"
+
+    def supports(self, spec: Any) -> str | None:
+        return _supports(spec)
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+
+        holder = _holder(build_for_training(model, ctx.device))
+        inputs = repeated_bags(inputs, _features(model))
+        optimizer = torch.optim.SGD([p for p in holder.parameters() if p.requires_grad], lr=ctx.lr)
+
+        def evaluate(batch: Any) -> dict[str, Any]:
+            return pooled_outputs(holder, holder.features, batch, ctx.device, variable=False)
+
+        def train_step(batch: Any) -> float:
+            optimizer.zero_grad()
+            loss = pooled_loss(evaluate(batch), batch.size)
+            loss.backward()
+            optimizer.step()
+            return float(loss.item())
+
+        return record_training(ctx, inputs, evaluate, train_step,
+                               lambda: {n: to_numpy(p) for n, p in holder.state_dict().items()})
+
+
+register_settings(
+    [VariableBatchReference()]
+    + [VariableBatchSharding(sharding=s, world_size=ws) for s, ws in itertools.product(SHARDING_TYPES, WORLD_SIZES)]
+)

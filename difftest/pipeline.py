@@ -30,6 +30,7 @@ class PipelineOptions:
     tolerance: Tolerance = field(default_factory=Tolerance)
     oracle: str = "calibrated"  # one of difftest.judging.analysis.ORACLES
     minimise_budget_s: float = 20.0  # per finding; 0: no minimisation
+    shrink_budget_s: float = 10.0  # per finding's script, for trials (`difftest.scripts.shrink`); 0: none
     timeout_s: float = SweepOptions.timeout_s  # per case the minimiser runs
     device: str = SweepOptions.device
     # each finding's standalone script is run once, in a process where difftest does not import, within this many
@@ -130,10 +131,9 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     events.triaged(findings, time.perf_counter() - started)
     focused = [f for f in findings if options.focus is None or options.focus(f)]
     # a running sweep's findings are not final: they get no scripts
-    # a script is shrunk by trials within its finding's minimisation budget
     scripts = None if analysis.sweep_running else StandaloneScripts(run_dir, focused, options.tolerance,
                                                                       options.check_standalone_s,
-                                                                      options.minimise_budget_s)
+                                                                      options.shrink_budget_s)
     minimised = minimise(run_dir, focused, analysis, options, events,
                          on_done=scripts.finding_done if scripts is not None else None)
     if scripts is not None:

@@ -515,7 +515,7 @@ def test_every_commands_options_default_to_the_options_objects_they_fill() -> No
         "timeout": sweep.timeout_s, "device": sweep.device, "backend": sweep.backend, "jobs": sweep.jobs,
         "tier": sweep.tier, "settings": sweep.settings, "twice": sweep.twice,
         "atol": pipeline.tolerance.atol, "rtol": pipeline.tolerance.rtol, "oracle": pipeline.oracle,
-        "minimise_budget": pipeline.minimise_budget_s,
+        "minimise_budget": pipeline.minimise_budget_s, "shrink_budget": pipeline.shrink_budget_s,
         "executor": executor.kind, "address": executor.address, "cpus_per_rank": executor.cpus_per_rank,
         "steps": run.steps, "lr": run.lr, "batch_size": run.batch_size,
     }

@@ -93,6 +93,7 @@ BaselineOpt = Annotated[Path | None, typer.Option("--baseline", help="Accepted c
 BUILTIN_KINDS = ("dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer", "sequential", "keras-dag", "keras-transformer")
 KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a model zoo's (hf-llama, hf-qwen2, hf-mixtral, hf-gpt2, hf-bert, timm-vit, timm-convnext: the \\[zoo] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
 TierOpt = Annotated[str | None, typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
+ShrinkOpt = Annotated[float, typer.Option("--shrink-budget", min=0, help="Seconds per finding to shrink its standalone script by trials (statements removed one at a time while it still shows the same bug); 0: only what never ran is removed.")]
 MinimiseOpt = Annotated[float, typer.Option("--minimise-budget", "--minimize-budget", min=0, help="Seconds per finding to shrink its example case (fewer tables, layers, rows, ranks) while it still fails the same way; 0: no minimisation.")]
 # the default job's models per kind where not --models: one each of the larger kinds keeps it within minutes
 DEFAULT_JOB_MODELS_OF = "torchrec-dlrm=1,torchrec-deepfm=1,transformer=1,keras-dag=1,keras-transformer=1"
@@ -293,8 +294,8 @@ def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int
 
 
 def _options(atol: float, rtol: float, oracle: str, minimise_budget: float, timeout: float,
-             device: str) -> PipelineOptions:
-    return PipelineOptions(Tolerance(atol=atol, rtol=rtol), oracle, minimise_budget, timeout, device)
+             device: str, shrink_budget: float = DEFAULTS.shrink_budget_s) -> PipelineOptions:
+    return PipelineOptions(Tolerance(atol=atol, rtol=rtol), oracle, minimise_budget, shrink_budget, timeout, device)
 
 
 class _ConsoleEvents(PipelineEvents):
@@ -447,6 +448,7 @@ def run(
     fail_on_inconsistency: FailOpt = False,
     baseline: BaselineOpt = None,
     minimise_budget: MinimiseOpt = DEFAULTS.minimise_budget_s,
+    shrink_budget: ShrinkOpt = DEFAULTS.shrink_budget_s,
     model: Annotated[str | None, typer.Option("--model", help="Your own model: MODULE:ATTRIBUTE naming a difftest.ModelAdapter (docs/your-model.md); the run takes that kind only.")] = None,
 ) -> None:
     """Generate models, sweep the default tier, analyse, group what is not ok into findings and shrink each one's
@@ -471,7 +473,7 @@ def run(
         start_rank_server(device)  # its imports overlap the models' generation
     _generate(out, count, seed, kind, steps, lr, batch_size, plugins, models_of)
     _record_command(out)
-    judging = _options(atol, rtol, oracle, minimise_budget, timeout, device)
+    judging = _options(atol, rtol, oracle, minimise_budget, timeout, device, shrink_budget)
     _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where, backend=backend,
            judging=judging)
     _analyze(out, judging, fail_on_inconsistency, baseline=baseline)
@@ -590,6 +592,7 @@ def analyze(
     fail_on_inconsistency: FailOpt = False,
     baseline: BaselineOpt = None,
     minimise_budget: MinimiseOpt = DEFAULTS.minimise_budget_s,
+    shrink_budget: ShrinkOpt = DEFAULTS.shrink_budget_s,
     timeout: TimeoutOpt = DEFAULTS.timeout_s,
     device: DeviceOpt = SWEEP.device,
     new_only: Annotated[bool, typer.Option("--new-only", help="List only the findings no entry of difftest/findings/known_issues.toml explains (all are still written).")] = False,
@@ -599,7 +602,7 @@ def analyze(
     minimise.json, run/}) and write report.html. A run whose sweep is still going is judged and triaged as far as
     it has got (not minimised). Also callable as `difftest triage`."""
     _record_command(absolute(run_dir))
-    _analyze(absolute(run_dir), _options(atol, rtol, oracle, minimise_budget, timeout, device), fail_on_inconsistency,
+    _analyze(absolute(run_dir), _options(atol, rtol, oracle, minimise_budget, timeout, device, shrink_budget), fail_on_inconsistency,
              new_only, baseline)
 
 

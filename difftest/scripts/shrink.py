@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
-import dataclasses
 import hashlib
 import json
 import re
@@ -315,27 +314,39 @@ def shrink(path: Path, original_output: str, budget_s: float, timeout_s: float, 
 def reduce_and_shrink(path: Path, traced: Checked, executed: set[int], timeout_s: float,
                       env: dict[str, str] | None = None, niceness: int = 0,
                       budget_s: float = 0.0) -> tuple[Reduction, Checked]:
-    """The script at `path` (its traced check `traced` reproduced) reduced to what ran (`reduce_script`), then shrunk
-    by trials within `budget_s`; what the trials kept stays only if a fresh, sealed check of the script shows the
-    same bug and exits 1. Returns the reduction and the check that stands for the script now at `path`."""
+    """The script at `path` (its traced check `traced` reproduced) reduced to what ran (`reduce_script`, checked
+    alone where there are no trials), then shrunk by trials within `budget_s` (their first run proves the reduction
+    in a fork); what stays is kept only if one fresh, sealed check shows the same bug and exits 1, else the whole
+    script is. Returns the reduction and the check that stands for the script now at `path`."""
     from difftest.scripts.check import check_script
+    from difftest.scripts.reduce import FULL_FILE, reduce_source
 
-    reduction, checked = reduce_script(path, traced, executed, timeout_s, env, niceness)
     if budget_s <= 0:
-        return reduction, checked
-    started, before_trials = time.perf_counter(), path.read_text()
+        return reduce_script(path, traced, executed, timeout_s, env, niceness)
+    started = time.perf_counter()
+    source = path.read_text()
+    before = source.count("\n")
+    path.with_name(FULL_FILE).write_text(source)
+    why_not = ""
+    try:
+        reduced = reduce_source(source, executed)
+        compile(reduced, path.name, "exec")
+    except Exception as exc:  # the reducer failing is ours to fix, never the end of the run: the trials start whole
+        why_not, reduced = f"the reducer failed, a defect of difftest's: {type(exc).__name__}: {exc}", source
+    path.write_text(reduced)
     try:
         shrunk = shrink(path, traced.output, budget_s, timeout_s, env, niceness)
-    except Exception as exc:  # the trials failing are ours to fix, never the end of the run: the script stays
-        path.write_text(before_trials)
-        why = f"the trials failed, a defect of difftest's: {type(exc).__name__}: {exc}"
-        return dataclasses.replace(reduction, why_not=reduction.why_not or why), checked
-    if shrunk.kept:
+        trials, kept = shrunk.trials, shrunk.kept
+    except Exception as exc:  # the trials failing are ours to fix: the reduction by trace is checked alone
+        why_not = why_not or f"the trials failed, a defect of difftest's: {type(exc).__name__}: {exc}"
+        path.write_text(reduced)
+        trials = kept = 0
+    now = path.read_text()
+    if now != source:
         final = check_script(path, timeout_s, env=env, niceness=niceness)
         if final.exit_code == 1 and same_bug(traced.output, final.output):
-            return Reduction(reduction.lines_before, shrunk.lines_after,
-                             reduction.seconds + time.perf_counter() - started, True, "", shrunk.trials,
-                             shrunk.kept), final
-        path.write_text(before_trials)  # a forked trial showed it where a fresh interpreter does not
-    return dataclasses.replace(reduction, seconds=reduction.seconds + time.perf_counter() - started,
-                               trials=shrunk.trials), checked
+            return Reduction(before, now.count("\n"), time.perf_counter() - started, True, "", trials, kept), final
+        why_not = f"the reduced script did not show the same bug (exit {final.exit_code})"
+    path.write_text(source)
+    return Reduction(before, before, time.perf_counter() - started, False, why_not or "nothing it does not need",
+                     trials, kept), traced

@@ -75,8 +75,11 @@ class Reduction:
     trials: int = 0  # edits tried one at a time (`difftest.scripts.shrink`)
     kept_edits: int = 0  # of them, those that showed the same bug
 
+    trials_failed: str = ""  # why no edit could be tried, where the trials failed (a defect of difftest's)
+
     def describe(self) -> str:
         trials = f"; {self.kept_edits} of {self.trials} trial edits kept" if self.trials else ""
+        trials += f"; no trials: {self.trials_failed}" if self.trials_failed else ""
         if self.kept:
             return (f"reduced from {self.lines_before} to {self.lines_after} lines in {self.seconds:.0f} s "
                     f"(what never ran{trials}; {FULL_FILE} keeps the whole program)")

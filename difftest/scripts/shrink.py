@@ -275,14 +275,17 @@ def shrink(path: Path, original_output: str, budget_s: float, timeout_s: float, 
         baseline = time.perf_counter()
         code, output = trial_server.run(trial, timeout_s)
         if code != 1 or not same_bug(original_output, output):
-            return Shrinking(before, before, 0, 0, time.perf_counter() - started)
+            raise RuntimeError(f"the script, run in the trial server, did not show the same bug (exit {code})")
         # an edit that makes the ranks wait for each other forever (a collective removed on one path) costs this
         timeout_s = min(timeout_s, max(2.0, 4 * (time.perf_counter() - baseline)))
+        # the budget is the trials': the server's imports (seconds for TorchRec on a loaded machine) and the
+        # baseline are not charged to it
+        trials_from = time.perf_counter()
         improved = True
-        while improved and time.perf_counter() - started < budget_s:  # passes, until one keeps nothing
+        while improved and time.perf_counter() - trials_from < budget_s:  # passes, until one keeps nothing
             improved, seen = False, set()
             pending = candidates(source)
-            while (edit := next(pending, None)) is not None and time.perf_counter() - started < budget_s:
+            while (edit := next(pending, None)) is not None and time.perf_counter() - trials_from < budget_s:
                 key, edited = edit
                 if key in seen:
                     continue  # tried in this pass, on the script before a later edit was kept
@@ -338,15 +341,18 @@ def reduce_and_shrink(path: Path, traced: Checked, executed: set[int], timeout_s
         shrunk = shrink(path, traced.output, budget_s, timeout_s, env, niceness)
         trials, kept = shrunk.trials, shrunk.kept
     except Exception as exc:  # the trials failing are ours to fix: the reduction by trace is checked alone
-        why_not = why_not or f"the trials failed, a defect of difftest's: {type(exc).__name__}: {exc}"
+        trials_failed = f"a defect of difftest's: {type(exc).__name__}: {exc}"
         path.write_text(reduced)
         trials = kept = 0
+    else:
+        trials_failed = ""
     now = path.read_text()
     if now != source:
         final = check_script(path, timeout_s, env=env, niceness=niceness)
         if final.exit_code == 1 and same_bug(traced.output, final.output):
-            return Reduction(before, now.count("\n"), time.perf_counter() - started, True, "", trials, kept), final
+            return Reduction(before, now.count("\n"), time.perf_counter() - started, True, "", trials, kept,
+                             trials_failed), final
         why_not = f"the reduced script did not show the same bug (exit {final.exit_code})"
     path.write_text(source)
     return Reduction(before, before, time.perf_counter() - started, False, why_not or "nothing it does not need",
-                     trials, kept), traced
+                     trials, kept, trials_failed), traced

@@ -30,7 +30,7 @@ class PipelineOptions:
     tolerance: Tolerance = field(default_factory=Tolerance)
     oracle: str = "calibrated"  # one of difftest.judging.analysis.ORACLES
     minimise_budget_s: float = 20.0  # per finding; 0: no minimisation
-    shrink_budget_s: float = 10.0  # per finding's script, for trials (`difftest.scripts.shrink`); 0: none
+    shrink_budget_s: float = 0.0  # per finding's script, for trials (`difftest.scripts.shrink`); 0: none
     timeout_s: float = SweepOptions.timeout_s  # per case the minimiser runs
     device: str = SweepOptions.device
     # each finding's standalone script is run once, in a process where difftest does not import, within this many

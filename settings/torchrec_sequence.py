@@ -41,7 +41,6 @@ from settings._torchrec_plan import (
     _plan_helpers,
     collection_tables,
     embedding_collections,
-    gather_whole,
     sharding_plan,
     table_configs,
     table_kinds,
@@ -54,7 +53,7 @@ from settings._torchrec_sequence_script import (
     standalone_sequence_tables,
 )
 from settings._training import build_for_training
-from settings.torchrec_sharding import TorchRecSharding
+from settings.torchrec_sharding import HeldTablesSharding
 
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "data_parallel")
 DEDUP = {"all-ids": False, "dedup": True}  # (names sort so that the default tier takes every id)
@@ -172,7 +171,7 @@ def _supports(spec: Any) -> str | None:
 
 
 @dataclass(frozen=True)
-class SequenceSharding(TorchRecSharding):
+class SequenceSharding(HeldTablesSharding):
     """TorchRec DMP over the model's tables as EmbeddingCollections, every table one sharding type."""
 
     family: ClassVar[str] = "torchrec-seq"
@@ -207,9 +206,6 @@ class SequenceSharding(TorchRecSharding):
 
         return EmbeddingCollectionSharder(use_index_dedup=DEDUP[self.dedup])
 
-    def initial_state(self, model: Any, module: Any) -> dict[str, Any]:
-        return {name: to_numpy(value) for name, value in module.state_dict().items()}
-
     def trainer(self, ctx: RunContext, model: Any, dmp: Any, optimizer: Any) -> tuple[Callable, Callable]:
         features = dmp.module.features
 
@@ -223,10 +219,6 @@ class SequenceSharding(TorchRecSharding):
             return float(loss.item())
 
         return train_step, lambda batch: sequence_outputs(dmp, features, batch, ctx.device)
-
-    def full_state(self, ctx: RunContext, dmp: Any) -> dict | None:
-        return gather_whole(ctx, {name.replace("_dmp_wrapped_module.", "").replace("module.", ""): value
-                                  for name, value in dmp.state_dict().items()})
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, SequenceSharding, "load_initial_state", "sharded_module", "trainer", "full_state",

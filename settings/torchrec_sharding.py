@@ -27,6 +27,7 @@ from difftest import (
     refuse_changed_hooks,
     register_settings,
     register_world_reset,
+    to_numpy,
     traits_of,
 )
 from settings._torchrec_plan import (
@@ -39,6 +40,7 @@ from settings._torchrec_plan import (
     _plan_summary,
     collection_tables,
     embedding_collections,
+    gather_whole,
     plan_tables,
     sharding_plan,
     table_configs,
@@ -253,6 +255,19 @@ class TorchRecSharding(Setting):
                        single_process, on_rank),
             tensors={name: recorded for recorded, name in pooled.items()},
             data=data, world_size=self.world_size)
+
+
+@dataclass(frozen=True)
+class HeldTablesSharding(TorchRecSharding):
+    """A family that shards a module of its own holding the model's tables (its `sharded_module`): the initial state
+    is that module's, and the full state after a step every one of its tables whole."""
+
+    def initial_state(self, model: Any, module: Any) -> dict[str, Any]:
+        return {name: to_numpy(value) for name, value in module.state_dict().items()}
+
+    def full_state(self, ctx: RunContext, dmp: Any) -> dict | None:
+        return gather_whole(ctx, {name.replace("_dmp_wrapped_module.", "").replace("module.", ""): value
+                                  for name, value in dmp.state_dict().items()})
 
 
 register_settings(

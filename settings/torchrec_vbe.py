@@ -34,9 +34,9 @@ from difftest import (
     to_numpy,
     traits_of,
 )
-from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, gather_whole, table_configs
+from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, table_configs
 from settings._training import build_for_training
-from settings.torchrec_sharding import TorchRecSharding
+from settings.torchrec_sharding import HeldTablesSharding
 
 WORLD_SIZES = (2, 4)
 
@@ -138,7 +138,7 @@ def _supports(spec: Any) -> str | None:
 
 
 @dataclass(frozen=True)
-class VariableBatchSharding(TorchRecSharding):
+class VariableBatchSharding(HeldTablesSharding):
     """TorchRec DMP over the model's EmbeddingBagCollections, every table one sharding type, fed VBE batches."""
 
     family: ClassVar[str] = "torchrec-vbe"
@@ -170,9 +170,6 @@ class VariableBatchSharding(TorchRecSharding):
     def sharded_module(self, model: Any, module: Any, inputs: Any) -> Any:
         return _holder(module)
 
-    def initial_state(self, model: Any, module: Any) -> dict[str, Any]:
-        return {name: to_numpy(value) for name, value in module.state_dict().items()}
-
     def trainer(self, ctx: RunContext, model: Any, dmp: Any, optimizer: Any) -> tuple[Callable, Callable]:
         features = dmp.module.features
 
@@ -193,10 +190,6 @@ class VariableBatchSharding(TorchRecSharding):
             return float(loss.item())
 
         return train_step, evaluate
-
-    def full_state(self, ctx: RunContext, dmp: Any) -> dict | None:
-        return gather_whole(ctx, {name.replace("_dmp_wrapped_module.", "").replace("module.", ""): value
-                                  for name, value in dmp.state_dict().items()})
 
     def standalone(self, case: Any) -> Any:
         raise Unsupported("the TorchRec variable-batch family writes no standalone script (repro.py reproduces the "

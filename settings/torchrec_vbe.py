@@ -101,20 +101,19 @@ def _same_bag(a: tuple[np.ndarray, np.ndarray | None], b: tuple[np.ndarray, np.n
 
 def pooled_outputs(holder: Any, features: dict[str, list[str]], batch: Any, device: str, variable: bool,
                    strides: dict[str, int] | None = None) -> dict[str, Any]:
-    """`pooled.<feature>` → [samples, dim]: every sample's pooled embedding of the feature, from the collections of
-    `holder` (sharded or not) at their paths in `features`; `strides` gets how many bags each feature sent."""
+    """`pooled.<feature>` → [samples, dim]: every sample's pooled embedding of the feature, through `holder`'s own
+    forward (`_holder`'s, or DMP's around it, so a data-parallel table's DDP sees the forward it synchronises);
+    `features`: collection path → its features; `strides` gets how many bags each feature sent."""
     import torch
 
-    found = {}
-    for path, names in features.items():
-        collection = holder.get_submodule(path)
-        dtype = next((p.dtype for p in collection.parameters()), torch.float32)
-        kjt = _feature_kjt(batch, names, device, dtype, variable)
-        if strides is not None:
-            strides.update(zip(names, kjt.stride_per_key(), strict=True))
-        pooled = collection(kjt).to_dict()
-        found |= {f"pooled.{name}": pooled[name] for name in names}
-    return found
+    # the weights of weighted features in the tables' dtype: float64 in a calibration's centre, else float32
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in holder.parameters()) else torch.float32
+    kjts = {path: _feature_kjt(batch, names, device, dtype, variable) for path, names in features.items()}
+    if strides is not None:
+        for path, names in features.items():
+            strides.update(zip(names, kjts[path].stride_per_key(), strict=True))
+    pooled = holder(kjts)
+    return {f"pooled.{name}": pooled[path][name] for path, names in features.items() for name in names}
 
 
 def pooled_loss(outputs: dict[str, Any], samples: int) -> Any:
@@ -175,7 +174,7 @@ class VariableBatchSharding(HeldTablesSharding):
 
         def evaluate(batch: Any) -> dict[str, Any]:
             strides: dict[str, int] = {}
-            found = pooled_outputs(dmp.module, features, batch, ctx.device, variable=True, strides=strides)
+            found = pooled_outputs(dmp, features, batch, ctx.device, variable=True, strides=strides)
             ctx.notes["bags sent per feature"] = (f"{', '.join(f'{f} {n}' for f, n in strides.items())} "
                                                   f"(of {batch.size} samples)")
             return found
@@ -197,10 +196,15 @@ class VariableBatchSharding(HeldTablesSharding):
 
 
 def _holder(module: Any) -> Any:
-    """The model's bag collections alone, under their own paths (dots as `_`); `features`: path → its features."""
+    """The model's bag collections alone, under their own paths (dots as `_`); `features`: path → its features. Its
+    forward takes a KeyedJaggedTensor per path and returns each collection's pooled embeddings by feature."""
     import torch
 
-    holder = torch.nn.Module()
+    class Collections(torch.nn.Module):
+        def forward(self, kjts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+            return {path: self.get_submodule(path)(kjt).to_dict() for path, kjt in kjts.items()}
+
+    holder = Collections()
     holder.features = {}
     for path, collection in embedding_collections(module).items():
         name = path.replace(".", "_")

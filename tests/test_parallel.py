@@ -362,22 +362,23 @@ def test_torchrecs_clipping_optimizer_clips_the_dense_gradients_as_clip_grad_nor
 def test_torchrecs_quantized_comms_round_to_fp16_and_stay_inside_the_fp16_envelope(tmp_path: Path) -> None:
     """fbgemm's fp16 codecs on the pooled embeddings' collectives: the sharded model lands further from one process than
     fp32 rounding would (the codecs really quantize: a registry TorchRec ignored would agree to ~1e-8) and inside the
-    envelope of fp16 rounding its root's calibrations measure; data-parallel tables send no embeddings."""
+    envelope of fp16 rounding its root's calibrations measure. Data-parallel tables send no embeddings: the family
+    has none (`torchrec/ebc/data_parallel/*` judges them at fp32)."""
+    from difftest.contracts.registry import all_settings
     from difftest.contracts.spec import RunConfig
     from difftest.generation.generate import generate
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
     run_sweep(run_dir, SweepOptions(settings="torchrec-qcomms/fp16-fp16/table_wise/ws2,"
-                                             "torchrec-qcomms/fp16-fp32/row_wise/ws2,"
-                                             "torchrec-qcomms/fp16-fp16/data_parallel/ws2"))
+                                             "torchrec-qcomms/fp16-fp32/row_wise/ws2"))
     analysis = analyze(run_dir)
     assert set(analysis.cases.set_index("setting")["verdict"]) == {"ok"}, analysis.cases
     rows = analysis.comparisons[analysis.comparisons["setting"].str.startswith("torchrec-qcomms/")]
     worst = rows.groupby("setting")["linf"].max()
     assert worst["torchrec-qcomms/fp16-fp16/table_wise/ws2"] > 1e-5, worst
     assert worst["torchrec-qcomms/fp16-fp32/row_wise/ws2"] > 1e-5, worst
-    assert worst["torchrec-qcomms/fp16-fp16/data_parallel/ws2"] < 1e-6, worst
+    assert not [s.name for s in all_settings() if s.name.startswith("torchrec-qcomms/") and "data_parallel" in s.name]
     assert 0 < rows["calibrated_ratio"].astype(float).max() < 1, rows["calibrated_ratio"]
 
 

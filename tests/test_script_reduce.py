@@ -369,3 +369,24 @@ def test_an_edit_that_leaves_a_name_undefined_is_never_run() -> None:
     assert undefined_names("def f():\n    return g()\n") == {"g"}
     assert undefined_names("import os\nfrom a import b as c\ndef f(x, *a, k=1, **kw):\n    try:\n        pass\n"
                            "    except E as e:\n        return os, c, x, a, k, kw, e, len, [y for y in x]\n") == {"E"}
+
+
+def test_each_copy_of_a_repeated_statement_is_its_own_candidate_and_an_elif_is_never_unwrapped() -> None:
+    from difftest.scripts.shrink import candidates
+
+    source = textwrap.dedent(f'''\
+        def f(x):
+            wait()
+            wait()
+            if x:
+                a()
+            elif x > 1:
+                b()
+            return x
+
+        {SHARED_MARKER}: start the ranks, judge, report ---
+        ''')
+    keys = [key for key, _ in candidates(source)]
+    assert sum(key.startswith("delete\n    wait()") for key in keys) == 2
+    assert not any(key.startswith(("unwrap\n    elif", "unwrap\n    if x:")) for key in keys)  # an `if` with an `elif`
+    assert any(key.startswith("delete\n        b()") for key in keys)

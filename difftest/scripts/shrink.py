@@ -75,6 +75,10 @@ for line in sys.stdin:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             code = os.waitstatus_to_exitcode(status)
+            try:  # a rank it left behind must not write into the next trial's output
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
             break
         if time.perf_counter() - started > request["timeout"]:
             os.killpg(pid, signal.SIGKILL)
@@ -148,7 +152,7 @@ class TrialServer:
 def _region(source: str) -> tuple[int, int]:
     """The lines a trial may edit: from the first definition to the part every script shares."""
     tree = parse(source)
-    first = next((n.lineno for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)),
+    first = next((_start(n) for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)),
                  None)
     lines = source.splitlines()
     marker = next((n for n, line in enumerate(lines, 1) if line.startswith(SHARED_MARKER)), len(lines) + 1)
@@ -191,7 +195,7 @@ def _delete(lines: list[str], block: list[ast.stmt], node: ast.stmt) -> list[str
 def _unwrap(lines: list[str], node: ast.If | ast.With | ast.Try) -> list[str] | None:
     """The compound statement's body in its place, one level out; None where its text does not allow it."""
     body = node.body
-    first, last = body[0].lineno, body[-1].end_lineno or body[-1].lineno
+    first, last = _start(body[0]), body[-1].end_lineno or body[-1].lineno
     step = len(_indent(lines[first - 1])) - len(_indent(lines[node.lineno - 1]))
     if step <= 0 or any(line.strip() and not line[:step].isspace() for line in lines[first - 1:last]):
         return None
@@ -207,17 +211,21 @@ def candidates(source: str) -> Iterator[tuple[str, str]]:
     lines = source.splitlines()
     first, marker = _region(source)
     edits: list[tuple[int, str, list[str]]] = []
+    seen: dict[str, int] = {}
     for block in _blocks(tree):
         for node in block:
             start, end = _start(node), node.end_lineno or node.lineno
             if start < first or end >= marker:
                 continue
             text = "\n".join(lines[start - 1:end])
-            edits.append((end - start + 1, f"delete\n{text}", _delete(lines, block, node)))
-            unwrappable = (isinstance(node, ast.If) and not node.orelse) or isinstance(node, ast.With) or (
-                isinstance(node, ast.Try) and not node.orelse and not node.finalbody)
+            seen[text] = seen.get(text, 0) + 1  # the same statement twice is two candidates
+            key = f"{text}\n#{seen[text]}"
+            edits.append((end - start + 1, f"delete\n{key}", _delete(lines, block, node)))
+            elif_ = lines[node.lineno - 1].lstrip().startswith("elif")  # its body alone would run after the `if`
+            unwrappable = (isinstance(node, ast.If) and not node.orelse and not elif_) or isinstance(node, ast.With) \
+                or (isinstance(node, ast.Try) and not node.orelse and not node.finalbody)
             if unwrappable and (unwrapped := _unwrap(lines, node)) is not None:  # type: ignore[arg-type]
-                edits.append((0, f"unwrap\n{text}", unwrapped))
+                edits.append((0, f"unwrap\n{key}", unwrapped))
     for _size, key, edited in sorted(edits, key=lambda e: -e[0]):
         yield key, "\n".join(edited) + "\n"
 
@@ -290,7 +298,10 @@ def shrink(path: Path, original_output: str, budget_s: float, timeout_s: float, 
                 if key in seen:
                     continue  # tried in this pass, on the script before a later edit was kept
                 seen.add(key)
-                reduced = tidy_blocks(drop_unused(edited))
+                try:
+                    reduced = tidy_blocks(drop_unused(edited))
+                except SyntaxError:  # an edit whose text does not parse (a `pass` at a comment's indentation)
+                    continue
                 digest = hashlib.sha1(reduced.encode()).hexdigest()
                 if digest in tried or reduced == source:
                     continue
@@ -340,18 +351,20 @@ def reduce_and_shrink(path: Path, traced: Checked, executed: set[int], timeout_s
     try:
         shrunk = shrink(path, traced.output, budget_s, timeout_s, env, niceness)
         trials, kept = shrunk.trials, shrunk.kept
-    except Exception as exc:  # the trials failing are ours to fix: the reduction by trace is checked alone
+    except Exception as exc:  # the trials failing are ours to fix; `path` holds the last script that showed the bug
         trials_failed = f"a defect of difftest's: {type(exc).__name__}: {exc}"
-        path.write_text(reduced)
         trials = kept = 0
     else:
         trials_failed = ""
-    now = path.read_text()
-    if now != source:
+    # the trials' script, else (a fork showed the bug where a fresh interpreter does not) the reduction by trace
+    for candidate in dict.fromkeys([path.read_text(), reduced]):
+        if candidate == source:
+            break
+        path.write_text(candidate)
         final = check_script(path, timeout_s, env=env, niceness=niceness)
         if final.exit_code == 1 and same_bug(traced.output, final.output):
-            return Reduction(before, now.count("\n"), time.perf_counter() - started, True, "", trials, kept,
-                             trials_failed), final
+            return Reduction(before, candidate.count("\n"), time.perf_counter() - started, True, "", trials,
+                             kept if candidate != reduced else 0, trials_failed), final
         why_not = f"the reduced script did not show the same bug (exit {final.exit_code})"
     path.write_text(source)
     return Reduction(before, before, time.perf_counter() - started, False, why_not or "nothing it does not need",

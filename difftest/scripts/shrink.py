@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from difftest.scripts.check import Checked
 
 # Run as `python server.py MODULE...`: imports them, says it is ready, then for each request line (JSON: script, out,
-# timeout) forks a child that runs the script as `python script` would and answers with its exit code. Only the
+# seconds: its time limit) forks a child that runs the script as `python script` would and answers with its exit code. Only the
 # standard library: it runs sealed, where difftest does not import.
 _SERVER = '''
 import importlib, json, os, runpy, signal, sys, time, traceback
@@ -80,7 +80,7 @@ for line in sys.stdin:
             except OSError:
                 pass
             break
-        if time.perf_counter() - started > request["timeout"]:
+        if time.perf_counter() - started > request["seconds"]:
             os.killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             code = 124
@@ -128,7 +128,7 @@ class TrialServer:
         """The script's exit code and output, run as `python script` runs it."""
         assert self._process.stdin is not None and self._process.stdout is not None
         out = Path(self._folder.name) / "out.txt"
-        self._process.stdin.write(json.dumps({"script": str(script), "out": str(out), "timeout": timeout_s}) + "\n")
+        self._process.stdin.write(json.dumps({"script": str(script), "out": str(out), "seconds": timeout_s}) + "\n")
         self._process.stdin.flush()
         reply = self._process.stdout.readline()
         if not reply:

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from difftest.scripts.check import Checked
 
 # Run as `python server.py MODULE...`: imports them, says it is ready, then for each request line (JSON: script, out,
-# seconds: its time limit) forks a child that runs the script as `python script` would and answers with its exit code. Only the
-# standard library: it runs sealed, where difftest does not import.
+# seconds: its time limit) forks a child that runs the script as `python script` would and answers with its exit
+# code. Only the standard library: it runs sealed, where difftest does not import.
 _SERVER = '''
 import importlib, json, os, runpy, signal, sys, time, traceback
 

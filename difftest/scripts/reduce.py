@@ -397,6 +397,22 @@ def same_bug(original: str, reduced: str) -> bool:
     return mine == verdict_lines(original) and any(line.startswith(BUG_PRESENT) for line in mine)
 
 
+def reduced_by_trace(path: Path, executed: set[int]) -> tuple[str, str, str]:
+    """(the script at `path`, kept whole as `standalone.full.py`; it less what never ran; why there is no reduction,
+    or ""): a reducer that fails, or writes what does not compile, leaves the whole script (ours to fix, never the end
+    of the run)."""
+    source = path.read_text()
+    path.with_name(FULL_FILE).write_text(source)
+    try:
+        reduced = reduce_source(source, executed)
+        compile(reduced, path.name, "exec")
+    except SyntaxError as exc:
+        return source, source, f"the reduced script does not compile ({exc.msg}, line {exc.lineno})"
+    except Exception as exc:
+        return source, source, f"the reducer failed, a defect of difftest's: {type(exc).__name__}: {exc}"
+    return source, reduced, ""
+
+
 def reduce_script(path: Path, traced: Checked, executed: set[int], timeout_s: float,
                   env: dict[str, str] | None = None, niceness: int = 0) -> tuple[Reduction, Checked]:
     """Reduce the script at `path`, whose traced check (`traced_check`) reproduced, in place; its whole form is kept
@@ -405,21 +421,15 @@ def reduce_script(path: Path, traced: Checked, executed: set[int], timeout_s: fl
     from difftest.scripts.check import check_script
 
     started = time.perf_counter()
-    source = path.read_text()
+    source, reduced, why_not = reduced_by_trace(path, executed)
     before = source.count("\n")
-    path.with_name(FULL_FILE).write_text(source)
 
     def refused(why: str) -> tuple[Reduction, Checked]:
         path.write_text(source)
         return Reduction(before, before, time.perf_counter() - started, False, why), traced
 
-    try:
-        reduced = reduce_source(source, executed)
-        compile(reduced, path.name, "exec")
-    except SyntaxError as exc:  # a reduction of ours that does not parse: the full script stays
-        return refused(f"the reduced script does not compile ({exc.msg}, line {exc.lineno})")
-    except Exception as exc:  # the reducer failing is ours to fix, never the end of the run: the full script stays
-        return refused(f"the reducer failed, a defect of difftest's: {type(exc).__name__}: {exc}")
+    if why_not:
+        return refused(why_not)
     if reduced == source:
         return refused("nothing it does not run")
     path.write_text(reduced)

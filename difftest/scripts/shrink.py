@@ -333,20 +333,13 @@ def reduce_and_shrink(path: Path, traced: Checked, executed: set[int], timeout_s
     in a fork); what stays is kept only if one fresh, sealed check shows the same bug and exits 1, else the whole
     script is. Returns the reduction and the check that stands for the script now at `path`."""
     from difftest.scripts.check import check_script
-    from difftest.scripts.reduce import FULL_FILE, reduce_source
+    from difftest.scripts.reduce import reduced_by_trace
 
     if budget_s <= 0:
         return reduce_script(path, traced, executed, timeout_s, env, niceness)
     started = time.perf_counter()
-    source = path.read_text()
+    source, reduced, why_not = reduced_by_trace(path, executed)  # a failed reduction: the trials start whole
     before = source.count("\n")
-    path.with_name(FULL_FILE).write_text(source)
-    why_not = ""
-    try:
-        reduced = reduce_source(source, executed)
-        compile(reduced, path.name, "exec")
-    except Exception as exc:  # the reducer failing is ours to fix, never the end of the run: the trials start whole
-        why_not, reduced = f"the reducer failed, a defect of difftest's: {type(exc).__name__}: {exc}", source
     path.write_text(reduced)
     try:
         shrunk = shrink(path, traced.output, budget_s, timeout_s, env, niceness)

@@ -535,3 +535,19 @@ def test_every_commands_options_default_to_the_options_objects_they_fill() -> No
                     assert param.default == wanted or keeps_the_runs, (name, param.name, param.default)
                     checked += 1
     assert checked >= 40
+
+
+def test_every_command_that_minimises_findings_also_shrinks_their_scripts() -> None:
+    """Both budgets shape a finding: a command taking --minimise-budget takes --shrink-budget too."""
+    import typer
+
+    from difftest.cli import app
+
+    minimising = {}
+    for name, command in typer.main.get_command(app).commands.items():
+        for sub_name, sub in getattr(command, "commands", {name: command}).items():
+            options = {param.name for param in sub.params}
+            if "minimise_budget" in options:
+                minimising[sub_name] = "shrink_budget" in options
+    assert {"run", "sweep", "quant", "analyze", "campaign"} <= set(minimising)
+    assert all(minimising.values()), [name for name, shrinks in minimising.items() if not shrinks]

@@ -530,12 +530,13 @@ def sweep(
     rtol: RtolOpt = DEFAULTS.tolerance.rtol,
     oracle: OracleOpt = DEFAULTS.oracle,
     minimise_budget: MinimiseOpt = DEFAULTS.minimise_budget_s,
+    shrink_budget: ShrinkOpt = DEFAULTS.shrink_budget_s,
 ) -> None:
     """Run every (model, setting) case not yet committed in RUN_DIR (a rerun resumes), then analyse and triage."""
     run_dir = absolute(run_dir)
     _record_command(run_dir)
     where = _executor(executor, address, cpus_per_rank)
-    judging = _options(atol, rtol, oracle, minimise_budget, timeout, device)
+    judging = _options(atol, rtol, oracle, minimise_budget, timeout, device, shrink_budget)
     _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where, backend,
            judging)
     _analyze(run_dir, judging)
@@ -561,6 +562,7 @@ def quant(
     cpus_per_rank: CpusPerRankOpt = EXECUTOR.cpus_per_rank,
     fail_on_inconsistency: FailOpt = False,
     minimise_budget: MinimiseOpt = DEFAULTS.minimise_budget_s,
+    shrink_budget: ShrinkOpt = DEFAULTS.shrink_budget_s,
 ) -> None:
     """The quantization sweep: every quantized setting on RUN_DIR's models, single process, then analyse.
 
@@ -577,7 +579,7 @@ def quant(
     load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
     _record_command(run_dir)
     where = _executor(executor, address, cpus_per_rank)
-    judging = _options(atol, rtol, oracle, minimise_budget, timeout, device)
+    judging = _options(atol, rtol, oracle, minimise_budget, timeout, device, shrink_budget)
     _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, None, timeout, device, plugins, executor=where,
            backend=backend, judging=judging)
     _analyze(run_dir, judging, fail_on_inconsistency)
@@ -736,6 +738,7 @@ def campaign(
     models: Annotated[int | None, typer.Option("--models", min=1, help="Models per kind and round (default: 1, and a core in 4 above 7 cores; a resumed campaign keeps its own).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Round r draws its models from seed SEED + r.")] = 1000,
     minimise_budget: MinimiseOpt = DEFAULTS.minimise_budget_s,
+    shrink_budget: ShrinkOpt = DEFAULTS.shrink_budget_s,
     jobs: JobsOpt = None,
     timeout: TimeoutOpt = DEFAULTS.timeout_s,
     sampling: Annotated[str, typer.Option("--sampling", help="How each round picks the (setting family × model kind) cells it runs: guided (toward cells that gave new causes or near misses, 30% of the chance spread over all) or uniform.")] = "guided",
@@ -784,7 +787,8 @@ def campaign(
     def one_round(where: Path, round_seed: int, focus: Callable[[Finding], bool], plan: RoundPlan) -> Any:
         import dataclasses
 
-        judging = dataclasses.replace(_options(DEFAULTS.tolerance.atol, DEFAULTS.tolerance.rtol, DEFAULTS.oracle, minimise_budget, timeout, "cpu"), focus=focus)
+        judging = dataclasses.replace(_options(DEFAULTS.tolerance.atol, DEFAULTS.tolerance.rtol, DEFAULTS.oracle, minimise_budget, timeout, "cpu",
+                                                shrink_budget), focus=focus)
         _generate(where, config.models, round_seed, plan.kind, 1, 0.1, plan.batch_size, plugins, "", plan.first_index)
         _sweep(where, ",".join(plan.settings), None, jobs, timeout, "cpu", plugins, judging=judging, executor=cluster)
         return run_pipeline(where, judging)

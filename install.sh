@@ -39,7 +39,7 @@ else
   FBGEMM_PKG="fbgemm-gpu-cpu==$FBGEMM"
 fi
 
-EXTRAS=${DIFFTEST_EXTRAS:-test,tf,ray,zoo}
+EXTRAS=${DIFFTEST_EXTRAS:-test,tf,ray,zoo,titan}
 pip_install "torch==$TORCH"
 # the converters and timm import torchvision, whose build must match torch's
 case ",$EXTRAS," in *,tf,*|*,zoo,*) pip_install "torch==$TORCH" "torchvision==$TORCHVISION" ;; esac

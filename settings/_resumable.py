@@ -291,45 +291,63 @@ def run_in_new_processes(ctx: RunContext, model_dir: Path, phase: Phase, checkpo
     """Run `phase` in `phase.placement.world_size` fresh interpreters joined in a new process group (rendezvous
     through a file in `workdir`, no port at all); returns rank 0's outputs."""
     tag = f"{phase.first_step}-{phase.last_step}"
-    kind = ctx.device.split(":")[0]
-    if kind == "cuda":  # the sweep checked the warm group's world size; a phase's own processes are checked here
-        why = device_refusal(kind, ctx.backend, phase.placement.world_size, visible_gpus())
-        if why:
-            raise Unsupported(f"the {phase.placement.label} phase {why}")
     request = {
-        "model_dir": str(model_dir), "checkpoint": str(checkpoint), "workdir": str(workdir),
-        "seed": ctx.seed, "lr": ctx.lr, "steps": ctx.steps, "device": kind, "backend": ctx.backend,
-        "placement": dataclasses.asdict(phase.placement), "first_step": phase.first_step, "last_step": phase.last_step,
-        "load": phase.load, "save": phase.save, "carried": sorted(phase.carried),
+        **new_group_request(ctx, model_dir, workdir, phase.placement.world_size, f"the {phase.placement.label} phase"),
+        "checkpoint": str(checkpoint), "placement": dataclasses.asdict(phase.placement),
+        "first_step": phase.first_step, "last_step": phase.last_step, "load": phase.load, "save": phase.save,
+        "carried": sorted(phase.carried),
     }
-    return run_in_processes(phase_main, request, phase.placement.world_size, workdir, tag, device=kind)
+    return run_in_processes(phase_main, request, phase.placement.world_size, workdir, tag, device=request["device"])
 
 
-def phase_main(request: Mapping[str, Any], rank: int) -> Outputs | None:
-    """One process of a phase (`run_in_processes` starts it): join the phase's own group, run the phase, return rank
-    0's outputs."""
+def new_group_request(ctx: RunContext, model_dir: Path, workdir: Path, processes: int, what: str) -> dict[str, Any]:
+    """What `join_new_group` needs to start `processes` new processes of the case (`what` names them in a refusal):
+    the sweep checked its own group's world size on a GPU, a group of new processes is checked here."""
+    kind = ctx.device.split(":")[0]
+    if kind == "cuda":
+        why = device_refusal(kind, ctx.backend, processes, visible_gpus())
+        if why:
+            raise Unsupported(f"{what} {why}")
+    return {"model_dir": str(model_dir), "workdir": str(workdir), "seed": ctx.seed, "lr": ctx.lr, "steps": ctx.steps,
+            "device": kind, "backend": ctx.backend}
+
+
+def join_new_group(request: Mapping[str, Any], rank: int, world_size: int, rendezvous: str) -> tuple[RunContext, Any,
+                                                                                                   Any]:
+    """A new process's part of its own group (`run_in_processes` starts it): join the group through the file
+    `rendezvous` in the request's `workdir` (no port at all), load the case's model and inputs from `model_dir`; the
+    case's run context over that group."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    placement = Placement(**request["placement"])
-    phase = Phase(placement, request["first_step"], request["last_step"], request["load"], request["save"],
-                  frozenset(request["carried"]))
     torch.set_num_threads(1)
     device = rank_device(request["device"], request["backend"], rank,
                          visible_gpus() if request["device"] == "cuda" else 0)
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
-    store = dist.FileStore(str(Path(request["workdir"]) / f"rendezvous-{phase.first_step}"), placement.world_size)
+    store = dist.FileStore(str(Path(request["workdir"]) / rendezvous), world_size)
     store.set_timeout(timedelta(seconds=RENDEZVOUS_S))  # a peer that never comes fails the phase in seconds
-    dist.init_process_group(request["backend"], store=store, rank=rank, world_size=placement.world_size,
+    dist.init_process_group(request["backend"], store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=120),
                             device_id=torch.device(device) if request["backend"] == "nccl" else None)
     model, inputs = load_model(Path(request["model_dir"]))
-    ctx = RunContext(rank=rank, world_size=placement.world_size, local_world_size=placement.world_size,
-                     device=device, backend=request["backend"], group=dist.group.WORLD, steps=request["steps"],
-                     lr=request["lr"], seed=request["seed"])
+    ctx = RunContext(rank=rank, world_size=world_size, local_world_size=world_size, device=device,
+                     backend=request["backend"], group=dist.group.WORLD, steps=request["steps"], lr=request["lr"],
+                     seed=request["seed"])
+    return ctx, model, inputs
+
+
+def phase_main(request: Mapping[str, Any], rank: int) -> Outputs | None:
+    """One process of a phase (`run_in_processes` starts it): join the phase's own group, run the phase, return rank
+    0's outputs."""
+    import torch.distributed as dist
+
+    placement = Placement(**request["placement"])
+    phase = Phase(placement, request["first_step"], request["last_step"], request["load"], request["save"],
+                  frozenset(request["carried"]))
+    ctx, model, inputs = join_new_group(request, rank, placement.world_size, f"rendezvous-{phase.first_step}")
     outputs = run_phase(ctx, model, inputs, phase, Path(request["checkpoint"]))
     dist.barrier()
     return outputs

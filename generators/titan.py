@@ -1,0 +1,96 @@
+"""torchtitan's models as kinds (the `[titan]` extra): `titan-llama3`, built through torchtitan's own config classes
+at a debug size smaller than its `debugmodel` flavour (2 layers, width 32, 4 heads of which 2 key/value, vocabulary
+64), its weights from the seed by the model's own `init_weights`, nothing downloaded.
+
+The `titan` setting family runs the model's own `parallelize` recipe (FSDP2, TP, activation checkpointing, compile
+as torchtitan applies them); the generic families run it as any PyTorch model. Attention is torchtitan's
+`ScaledDotProductAttention` module, causal: its language models default to FlexAttention, which has no backward on
+the CPU, and with one document a sequence the block-causal mask FlexAttention would apply is the causal one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from difftest import AdapterGenerator, ModelAdapter, register_generator
+
+EXTRA = "install torchtitan: pip install 'difftest[titan]'"
+VOCABULARY, POSITIONS = 64, 8
+WIDTH, HEADS, KV_HEADS, LAYERS = 32, 4, 2, 2
+
+
+def llama3_config() -> Any:
+    """The Llama 3 model's config at the debug size above, as torchtitan's flavours write theirs."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        Llama3Model,
+        _build_llama3_layers,
+        _output_linear_init,
+    )
+
+    config = Llama3Model.Config(
+        dim=WIDTH, vocab_size=VOCABULARY,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCABULARY, embedding_dim=WIDTH, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=WIDTH, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=WIDTH, out_features=VOCABULARY, param_init=_output_linear_init(WIDTH)),
+        layers=_build_llama3_layers(
+            n_layers=LAYERS, dim=WIDTH, n_heads=HEADS, n_kv_heads=KV_HEADS, fuse_qkv=True, attn_backend="flex",
+            hidden_dim=compute_ffn_hidden_dim(WIDTH, multiple_of=32),
+            rope=ComplexRoPE.Config(dim=WIDTH // HEADS, max_seq_len=8 * POSITIONS, theta=500000, scaling="llama")))
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+CONFIGS = {"llama3": llama3_config}
+
+
+def _model(name: str, seed: int) -> Any:
+    import torch
+
+    model = CONFIGS[name]().build()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+def _token_batch(seed: int, size: int) -> tuple[Any, Any]:
+    """Token ids and the next token of each (the last position predicts the first: every position has a target)."""
+    import torch
+
+    ids = torch.randint(0, VOCABULARY, (size, POSITIONS), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _token_loss(prediction: Any, target: Any) -> Any:
+    """The mean cross-entropy over every position (torchtitan's: the sum over tokens over the global token count)."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(prediction.reshape(-1, prediction.shape[-1]).float(),
+                                             target.reshape(-1))
+
+
+class TitanKind(AdapterGenerator):
+    """A torchtitan model as a kind: the library's findings (no "user" trait), its own recipes (trait "titan")."""
+
+    traits = frozenset({"torch", "zoo", "titan"})
+
+    def available(self) -> str | None:
+        return None if importlib.util.find_spec("torchtitan") else f"needs torchtitan ({EXTRA})"
+
+
+def _register() -> None:
+    from functools import partial
+
+    for name in CONFIGS:
+        adapter = ModelAdapter(f"titan-{name}", partial(_model, name), _token_batch, _token_loss,
+                               blocks=tuple(f"layers.{i}" for i in range(LAYERS)))
+        register_generator(adapter.name, TitanKind(adapter))
+
+
+_register()

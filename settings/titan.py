@@ -1,0 +1,362 @@
+"""torchtitan's own recipes (the `[titan]` extra): a torchtitan model trained the way torchtitan's trainer trains it,
+against the plain single-process program.
+
+The model is rebuilt from its own config, updated for the recipe (`update_from_config`: its sharding declarations,
+sequence parallel or not), on the meta device; torchtitan's `ParallelDims` lays the mesh out (`dp_shard` × `tp`)
+and the model's `parallelize` function (`parallelize_llama` for Llama 3) applies tensor parallelism, activation
+checkpointing (`full`, or `selective` by op), per-block `torch.compile` and FSDP2 as torchtitan orders them, under
+one of its SPMD backends (`spmd_types`, its default; `partial_dtensor`; `full_dtensor`). The weights are then the
+case's, laid into the sharded parameters; each step feeds the inputs as the trainer does (annotated for the backend,
+the batch split over the data-parallel ranks), takes torchtitan's own cross-entropy (the sum over tokens divided by
+the global token count) and steps plain SGD.
+
+What is adapted for the CPU, and recorded in each case's notes: torchtitan picks "cuda" as its device where no
+accelerator is found (`torchtitan.tools.utils.device_type`), so the mesh's device is set to the case's; FSDP2's
+gradient reduction is asked for a plain sum where the backend is gloo (torchtitan's divide factor becomes a
+`PREMUL_SUM`, which gloo lacks). Gradient clipping, the learning-rate schedule and AdamW, which the trainer adds
+around the recipe, are not part of it (the `clip` family tests clipping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import importlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+from difftest import (
+    SHARDED,
+    ModelSpec,
+    Outputs,
+    RunContext,
+    Setting,
+    across,
+    register_settings,
+    traits_of,
+)
+from settings._training import build_for_training
+
+BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
+CHECKPOINTING = ("none", "full", "selective")
+# torchtitan's prefixes of wrapped modules in parameter names: checkpoint_wrapper's and torch.compile's
+_WRAPPED = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class TorchtitanRecipe(Setting):
+    """A torchtitan model under its own `parallelize` function: FSDP2 over `data_parallel` ranks × tensor parallel
+    over `tensor_parallel`, with the recipe's checkpointing, compile and SPMD backend, in a new group of processes."""
+
+    data_parallel: int
+    tensor_parallel: int = 1
+    sequence_parallel: bool = True
+    checkpointing: str = "none"  # a value of CHECKPOINTING
+    compile: bool = False
+    backend: str = "spmd_types"  # a value of BACKENDS
+    world_size: int = 1  # the sweep's process only launches the recipe's own group
+    family: ClassVar[str] = "titan"
+    tier_axes: ClassVar[tuple[str, ...]] = ("backend", "checkpointing", "sequence_parallel", "data_parallel",
+                                            "tensor_parallel")
+    size_parameters: ClassVar[frozenset[str]] = frozenset()
+
+    @property
+    def ranks(self) -> int:
+        return self.data_parallel * self.tensor_parallel
+
+    @property
+    def name(self) -> str:
+        mesh = f"dp{self.data_parallel}-tp{self.tensor_parallel}" + (
+            "" if self.sequence_parallel or self.tensor_parallel == 1 else "-no-sp")
+        return (f"titan/{self.backend}/{mesh}/ac-{self.checkpointing}" + ("/compile" if self.compile else "")
+                + f"/ws{self.ranks}")
+
+    def describe(self) -> str:
+        parts = [f"FSDP2 over {self.data_parallel} ranks" if self.data_parallel > 1 else "",
+                 f"tensor parallel over {self.tensor_parallel}"
+                 + (" with sequence parallel" if self.sequence_parallel else "") if self.tensor_parallel > 1 else "",
+                 f"{self.checkpointing} activation checkpointing" if self.checkpointing != "none" else "",
+                 "each block compiled" if self.compile else ""]
+        return (f"torchtitan's parallelize recipe ({', '.join(p for p in parts if p)}; SPMD backend "
+                f"{self.backend}) in {self.ranks} new processes")
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.ranks, SHARDED | {"all_reduce"})
+
+    def supports(self, spec: ModelSpec) -> str | None:
+        if "titan" not in traits_of(spec.kind):
+            return f"torchtitan's recipes parallelize torchtitan's models, not kind {spec.kind!r}"
+        return None
+
+    def available(self) -> str | None:
+        if importlib.util.find_spec("torchtitan") is None:
+            return "needs torchtitan (pip install 'difftest[titan]')"
+        if self.compile:
+            import shutil
+
+            if shutil.which("g++") is None and shutil.which("c++") is None:
+                return "Inductor compiles C++ for the CPU and finds no compiler (install g++: apt-get install g++)"
+        return None
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        """The recipe in new processes: torchtitan keeps the meshes of the model it parallelized in process state
+        (its SPMD backends' registries), so a second model parallelized in one process has its parameters on the
+        first one's meshes; a training job parallelizes one model per process, and so does each case."""
+        import shutil
+
+        from difftest import Unsupported, run_in_processes
+        from settings._resumable import new_group_request
+
+        if model.model_dir is None:
+            raise Unsupported("the model has no folder for new processes to load it from")
+        workdir = Path(tempfile.mkdtemp(prefix="difftest-titan-"))
+        try:
+            request = {**new_group_request(ctx, model.model_dir, workdir, self.ranks, "torchtitan's recipe"),
+                       "setting": dataclasses.asdict(self), "setting_class": type(self).__name__}
+            outputs = run_in_processes(recipe_main, request, self.ranks, workdir, "recipe", device=request["device"])
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if ctx.backend == "gloo" and self.data_parallel > 1:
+            ctx.notes["adapted"] = "gloo: FSDP2 reduces gradients by plain sum (gloo has no PREMUL_SUM)"
+        return outputs
+
+    def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        """One process's part of the recipe's training, in the recipe's own group."""
+        import torch
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        from difftest import record_training, to_numpy
+
+        plain = build_for_training(model, ctx.device)
+        recipe = _Recipe(self, ctx, plain)
+        parameters = recipe.parameters()
+        with torch.no_grad():  # the case's weights, laid out as the recipe sharded them
+            for name, parameter in parameters.items():
+                whole = plain.get_parameter(name).detach().to(parameter.dtype)
+                if isinstance(parameter, DTensor):
+                    parameter.to_local().copy_(distribute_tensor(whole, parameter.device_mesh,
+                                                                 parameter.placements).to_local())
+                else:
+                    parameter.copy_(whole)
+        optimizer = torch.optim.SGD([p for p in recipe.module.parameters() if p.requires_grad], lr=ctx.lr)
+
+        def train_step(batch: Any) -> float:
+            optimizer.zero_grad()
+            loss = recipe.step(batch)
+            optimizer.step()
+            return loss
+
+        def whole_parameters() -> dict[str, Any] | None:
+            full = {name: to_numpy(p.full_tensor() if isinstance(p, DTensor) else p) for name, p in parameters.items()}
+            return full if ctx.rank == 0 else None
+
+        return record_training(ctx, inputs, recipe.evaluate, train_step, whole_parameters,
+                               data_shard=(recipe.data_index, self.data_parallel))
+
+
+def recipe_main(request: dict[str, Any], rank: int) -> Outputs | None:
+    """One new process of a recipe (`run_in_processes` starts it): join the recipe's group, train, return rank 0's
+    outputs."""
+    import torch.distributed as dist
+
+    from settings._resumable import join_new_group
+
+    setting = _CLASSES[request["setting_class"]](**request["setting"])
+    ctx, model, inputs = join_new_group(request, rank, setting.ranks, "rendezvous")
+    outputs = setting.train(ctx, model, inputs)
+    dist.barrier()
+    return outputs
+
+
+@dataclass(frozen=True)
+class CompiledTorchtitanRecipe(TorchtitanRecipe):
+    """The recipe with torchtitan's per-block `torch.compile` (Inductor)."""
+
+    compile: bool = True
+    # Inductor compiles each block's forward and backward anew: 15-30 s a case on 2 cores
+    in_default_tier: ClassVar[bool] = False
+
+
+_CLASSES = {cls.__name__: cls for cls in (TorchtitanRecipe, CompiledTorchtitanRecipe)}
+
+
+class _Recipe:
+    """One rank's part of a torchtitan recipe: the parallelized model, and the trainer's way of feeding it."""
+
+    def __init__(self, setting: TorchtitanRecipe, ctx: RunContext, plain: Any) -> None:
+        import torch
+        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+
+        device = ctx.device.split(":")[0]
+        _use_device(device)
+        self.setting, self.ctx = setting, ctx
+        self.vocabulary = plain.config.vocab_size
+        parallelism = ParallelismConfig(data_parallel_shard_degree=setting.data_parallel,
+                                        tensor_parallel_degree=setting.tensor_parallel,
+                                        enable_sequence_parallel=setting.sequence_parallel,
+                                        spmd_backend=setting.backend)
+        config = copy.deepcopy(plain.config)
+        config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+        self.dims = _parallel_dims(parallelism, setting.ranks)
+        from torchtitan.distributed import utils as titan_utils
+
+        titan_utils.set_spmd_backend(setting.backend)
+        with torch.device("meta"):
+            module = config.build()
+        self.compile_config = CompileConfig(enable=setting.compile, components=["model"])
+        with tempfile.TemporaryDirectory() as dump:  # where selective checkpointing may write its op log
+            module = _parallelize_function(module)(
+                module, parallel_dims=self.dims, training=TrainingConfig(mixed_precision_param="float32"),
+                parallelism=parallelism, compile_config=self.compile_config,
+                ac_config=_checkpointing(setting.checkpointing), dump_folder=dump)
+        if ctx.backend == "gloo":
+            from torch.distributed.fsdp import FSDPModule
+
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_force_sum_reduction_for_comms(True)
+        module.to_empty(device=ctx.device)
+        with torch.no_grad():
+            module.init_weights(buffer_device=None)  # the buffers (RoPE's cache); the weights are the case's
+        self.module = module
+        self.data_index = self.dims.get_mesh("batch").get_local_rank() if self.dims.dp_enabled else 0
+        from torchtitan.components.loss import CrossEntropyLoss
+
+        self.loss = CrossEntropyLoss.Config(global_vocab_size=self.vocabulary).build(compile_config=self.compile_config)
+
+    def parameters(self) -> dict[str, Any]:
+        """The parallelized model's parameters under the plain model's names."""
+        named = {}
+        for name, parameter in self.module.named_parameters():
+            for prefix in _WRAPPED:
+                name = name.replace(prefix, "")
+            named[name] = parameter
+        return named
+
+    def _fed(self, batch: Any) -> tuple[Any, Any, dict[str, Any], Any]:
+        """The batch as the trainer hands it to the model: token ids, labels and positions, annotated for the SPMD
+        backend; and the global count of tokens the loss divides by."""
+        import torch
+        from torchtitan.distributed import utils as titan_utils
+
+        tokens = torch.as_tensor(batch.dense, device=self.ctx.device)
+        labels = torch.as_tensor(batch.labels, device=self.ctx.device)
+        positions = torch.arange(tokens.shape[1], device=self.ctx.device).expand(tokens.shape).contiguous()
+        count = torch.tensor(labels.numel(), device=self.ctx.device)
+        tokens_counted = (titan_utils.dist_sum_tensor(count, self.dims.get_mesh("batch"))
+                          if self.dims.dp_enabled else count)
+        extra = {"positions": positions}
+        if self.setting.backend == "full_dtensor":
+            from torchtitan.distributed import full_dtensor
+
+            tokens, labels, extra = full_dtensor.parallelize_inputs(self.dims, tokens, labels, extra)
+        elif self.setting.backend == "spmd_types":
+            from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+            tokens, labels, extra = annotate_input_spmd_types(self.dims, tokens, labels, extra)
+        return tokens, labels, extra, tokens_counted
+
+    def _context(self) -> Any:
+        from torchtitan.distributed import utils as titan_utils
+
+        return titan_utils.get_spmd_context(parallel_dims=self.dims, spmd_typechecking=False)()
+
+    def step(self, batch: Any) -> float:
+        """Forward, torchtitan's loss, backward; the global loss."""
+        tokens, labels, extra, tokens_counted = self._fed(batch)
+        with self._context():
+            prediction = self.module(tokens, **extra)
+            loss, _ = self.loss(prediction, labels, tokens_counted, positions=extra["positions"])
+            with _no_typecheck():
+                loss.backward()
+        return self._global_loss(loss)
+
+    def _global_loss(self, loss: Any) -> float:
+        """This share's loss is its tokens' sum over the global count: the global loss is their sum over the shares."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(loss, DTensor):
+            return float(loss.full_tensor())
+        total = loss.detach().reshape(()).clone()
+        if self.dims.dp_enabled:
+            dist.all_reduce(total, group=self.dims.get_mesh("batch").get_group())
+        return float(total.to(torch.float64))
+
+    def evaluate(self, batch: Any) -> dict[str, Any]:
+        """The logits of this share, whole: a DTensor gathered, a plain tensor sharded over the tensor-parallel ranks
+        (the vocabulary under loss parallel, the sequence under sequence parallel) all-gathered."""
+        from torch.distributed.tensor import DTensor
+
+        tokens, _, extra, _ = self._fed(batch)
+        with self._context():
+            logits = self.module(tokens, **extra)
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        whole = (len(batch.dense), batch.dense.shape[1], self.vocabulary)
+        for dim, size in enumerate(whole):
+            if logits.shape[dim] != size and self.dims.tp_enabled:
+                logits = _all_gather(logits, dim, self.dims.get_mesh("tp").get_group())
+        return {"prediction": logits}
+
+
+def _all_gather(tensor: Any, dim: int, group: Any) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)
+
+
+def _no_typecheck() -> Any:
+    """spmd_types' own `no_typecheck` (the trainer's backward runs under it), where it is installed."""
+    try:
+        import spmd_types
+    except ImportError:
+        return contextlib.nullcontext()
+    return spmd_types.no_typecheck()
+
+
+def _use_device(device: str) -> None:
+    """torchtitan fixes its device at import (`device_type`: the accelerator found, else "cuda"); its mesh is
+    made on the case's device instead."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+
+    parallel_dims.device_type = device
+
+
+def _parallelize_function(module: Any) -> Any:
+    """The model's own `parallelize` function, from its torchtitan package's registry."""
+    package = importlib.import_module(type(module).__module__.rpartition(".")[0])
+    return package.model_registry("debugmodel").parallelize_fn
+
+
+def _checkpointing(mode: str) -> Any:
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    return {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[mode]
+
+
+def _parallel_dims(parallelism: Any, world_size: int) -> Any:
+    """torchtitan's ParallelDims and its meshes, made anew for each case: torchtitan's SPMD backends keep the meshes
+    of the last parallelized model in module state, so a mesh reused by a second model is not the one its
+    parameters were laid out on."""
+    from torchtitan.distributed import ParallelDims
+
+    dims = ParallelDims.from_config(parallelism, world_size)
+    dims.build_mesh()
+    return dims
+
+
+register_settings(
+    [TorchtitanRecipe(dp, tp, sp, ac, False, backend) for backend in BACKENDS for dp, tp in ((2, 1), (1, 2), (2, 2))
+     for sp in ((True, False) if tp > 1 else (True,)) for ac in CHECKPOINTING]
+    + [CompiledTorchtitanRecipe(dp, tp, True, "selective") for dp, tp in ((2, 1), (1, 2), (2, 2))]
+)

@@ -117,7 +117,8 @@ class TorchtitanRecipe(Setting):
         workdir = Path(tempfile.mkdtemp(prefix="difftest-titan-"))
         try:
             request = {**new_group_request(ctx, model.model_dir, workdir, self.ranks, "torchtitan's recipe"),
-                       "setting": dataclasses.asdict(self), "setting_class": type(self).__name__}
+                       "setting": dataclasses.asdict(self),
+                       "setting_class": [type(self).__module__, type(self).__qualname__]}
             outputs = run_in_processes(recipe_main, request, self.ranks, workdir, "recipe", device=request["device"])
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -148,7 +149,7 @@ class TorchtitanRecipe(Setting):
         def train_step(batch: Any) -> float:
             optimizer.zero_grad()
             loss = recipe.step(batch)
-            optimizer.step()
+            self.optimizer_step(ctx, optimizer)
             return loss
 
         def whole_parameters() -> dict[str, Any] | None:
@@ -159,6 +160,11 @@ class TorchtitanRecipe(Setting):
                                data_shard=(recipe.data_index, self.data_parallel))
 
 
+    def optimizer_step(self, ctx: RunContext, optimizer: Any) -> None:
+        """The step after each backward (a hook for planted faults)."""
+        optimizer.step()
+
+
 def recipe_main(request: dict[str, Any], rank: int) -> Outputs | None:
     """One new process of a recipe (`run_in_processes` starts it): join the recipe's group, train, return rank 0's
     outputs."""
@@ -166,7 +172,8 @@ def recipe_main(request: dict[str, Any], rank: int) -> Outputs | None:
 
     from settings._resumable import join_new_group
 
-    setting = _CLASSES[request["setting_class"]](**request["setting"])
+    module, name = request["setting_class"]  # the class the sweep ran (a plugin's, loaded in this process too)
+    setting = getattr(importlib.import_module(module), name)(**request["setting"])
     ctx, model, inputs = join_new_group(request, rank, setting.ranks, "rendezvous")
     outputs = setting.train(ctx, model, inputs)
     dist.barrier()
@@ -180,9 +187,6 @@ class CompiledTorchtitanRecipe(TorchtitanRecipe):
     compile: bool = True
     # Inductor compiles each block's forward and backward anew: 15-30 s a case on 2 cores
     in_default_tier: ClassVar[bool] = False
-
-
-_CLASSES = {cls.__name__: cls for cls in (TorchtitanRecipe, CompiledTorchtitanRecipe)}
 
 
 class _Recipe:

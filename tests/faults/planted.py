@@ -18,6 +18,7 @@ from settings.conversion import Conversion
 from settings.quant_tensorflow import TensorFlowQuantization
 from settings.quant_torchrec import QuantizedEmbeddings
 from settings.tensorflow import TensorFlowStrategy
+from settings.titan import TorchtitanRecipe
 from settings.torchrec_sharding import TorchRecSharding
 
 
@@ -576,3 +577,25 @@ def scaled_layer(model: Any, module: Any) -> str:
 
 
 register_settings([LaterKernelScaled()])
+
+
+@dataclass(frozen=True)
+class TitanRankSkipsStep(TorchtitanRecipe):
+    """torchtitan's FSDP2 recipe whose rank 1 skips its optimizer step (its shard of every parameter stays)."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/titan_rank1_skips_step/ws{self.ranks}"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return "reference"
+
+    def optimizer_step(self, ctx: RunContext, optimizer: Any) -> None:
+        if ctx.rank != 1:
+            optimizer.step()
+
+
+register_settings([TitanRankSkipsStep(data_parallel=2)])

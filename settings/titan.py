@@ -294,16 +294,18 @@ class _Recipe:
         return float(total.to(torch.float64))
 
     def evaluate(self, batch: Any) -> dict[str, Any]:
-        """The logits of this share, whole: a DTensor gathered, a plain tensor sharded over the tensor-parallel ranks
-        (the vocabulary under loss parallel, the sequence under sequence parallel) all-gathered."""
+        """The logits of this share, whole: a DTensor gathered (and this share's rows kept), a plain tensor sharded over
+        the tensor-parallel ranks (the vocabulary under loss parallel, the sequence under sequence parallel)
+        all-gathered."""
         from torch.distributed.tensor import DTensor
 
         tokens, _, extra, _ = self._fed(batch)
         with self._context():
             logits = self.module(tokens, **extra)
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        whole = (len(batch.dense), batch.dense.shape[1], self.vocabulary)
+        share = len(batch.dense)
+        if isinstance(logits, DTensor):  # under full_dtensor the batch dimension is sharded too: this share's rows
+            logits = logits.full_tensor()[self.data_index * share:(self.data_index + 1) * share]
+        whole = (share, batch.dense.shape[1], self.vocabulary)
         for dim, size in enumerate(whole):
             if logits.shape[dim] != size and self.dims.tp_enabled:
                 logits = _all_gather(logits, dim, self.dims.get_mesh("tp").get_group())

@@ -6,7 +6,7 @@ from generators import torchrec_models  # noqa: F401  (registers kinds "torchrec
 from generators import sequential  # noqa: F401  (registers kind "sequential")
 from generators import functional  # noqa: F401  (registers kinds "keras-dag", "keras-transformer")
 from generators import zoo  # noqa: F401  (registers kinds "hf-<architecture>", "timm-<model>": the [zoo] extra)
-from generators import titan  # noqa: F401  (registers kind "titan-llama3": the [titan] extra)
+from generators import titan  # noqa: F401  (registers kinds "titan-<model>": the [titan] extra)
 
 # what the generators import lazily in every rank, loaded once into the server CPU ranks fork from
 RANK_IMPORTS = ("torchrec", "onnx", "onnx2torch", "onnx2pytorch", "onnxruntime", "generators._tf_preload")

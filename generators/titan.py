@@ -1,6 +1,7 @@
-"""torchtitan's models as kinds (the `[titan]` extra): `titan-llama3`, built through torchtitan's own config classes
-at a debug size smaller than its `debugmodel` flavour (2 layers, width 32, 4 heads of which 2 key/value, vocabulary
-64), its weights from the seed by the model's own `init_weights`, nothing downloaded.
+"""torchtitan's models as kinds (the `[titan]` extra): `titan-llama3` and `titan-qwen3` (its embedding tied to the
+output projection), built through torchtitan's own config classes at a debug size smaller than their `debugmodel`
+flavours (2 layers, width 32, 4 heads of which 2 key/value, vocabulary 64), their weights from the seed by the
+model's own `init_weights`, nothing downloaded.
 
 The `titan` setting family runs the model's own `parallelize` recipe (FSDP2, TP, activation checkpointing, compile
 as torchtitan applies them); the generic families run it as any PyTorch model. Attention is torchtitan's
@@ -46,7 +47,34 @@ def llama3_config() -> Any:
     return config
 
 
-CONFIGS = {"llama3": llama3_config}
+def qwen3_config() -> Any:
+    """The Qwen 3 model's config at the same size, as its `debugmodel` flavour writes it: its embedding tied to the
+    output projection, normalised queries and keys, cosine/sine rotary embedding."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_SKIP_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_layers,
+        _qwen3_norm,
+    )
+
+    head = WIDTH // HEADS
+    config = Qwen3Model.Config(
+        vocab_size=VOCABULARY, dim=WIDTH, norm=_qwen3_norm(WIDTH), enable_weight_tying=True,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCABULARY, embedding_dim=WIDTH,
+                                        param_init=_EMBEDDING_SKIP_INIT),
+        lm_head=Linear.Config(in_features=WIDTH, out_features=VOCABULARY, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_layers(n_layers=LAYERS, dim=WIDTH, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=head,
+                                   hidden_dim=2 * WIDTH, fuse_qkv=True, attn_backend="flex",
+                                   rope=CosSinRoPE.Config(dim=head, max_seq_len=8 * POSITIONS, theta=1000000.0)))
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+CONFIGS = {"llama3": llama3_config, "qwen3": qwen3_config}
 
 
 def _model(name: str, seed: int) -> Any:

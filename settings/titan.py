@@ -303,8 +303,10 @@ class _Recipe:
         with self._context():
             logits = self.module(tokens, **extra)
         share = len(batch.dense)
-        if isinstance(logits, DTensor):  # under full_dtensor the batch dimension is sharded too: this share's rows
-            logits = logits.full_tensor()[self.data_index * share:(self.data_index + 1) * share]
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+            if len(logits) != share:  # its mesh holds the data-parallel ranks too (full_dtensor): this share's rows
+                logits = logits[self.data_index * share:(self.data_index + 1) * share]
         whole = (share, batch.dense.shape[1], self.vocabulary)
         for dim, size in enumerate(whole):
             if logits.shape[dim] != size and self.dims.tp_enabled:

@@ -11,13 +11,15 @@ import pytest
 
 from difftest.cli.main import BUILTIN_KINDS
 from difftest.contracts.registry import generator_kinds, get_generator, load_plugins
+from generators.titan import CONFIGS as TITAN
 from generators.zoo import HUGGING_FACE, TIMM
 from tests.conftest import PLANTED
 
 # the kinds as parameters, without loading a plugin at collection: a plugin's settings registered while pytest collects
 # would join every tier of a session that runs none of these tests (the end-to-end one)
 PLUGINS = (PLANTED, "tests.plugins.tiny")
-ZOO = (*(f"hf-{name}" for name in HUGGING_FACE), *(f"timm-{name}" for name in TIMM))
+ZOO = (*(f"hf-{name}" for name in HUGGING_FACE), *(f"timm-{name}" for name in TIMM),
+       *(f"titan-{name}" for name in TITAN))
 KINDS = (*BUILTIN_KINDS, *ZOO, "tiny-mlp")
 
 

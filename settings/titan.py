@@ -159,7 +159,6 @@ class TorchtitanRecipe(Setting):
         return record_training(ctx, inputs, recipe.evaluate, train_step, whole_parameters,
                                data_shard=(recipe.data_index, self.data_parallel))
 
-
     def optimizer_step(self, ctx: RunContext, optimizer: Any) -> None:
         """The step after each backward (a hook for planted faults)."""
         optimizer.step()

@@ -99,7 +99,9 @@ def _token_loss(prediction: Any, target: Any) -> Any:
     """The mean cross-entropy over every position (torchtitan's: the sum over tokens over the global token count)."""
     import torch
 
-    return torch.nn.functional.cross_entropy(prediction.reshape(-1, prediction.shape[-1]).float(),
+    # in fp32 at least, as torchtitan's loss computes; float64 stays float64 (the calibration's centre)
+    logits = prediction.reshape(-1, prediction.shape[-1])
+    return torch.nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
                                              target.reshape(-1))
 
 

@@ -11,10 +11,12 @@ the batch split over the data-parallel ranks), takes torchtitan's own cross-entr
 the global token count) and steps plain SGD.
 
 What is adapted for the CPU, and recorded in each case's notes: torchtitan picks "cuda" as its device where no
-accelerator is found (`torchtitan.tools.utils.device_type`), so the mesh's device is set to the case's; FSDP2's
-gradient reduction is asked for a plain sum where the backend is gloo (torchtitan's divide factor becomes a
-`PREMUL_SUM`, which gloo lacks). Gradient clipping, the learning-rate schedule and AdamW, which the trainer adds
-around the recipe, are not part of it (the `clip` family tests clipping).
+accelerator is found (`torchtitan.tools.utils.device_type`, copied into `torchtitan.distributed.parallel_dims`), so
+the mesh's device is set to the case's; FSDP2's gradient reduction is asked for a plain sum where the backend is gloo
+(torchtitan's divide factor becomes a `PREMUL_SUM`, which gloo lacks). What the recipe is run with: parameters in
+fp32 (`mixed_precision_param`, whose default is bf16: the envelope here is fp32's), `/compile` compiling the model's
+blocks (not the loss). Gradient clipping, the learning-rate schedule and AdamW, which the trainer adds around the
+recipe, are not part of it (the `clip` family tests clipping).
 """
 
 from __future__ import annotations
@@ -122,8 +124,8 @@ class TorchtitanRecipe(Setting):
             outputs = run_in_processes(recipe_main, request, self.ranks, workdir, "recipe", device=request["device"])
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        if ctx.backend == "gloo" and self.data_parallel > 1:
-            ctx.notes["adapted"] = "gloo: FSDP2 reduces gradients by plain sum (gloo has no PREMUL_SUM)"
+        ctx.notes["adapted"] = f"torchtitan's mesh on {request['device']}" + (
+            "; gloo: FSDP2 reduces gradients by plain sum (gloo has no PREMUL_SUM)" if ctx.backend == "gloo" else "")
         return outputs
 
     def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
@@ -280,17 +282,12 @@ class _Recipe:
         return self._global_loss(loss)
 
     def _global_loss(self, loss: Any) -> float:
-        """This share's loss is its tokens' sum over the global count: the global loss is their sum over the shares."""
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
+        """The global loss as torchtitan's trainer logs it: each share's tokens' sum over the global count, summed
+        over the loss mesh (`dist_sum`: a DTensor's local value, whatever its mesh)."""
+        from torchtitan.distributed import utils as titan_utils
 
-        if isinstance(loss, DTensor):
-            return float(loss.full_tensor())
-        total = loss.detach().reshape(()).clone()
-        if self.dims.dp_enabled:
-            dist.all_reduce(total, group=self.dims.get_mesh("batch").get_group())
-        return float(total.to(torch.float64))
+        mesh = self.dims.get_optional_mesh("loss") if self.dims.dp_cp_enabled else None
+        return titan_utils.dist_sum(loss.detach(), mesh)
 
     def evaluate(self, batch: Any) -> dict[str, Any]:
         """The logits of this share, whole: a DTensor gathered (and this share's rows kept), a plain tensor sharded over
@@ -310,6 +307,9 @@ class _Recipe:
         for dim, size in enumerate(whole):
             if logits.shape[dim] != size and self.dims.tp_enabled:
                 logits = _all_gather(logits, dim, self.dims.get_mesh("tp").get_group())
+        if tuple(logits.shape) != whole:  # a layout this gathering does not know: ours to learn, not a finding
+            raise RuntimeError(f"difftest: the recipe's logits of a share came back {tuple(logits.shape)}, not "
+                               f"{whole}, and gathering over the tensor-parallel ranks did not make them whole")
         return {"prediction": logits}
 
 

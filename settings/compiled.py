@@ -69,11 +69,7 @@ class CompiledTraining(Setting):
         return across(self.world_size, SHARDED if self.wrap == "fsdp2" else DATA_PARALLEL)
 
     def available(self) -> str | None:
-        import shutil
-
-        if shutil.which("g++") is None and shutil.which("c++") is None:
-            return "Inductor compiles C++ for the CPU and finds no compiler (install g++: apt-get install g++)"
-        return None
+        return inductor_cannot_compile()
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch
@@ -108,6 +104,15 @@ class CompiledTraining(Setting):
         return training_script(case, f"torch.compile (Inductor) training: {WRAPS[self.wrap]}", self.world_size,
                                (fully_shard_for, make_contiguous, distribute, full_parameters),
                                self.layout(model, model.build("cpu")))
+
+
+def inductor_cannot_compile() -> str | None:
+    """Why Inductor cannot compile here (it writes C++ for the CPU), or None."""
+    import shutil
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return "Inductor compiles C++ for the CPU and finds no compiler (install g++: apt-get install g++)"
+    return None
 
 
 def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:

@@ -21,10 +21,10 @@ recipe, are not part of it (the `clip` family tests clipping).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import importlib
+import importlib.util
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +42,7 @@ from difftest import (
     traits_of,
 )
 from settings._training import build_for_training
+from settings.compiled import inductor_cannot_compile
 
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 CHECKPOINTING = ("none", "full", "selective")
@@ -98,12 +99,7 @@ class TorchtitanRecipe(Setting):
     def available(self) -> str | None:
         if importlib.util.find_spec("torchtitan") is None:
             return "needs torchtitan (pip install 'difftest[titan]')"
-        if self.compile:
-            import shutil
-
-            if shutil.which("g++") is None and shutil.which("c++") is None:
-                return "Inductor compiles C++ for the CPU and finds no compiler (install g++: apt-get install g++)"
-        return None
+        return inductor_cannot_compile() if self.compile else None
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         """The recipe in new processes: torchtitan keeps the meshes of the model it parallelized in process state
@@ -273,11 +269,13 @@ class _Recipe:
 
     def step(self, batch: Any) -> float:
         """Forward, torchtitan's loss, backward; the global loss."""
+        import spmd_types  # torchtitan's own dependency
+
         tokens, labels, extra, tokens_counted = self._fed(batch)
         with self._context():
             prediction = self.module(tokens, **extra)
             loss, _ = self.loss(prediction, labels, tokens_counted, positions=extra["positions"])
-            with _no_typecheck():
+            with spmd_types.no_typecheck():  # as the trainer's backward runs
                 loss.backward()
         return self._global_loss(loss)
 
@@ -320,15 +318,6 @@ def _all_gather(tensor: Any, dim: int, group: Any) -> Any:
     pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, tensor.contiguous(), group=group)
     return torch.cat(pieces, dim=dim)
-
-
-def _no_typecheck() -> Any:
-    """spmd_types' own `no_typecheck` (the trainer's backward runs under it), where it is installed."""
-    try:
-        import spmd_types
-    except ImportError:
-        return contextlib.nullcontext()
-    return spmd_types.no_typecheck()
 
 
 def _use_device(device: str) -> None:

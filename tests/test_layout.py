@@ -52,7 +52,8 @@ def _answers(request: Mapping[str, Any], rank: int) -> dict[str, np.ndarray] | N
     if request["fail"] == "refuse" and rank == 1:
         raise Unsupported("rank 1 has no such layout")
     if request["fail"] == "raise" and rank == 1:
-        raise ValueError("the checkpoint is missing a shard")
+        # words, then more lines than a log's tail shows (Dynamo's "from user code" frames): the words must still show
+        raise ValueError("the checkpoint is missing a shard\n" + "\n".join(f"  frame {i}" for i in range(8)))
     return {"rank": np.array([rank, request["value"]]), "parent": np.array(os.getppid())} if rank == 0 else None
 
 
@@ -61,7 +62,8 @@ def test_run_in_processes_returns_rank0s_tensors_and_carries_a_refusal_as_an_obj
     assert outputs["rank"].tolist() == [0, 7]
     with pytest.raises(Unsupported, match="^rank 1 has no such layout$"):
         run_in_processes(_answers, {"fail": "refuse", "value": 0}, 2, tmp_path / "refused", "refused")
-    with pytest.raises(ProcessesFailed, match=r"phase raised rank 1 exited 1: .*ValueError: the checkpoint is missing"):
+    with pytest.raises(ProcessesFailed, match=r"^phase raised rank 1 exited 1: ValueError: the checkpoint is missing a "
+                                              r"shard \| .*frame 7"):
         run_in_processes(_answers, {"fail": "raise", "value": 0}, 2, tmp_path / "raised", "raised")
 
 

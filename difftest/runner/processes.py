@@ -71,9 +71,14 @@ def run_in_processes(entry: Entry, request: Mapping[str, Any], processes: int, w
     failed = [first_failed] if first_failed is not None else [r for r, code in enumerate(codes) if code != 0]
     if failed:
         rank = failed[0]
-        if failures[rank].is_file() and (raised := json.loads(failures[rank].read_text()))["refused"]:
+        raised = json.loads(failures[rank].read_text()) if failures[rank].is_file() else None
+        if raised and raised["refused"]:
             raise Unsupported(raised["message"])
-        raise ProcessesFailed(f"phase {tag} rank {rank} exited {codes[rank]}: " + " | ".join(log_tail(logs[rank], 5)))
+        # what the process raised first (as a case run in the worker would say it: the manifest's messages match
+        # it), then where its log ends (the frames under the exception's words)
+        what = [f"{raised['type']}: {raised['message'].strip().splitlines()[0] if raised['message'].strip() else ''}"
+                ] if raised else []
+        raise ProcessesFailed(f"phase {tag} rank {rank} exited {codes[rank]}: " + " | ".join(what + log_tail(logs[rank], 5)))
     with np.load(result, allow_pickle=False) as stored:
         return {k: stored[k] for k in stored.files}
 

@@ -16,6 +16,7 @@ holds tensors and plain numbers only; it lives in a private temporary folder the
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -349,5 +350,47 @@ def phase_main(request: Mapping[str, Any], rank: int) -> Outputs | None:
                   frozenset(request["carried"]))
     ctx, model, inputs = join_new_group(request, rank, placement.world_size, f"rendezvous-{phase.first_step}")
     outputs = run_phase(ctx, model, inputs, phase, Path(request["checkpoint"]))
+    dist.barrier()
+    return outputs
+
+
+NOTES_FILE = "notes-rank0.json"
+
+
+def train_in_new_processes(setting: Any, ctx: RunContext, model: Any, processes: int, what: str) -> Outputs | None:
+    """`setting.train(ctx, model, inputs)` in `processes` new processes of their own group (`setting_main`), for a
+    setting whose library keeps what it set up in process state that a second case in the same process would meet
+    (torchtitan's meshes, DDP's compiled-autograd trace rules); `what` names them in a refusal and a failure.
+    Rank 0's outputs come back."""
+    import shutil
+    import tempfile
+
+    if model.model_dir is None:
+        raise Unsupported("the model has no folder for new processes to load it from")
+    workdir = Path(tempfile.mkdtemp(prefix="difftest-new-group-"))
+    try:
+        request = {**new_group_request(ctx, model.model_dir, workdir, processes, what), "processes": processes,
+                   "setting": dataclasses.asdict(setting),
+                   "setting_class": [type(setting).__module__, type(setting).__qualname__]}
+        outputs = run_in_processes(setting_main, request, processes, workdir, "train", device=request["device"])
+        if (notes := workdir / NOTES_FILE).is_file():  # what rank 0 noted of the case (graphs compiled, …)
+            ctx.notes.update(json.loads(notes.read_text()))
+        return outputs
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def setting_main(request: dict[str, Any], rank: int) -> Outputs | None:
+    """One new process of `train_in_new_processes`: join the group, train, return rank 0's outputs."""
+    import importlib
+
+    import torch.distributed as dist
+
+    module, name = request["setting_class"]  # the class the sweep ran (a plugin's, loaded in this process too)
+    setting = getattr(importlib.import_module(module), name)(**request["setting"])
+    ctx, model, inputs = join_new_group(request, rank, request["processes"], "rendezvous")
+    outputs = setting.train(ctx, model, inputs)
+    if rank == 0:
+        (Path(request["workdir"]) / NOTES_FILE).write_text(json.dumps(ctx.notes))
     dist.barrier()
     return outputs

@@ -23,6 +23,7 @@ from difftest import (
     Setting,
     Unsupported,
     across,
+    record_training,
     refuse_changed_hooks,
     register_settings,
 )
@@ -86,9 +87,7 @@ class CompiledTraining(Setting):
             raise Unsupported("every parameter is frozen: there is nothing to train")
         wrapped = distribute(module, ctx.group, ctx.device, self.layout(model, module))
         outputs = train_data_parallel(ctx, model, inputs, wrapped, lambda: gathered_parameters(ctx, model, wrapped))
-        ctx.notes["graphs compiled"] = str(counters["stats"]["unique_graphs"])
-        breaks = counters["graph_break"]
-        ctx.notes["graph breaks"] = (f"{sum(breaks.values())}: " + "; ".join(sorted(breaks))[:300]) if breaks else "0"
+        note_compilation(ctx)
         return outputs
 
     def layout(self, model: Any, module: Any) -> dict[str, Any]:
@@ -104,6 +103,84 @@ class CompiledTraining(Setting):
         return training_script(case, f"torch.compile (Inductor) training: {WRAPS[self.wrap]}", self.world_size,
                                (fully_shard_for, make_contiguous, distribute, full_parameters),
                                self.layout(model, model.build("cpu")))
+
+
+@dataclass(frozen=True)
+class CompiledAutogradTraining(CompiledTraining):
+    """The module compiled as above, and its backward traced whole by Compiled Autograd (the autograd graph as the
+    engine runs it: gradient accumulation and backward hooks included) and compiled by Inductor; under DDP with its
+    Python reducer (`optimize_ddp="python_reducer"`), whose all-reduces the traced backward holds. As torchtitan
+    enabled it (`torch._dynamo.utils.maybe_enable_compiled_autograd` around each step's forward and backward)."""
+
+    @property
+    def name(self) -> str:
+        return f"compile/{self.wrap}/compiled-autograd/ws{self.world_size}"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return "reference" if self.wrap == "single" else CompiledAutogradTraining(1, "single").name
+
+    def describe(self) -> str:
+        return super().describe() + "; the backward by Compiled Autograd" + (
+            " (DDP's Python reducer)" if self.wrap == "ddp" else "")
+
+    def available(self) -> str | None:
+        import torch._dynamo.utils
+
+        if not hasattr(torch._dynamo.utils, "maybe_enable_compiled_autograd"):
+            return f"torch {torch.__version__} has no Compiled Autograd (torch._dynamo.utils.maybe_enable_compiled_autograd)"
+        return super().available()
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        """In new processes: DDP's Python reducer adds DDP's module to Dynamo's inline list and turns on Inductor's
+        DDP fusion passes for the rest of the process, which a later compiled DDP case would meet."""
+        from settings._resumable import train_in_new_processes
+
+        return train_in_new_processes(self, ctx, model, self.world_size, "compiled autograd")
+
+    def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        """One process's part: compile, then train with each step's forward and backward under Compiled Autograd."""
+        import torch
+        from torch._dynamo.utils import counters, maybe_enable_compiled_autograd
+
+        torch._inductor.config.compile_threads = 1
+        if self.wrap == "ddp":  # read when DDP is built: the reducer whose hooks Compiled Autograd traces
+            torch._dynamo.config.optimize_ddp = "python_reducer"
+        module = build_for_training(model, ctx.device)
+        if not any(p.requires_grad for p in module.parameters()):
+            raise Unsupported("every parameter is frozen: there is nothing to train")
+        wrapped = distribute(module, ctx.group, ctx.device, self.layout(model, module))
+        optimizer = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=ctx.lr)
+
+        def train_step(batch: Any) -> float:
+            optimizer.zero_grad()
+            with maybe_enable_compiled_autograd(True):
+                loss = model.loss(model.forward(wrapped, batch, ctx.device), batch)
+                loss.backward()
+            optimizer.step()
+            return loss.item()
+
+        outputs = record_training(ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device), train_step,
+                                  lambda: gathered_parameters(ctx, model, wrapped))
+        captured = counters["compiled_autograd"]
+        if not captured["captures"]:  # else this would pass as the compiled family's run
+            raise RuntimeError("Compiled Autograd captured no backward: the setting did not run as it says")
+        note_compilation(ctx)
+        ctx.notes["compiled autograd"] = (f"{captured['captures']} backward graph(s) captured, "
+                                          f"{captured['compiles']} compiled")
+        return outputs
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        raise Unsupported("the compiled-autograd family has no standalone script yet")
+
+
+def note_compilation(ctx: RunContext) -> None:
+    """How many graphs Dynamo compiled in this process and which graph breaks it took, in the case's notes."""
+    from torch._dynamo.utils import counters
+
+    ctx.notes["graphs compiled"] = str(counters["stats"]["unique_graphs"])
+    breaks = counters["graph_break"]
+    ctx.notes["graph breaks"] = (f"{sum(breaks.values())}: " + "; ".join(sorted(breaks))[:300]) if breaks else "0"
 
 
 def inductor_cannot_compile() -> str | None:
@@ -144,4 +221,5 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
 
 
 register_settings([CompiledTraining(1, "single")]
-                  + [CompiledTraining(ws, wrap) for wrap in ("ddp", "fsdp2") for ws in (2, 4)])
+                  + [CompiledTraining(ws, wrap) for wrap in ("ddp", "fsdp2") for ws in (2, 4)]
+                  + [CompiledAutogradTraining(1, "single"), CompiledAutogradTraining(2, "ddp")])

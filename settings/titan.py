@@ -22,12 +22,10 @@ recipe, are not part of it (the `clip` family tests clipping).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib
 import importlib.util
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -105,22 +103,10 @@ class TorchtitanRecipe(Setting):
         """The recipe in new processes: torchtitan keeps the meshes of the model it parallelized in process state
         (its SPMD backends' registries), so a second model parallelized in one process has its parameters on the
         first one's meshes; a training job parallelizes one model per process, and so does each case."""
-        import shutil
+        from settings._resumable import train_in_new_processes
 
-        from difftest import Unsupported, run_in_processes
-        from settings._resumable import new_group_request
-
-        if model.model_dir is None:
-            raise Unsupported("the model has no folder for new processes to load it from")
-        workdir = Path(tempfile.mkdtemp(prefix="difftest-titan-"))
-        try:
-            request = {**new_group_request(ctx, model.model_dir, workdir, self.ranks, "torchtitan's recipe"),
-                       "setting": dataclasses.asdict(self),
-                       "setting_class": [type(self).__module__, type(self).__qualname__]}
-            outputs = run_in_processes(recipe_main, request, self.ranks, workdir, "recipe", device=request["device"])
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        ctx.notes["adapted"] = f"torchtitan's mesh on {request['device']}" + (
+        outputs = train_in_new_processes(self, ctx, model, self.ranks, "torchtitan's recipe")
+        ctx.notes["adapted"] = f"torchtitan's mesh on {ctx.device.split(':')[0]}" + (
             "; gloo: FSDP2 reduces gradients by plain sum (gloo has no PREMUL_SUM)" if ctx.backend == "gloo" else "")
         return outputs
 
@@ -160,21 +146,6 @@ class TorchtitanRecipe(Setting):
     def optimizer_step(self, ctx: RunContext, optimizer: Any) -> None:
         """The step after each backward (a hook for planted faults)."""
         optimizer.step()
-
-
-def recipe_main(request: dict[str, Any], rank: int) -> Outputs | None:
-    """One new process of a recipe (`run_in_processes` starts it): join the recipe's group, train, return rank 0's
-    outputs."""
-    import torch.distributed as dist
-
-    from settings._resumable import join_new_group
-
-    module, name = request["setting_class"]  # the class the sweep ran (a plugin's, loaded in this process too)
-    setting = getattr(importlib.import_module(module), name)(**request["setting"])
-    ctx, model, inputs = join_new_group(request, rank, setting.ranks, "rendezvous")
-    outputs = setting.train(ctx, model, inputs)
-    dist.barrier()
-    return outputs
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ one planted fault per family (pipeline, hybrid, FSDP1, TP, FSDP2) is reported.""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,32 @@ def test_compiled_training_matches_eager_and_the_shape_tensor_crash_is_a_known_d
                for s in notes if s.startswith("compile/")), notes
     found = next(f for f in triage(run_dir, analysis) if f.status == "error")
     assert found.known is not None and found.known.id == "dynamo-size-from-shape-tensor"
+
+
+def test_compiled_autograd_trains_as_eager_alone_and_under_ddps_python_reducer(tmp_path: Path) -> None:
+    """Compiled Autograd (each step's whole backward traced and compiled by Inductor), in one process and under DDP
+    with its Python reducer, trains a native transformer as eager training does, judged by the envelope; its cases
+    run in new processes, and one whose backward was not captured would be an error, not an `ok`."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
+    from difftest.judging.analysis import envelope_spread
+    from difftest.storage.store import Store
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",)))
+    pairs = (("transformer-s0-i0", "compile/single/compiled-autograd/ws1"),
+             ("transformer-s0-i0", "compile/ddp/compiled-autograd/ws2"))
+    run_sweep(run_dir, SweepOptions(pairs=pairs, timeout_s=300))
+    cases = analyze(run_dir).cases.set_index(["model", "setting"])
+    for pair in pairs:
+        assert cases.loc[pair, "verdict"] == "ok", pair
+    assert any(n.startswith("param_after_step1/") for n in envelope_spread(run_dir, *pairs[1]))
+    store = Store(run_dir)
+    try:  # what the new processes noted comes back to the case
+        notes = {r.setting: r.message for r in store.records() if r.setting.startswith("compile/")}
+    finally:
+        store.close()
+    assert all(re.search(r"compiled autograd: [1-9]\d* backward graph\(s\) captured", notes[s]) for _, s in pairs), notes
 
 
 def test_torchrec_train_pipelines_train_as_the_plain_loop_a_batch_ahead(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ class CompiledTraining(Setting):
     # Inductor compiles each model's forward, backward and evaluation graphs anew: 10-40 s a case on 2 cores,
     # about three times the default job's time if it ran on its nine models
     in_default_tier: ClassVar[bool] = False
+    compiled_autograd: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -91,17 +92,20 @@ class CompiledTraining(Setting):
         return outputs
 
     def layout(self, model: Any, module: Any) -> dict[str, Any]:
-        return wrapper_layout(model, module, self.wrap)
+        return {**wrapper_layout(model, module, self.wrap), "compiled_autograd": self.compiled_autograd}
 
     def standalone(self, case: StandaloneCase) -> Script:
-        refuse_changed_hooks(self, CompiledTraining)
+        # the family's own class in this module: a subclass elsewhere (a planted fault) runs what the script would not
+        refuse_changed_hooks(self, next(c for c in type(self).__mro__ if c.__module__ == __name__), "train")
 
         from difftest import LoadedModel
         from settings._training_script import training_script
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
-        return training_script(case, f"torch.compile (Inductor) training: {WRAPS[self.wrap]}", self.world_size,
-                               (fully_shard_for, make_contiguous, distribute, full_parameters),
+        autograd = "; the backward by Compiled Autograd" if self.compiled_autograd else ""
+        return training_script(case, f"torch.compile (Inductor) training: {WRAPS[self.wrap]}{autograd}",
+                               self.world_size, (fully_shard_for, make_contiguous, distribute, full_parameters,
+                                                 *((stepping,) if self.compiled_autograd else ())),
                                self.layout(model, model.build("cpu")))
 
 
@@ -111,6 +115,8 @@ class CompiledAutogradTraining(CompiledTraining):
     engine runs it: gradient accumulation and backward hooks included) and compiled by Inductor; under DDP with its
     Python reducer (`optimize_ddp="python_reducer"`), whose all-reduces the traced backward holds. As torchtitan
     enabled it (`torch._dynamo.utils.maybe_enable_compiled_autograd` around each step's forward and backward)."""
+
+    compiled_autograd: ClassVar[bool] = True
 
     @property
     def name(self) -> str:
@@ -141,11 +147,9 @@ class CompiledAutogradTraining(CompiledTraining):
     def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         """One process's part: compile, then train with each step's forward and backward under Compiled Autograd."""
         import torch
-        from torch._dynamo.utils import counters, maybe_enable_compiled_autograd
+        from torch._dynamo.utils import counters
 
         torch._inductor.config.compile_threads = 1
-        if self.wrap == "ddp":  # read when DDP is built: the reducer whose hooks Compiled Autograd traces
-            torch._dynamo.config.optimize_ddp = "python_reducer"
         module = build_for_training(model, ctx.device)
         if not any(p.requires_grad for p in module.parameters()):
             raise Unsupported("every parameter is frozen: there is nothing to train")
@@ -154,7 +158,7 @@ class CompiledAutogradTraining(CompiledTraining):
 
         def train_step(batch: Any) -> float:
             optimizer.zero_grad()
-            with maybe_enable_compiled_autograd(True):
+            with stepping(wrapped):
                 loss = model.loss(model.forward(wrapped, batch, ctx.device), batch)
                 loss.backward()
             optimizer.step()
@@ -170,8 +174,6 @@ class CompiledAutogradTraining(CompiledTraining):
                                           f"{captured['compiles']} compiled")
         return outputs
 
-    def standalone(self, case: StandaloneCase) -> Script:
-        raise Unsupported("the compiled-autograd family has no standalone script yet")
 
 
 def note_compilation(ctx: RunContext) -> None:
@@ -181,6 +183,14 @@ def note_compilation(ctx: RunContext) -> None:
     ctx.notes["graphs compiled"] = str(counters["stats"]["unique_graphs"])
     breaks = counters["graph_break"]
     ctx.notes["graph breaks"] = (f"{sum(breaks.values())}: " + "; ".join(sorted(breaks))[:300]) if breaks else "0"
+
+
+def stepping(module: Any) -> Any:
+    """What a step's forward and backward run inside: Compiled Autograd where the module is compiled (the one-process
+    program a script compares with is not)."""
+    from torch._dynamo.utils import maybe_enable_compiled_autograd
+
+    return maybe_enable_compiled_autograd(getattr(module, "_compiled_call_impl", None) is not None)
 
 
 def inductor_cannot_compile() -> str | None:
@@ -198,6 +208,8 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
     import torch
 
     wrap = setting["wrap"]
+    if setting["compiled_autograd"] and wrap == "ddp":  # read as DDP is built: a reducer Compiled Autograd traces
+        torch._dynamo.config.optimize_ddp = "python_reducer"
     if wrap == "single":
         module.compile()
         return module

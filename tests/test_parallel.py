@@ -253,6 +253,18 @@ def test_compiled_autograd_trains_as_eager_alone_and_under_ddps_python_reducer(t
     finally:
         store.close()
     assert all(re.search(r"compiled autograd: [1-9]\d* backward graph\(s\) captured", notes[s]) for _, s in pairs), notes
+    # its standalone script compiles, steps under Compiled Autograd with DDP's Python reducer, and agrees (exit 0)
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.scripts.write import emit
+
+    emitted = emit(run_dir, "CA1", "a compiled-autograd finding", "inconsistent", run_dir / "models" / pairs[1][0],
+                   pairs[1][1], "param_after_step1/output.weight", envelope_spread(run_dir, *pairs[1]), Tolerance(),
+                   check_timeout_s=240)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    text = emitted.path.read_text()
+    assert "maybe_enable_compiled_autograd" in text and '"python_reducer"' in text
+    assert emitted.checked.exit_code == 0 and "what rounding explains" in emitted.checked.output, \
+        emitted.checked.output[-3000:]
 
 
 def test_torchrec_train_pipelines_train_as_the_plain_loop_a_batch_ahead(tmp_path: Path) -> None:

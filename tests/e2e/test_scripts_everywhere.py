@@ -36,6 +36,7 @@ def _families_with_emitters() -> list[str]:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(1800)  # a sweep and ~140 scripts: past the default 600 s on a slow hour of a 2-core host
 def test_every_emitter_writes_a_script_on_every_kind_over_several_seeds(tmp_path: Path) -> None:
     import generators  # noqa: F401 -- registers the kinds
     import settings  # noqa: F401 -- registers the settings

@@ -18,6 +18,7 @@ the ranks is refused, as torchtitan's is; a head's width stays even (rotary embe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -28,6 +29,7 @@ from difftest import Generator, ModelSpec, Unsupported, order_by_words, register
 from generators.inputs import UNEVEN_SIZES, Batch
 
 KIND = "transformer"
+LOOPED_KIND = "transformer-looped"
 
 
 def _rng(*key: int) -> np.random.Generator:
@@ -62,7 +64,7 @@ class TransformerGenerator(Generator):
         if index % 2 == 1:  # the frozen-parameter variant: one block's projection or norm does not train
             names = sorted(n for n in self.parameter_shapes(params) if n.startswith("layers."))
             frozen = (names[int(rng.integers(len(names)))],)
-        return ModelSpec(kind=KIND, seed=seed, index=index, params=params, frozen=frozen, input_seed=0)
+        return ModelSpec(kind=self.kind, seed=seed, index=index, params=params, frozen=frozen, input_seed=0)
 
     @staticmethod
     def parameter_shapes(params: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -215,7 +217,9 @@ class TransformerGenerator(Generator):
             summary=f"The model is a decoder-only transformer in plain PyTorch ({p['layers']} block(s) named as "
                     f"torchtitan's Llama: {p['heads']} query and {p['kv_heads']} key/value heads of {p['head_dim']}, "
                     f"{p['norm']}, {p['ffn']} feed-forward {p['hidden']} wide, rotary positions, "
-                    f"{'tied' if p['tied'] else 'untied'} embeddings), next-token cross-entropy.",
+                    f"{'tied' if p['tied'] else 'untied'} embeddings"
+                    f"{f', each block applied {loops} times in a row' if (loops := p.get('loops', 1)) > 1 else ''}), "
+                    f"next-token cross-entropy.",
             libraries=(), preamble=(),
             functions=(_unwrap, _rotate, _build_module, with_state, build_model, prediction_loss, model_loss,
                        model_parameters, model_tp_plan),
@@ -419,7 +423,8 @@ def _build_module(params: dict[str, Any], device: str) -> Any:
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             h = self.tok_embeddings(tokens)
             for block in self.layers:
-                h = block(h)
+                for _ in range(params.get("loops", 1)):
+                    h = block(h)
             return self.output(self.norm(h))
 
     return Transformer()
@@ -446,7 +451,50 @@ def _chain_units(module: Any, tokens_at: Any) -> list[Any]:
         def forward(self, h: torch.Tensor) -> torch.Tensor:
             return self.output(self.norm(h))
 
-    return [Embed(), *module.layers, Head()]
+    class Looped(torch.nn.Module):
+        """A block applied `loops` times in a row, its weights shared by every application."""
+
+        def __init__(self, block: torch.nn.Module) -> None:
+            super().__init__()
+            self.block = block
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            for _ in range(module.params["loops"]):
+                h = self.block(h)
+            return h
+
+    blocks = [Looped(block) for block in module.layers] if module.params.get("loops", 1) > 1 else list(module.layers)
+    return [Embed(), *blocks, Head()]
+
+
+class LoopedTransformerGenerator(TransformerGenerator):
+    """The same decoders with each block applied 2 or 3 times in a row: weights shared across depth (ALBERT,
+    Universal Transformers, recurrent-depth models). One parameter then reaches the loss along several paths inside
+    one module, one pipeline stage and one FSDP2 unit, which a wrapper called once per block per step never meets:
+    FSDP2 gathers a unit's weights and registers its backward hooks once per call, and a pipeline's split backward
+    (zero-bubble schedules, DualPipeV) computes a weight's gradient from the several places its stage's graph uses
+    it (pytorch#180952: shared weights counted twice)."""
+
+    kind = LOOPED_KIND
+
+    def spec(self, seed: int, index: int) -> ModelSpec:
+        spec = super().spec(seed, index)
+        loops = int(_rng(seed, index, 3).integers(2, 4))
+        return dataclasses.replace(spec, params={**spec.params, "loops": loops})
+
+    def features(self, spec: ModelSpec) -> list[str]:
+        return sorted([*super().features(spec), f"LoopedBlocks{spec.params['loops']}"])
+
+    def size(self, spec: ModelSpec) -> dict[str, int]:
+        return {"loops": spec.params["loops"], **super().size(spec)}
+
+    def reductions(self, spec: ModelSpec) -> list[tuple[str, dict[str, Any]]]:
+        p = spec.params
+        fewer = [("each block applied once", {**p, "loops": 1})]
+        if p["loops"] > 2:
+            fewer.append(("each block applied twice", {**p, "loops": 2}))
+        return fewer + super().reductions(spec)
 
 
 register_generator(KIND, TransformerGenerator())
+register_generator(LOOPED_KIND, LoopedTransformerGenerator())

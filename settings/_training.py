@@ -8,6 +8,7 @@ loss is the mean over ranks (equal shares) and gradients follow the global-mean 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +44,14 @@ def build_for_training(model: Any, device: str, **options: Any) -> Any:
         raise Unsupported(f"no PyTorch form: {exc}") from None
 
 
-def sgd_step(model: Any, module: Any, optimizer: Any, batch: Batch, device: str) -> float:
-    """One plain SGD step on `batch`: forward, mean loss, backward, update; returns the loss."""
+def sgd_step(model: Any, module: Any, optimizer: Any, batch: Batch, device: str,
+             stepping: Callable[[Any], Any] | None = None) -> float:
+    """One plain SGD step on `batch`: forward, mean loss, backward, update; returns the loss. The forward and the
+    backward run inside `stepping(module)` where a setting gives one (Compiled Autograd's, for instance)."""
     optimizer.zero_grad()
-    loss = model.loss(model.forward(module, batch, device), batch)
-    loss.backward()
+    with stepping(module) if stepping is not None else contextlib.nullcontext():
+        loss = model.loss(model.forward(module, batch, device), batch)
+        loss.backward()
     optimizer.step()
     return loss.item()
 
@@ -85,15 +89,17 @@ def train_single_process(ctx: RunContext, model: Any, inputs: Inputs, module: An
 
 def train_data_parallel(ctx: RunContext, model: Any, inputs: Inputs, wrapped: Any,
                         full_parameters: Callable[[], dict[str, np.ndarray] | None],
-                        data_shard: tuple[int, int] | None = None) -> Outputs | None:
-    """Plain SGD on this rank's share through a wrapper that synchronises gradients itself."""
+                        data_shard: tuple[int, int] | None = None,
+                        stepping: Callable[[Any], Any] | None = None) -> Outputs | None:
+    """Plain SGD on this rank's share through a wrapper that synchronises gradients itself (each step's forward and
+    backward inside `stepping(wrapped)`, as `sgd_step`)."""
     import torch
 
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=ctx.lr)
     return record_training(
         ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device),
-        lambda b: sgd_step(model, wrapped, optimizer, b, ctx.device), full_parameters, data_shard,
+        lambda b: sgd_step(model, wrapped, optimizer, b, ctx.device, stepping), full_parameters, data_shard,
     )
 
 

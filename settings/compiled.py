@@ -23,7 +23,6 @@ from difftest import (
     Setting,
     Unsupported,
     across,
-    record_training,
     refuse_changed_hooks,
     register_settings,
 )
@@ -77,17 +76,24 @@ class CompiledTraining(Setting):
         import torch
         from torch._dynamo.utils import counters
 
-        if self.wrap == "fsdp2":
-            fully_shard_for(ctx.device)
         torch._dynamo.reset()  # a rank runs many cases: no graph or guard of an earlier model is reused
         counters.clear()
+        return self.train(ctx, model, inputs)
+
+    def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        """Compile and distribute the module as the setting says, then train it with plain SGD."""
+        import torch
+
+        if self.wrap == "fsdp2":
+            fully_shard_for(ctx.device)
         # one compile worker: a pool of compiler subprocesses per rank would oversubscribe the cores the ranks share
         torch._inductor.config.compile_threads = 1
         module = build_for_training(model, ctx.device)
         if not any(p.requires_grad for p in module.parameters()):
             raise Unsupported("every parameter is frozen: there is nothing to train")
         wrapped = distribute(module, ctx.group, ctx.device, self.layout(model, module))
-        outputs = train_data_parallel(ctx, model, inputs, wrapped, lambda: gathered_parameters(ctx, model, wrapped))
+        outputs = train_data_parallel(ctx, model, inputs, wrapped, lambda: gathered_parameters(ctx, model, wrapped),
+                                      stepping=stepping if self.compiled_autograd else None)
         note_compilation(ctx)
         return outputs
 
@@ -145,35 +151,17 @@ class CompiledAutogradTraining(CompiledTraining):
         return train_in_new_processes(self, ctx, model, self.world_size, "compiled autograd")
 
     def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        """One process's part: compile, then train with each step's forward and backward under Compiled Autograd."""
-        import torch
+        """One process's part: the compiled family's training, each step's forward and backward under Compiled
+        Autograd."""
         from torch._dynamo.utils import counters
 
-        torch._inductor.config.compile_threads = 1
-        module = build_for_training(model, ctx.device)
-        if not any(p.requires_grad for p in module.parameters()):
-            raise Unsupported("every parameter is frozen: there is nothing to train")
-        wrapped = distribute(module, ctx.group, ctx.device, self.layout(model, module))
-        optimizer = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=ctx.lr)
-
-        def train_step(batch: Any) -> float:
-            optimizer.zero_grad()
-            with stepping(wrapped):
-                loss = model.loss(model.forward(wrapped, batch, ctx.device), batch)
-                loss.backward()
-            optimizer.step()
-            return loss.item()
-
-        outputs = record_training(ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device), train_step,
-                                  lambda: gathered_parameters(ctx, model, wrapped))
+        outputs = super().train(ctx, model, inputs)
         captured = counters["compiled_autograd"]
         if not captured["captures"]:  # else this would pass as the compiled family's run
             raise RuntimeError("Compiled Autograd captured no backward: the setting did not run as it says")
-        note_compilation(ctx)
         ctx.notes["compiled autograd"] = (f"{captured['captures']} backward graph(s) captured, "
                                           f"{captured['compiles']} compiled")
         return outputs
-
 
 
 def note_compilation(ctx: RunContext) -> None:

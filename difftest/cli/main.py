@@ -90,13 +90,15 @@ OracleOpt = Annotated[str, typer.Option(
 FailOpt = Annotated[bool, typer.Option("--fail-on-inconsistency", help="Exit 1 when any case is inconsistent, errored, crashed or timed out.")]
 BaselineOpt = Annotated[Path | None, typer.Option("--baseline", help="Accepted causes: a JSON list of cause keys, or an earlier run's summary.json. Exit 1 only when a finding's cause is not in it (summary.json and junit.xml mark the accepted ones).")]
 # the built-in kinds, written out so that --help needs no import of torch (a test keeps the list in step)
-BUILTIN_KINDS = ("dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer", "sequential", "keras-dag", "keras-transformer")
+BUILTIN_KINDS = ("dlrm", "torchrec-dlrm", "torchrec-deepfm", "transformer", "transformer-looped", "sequential", "keras-dag",
+                 "keras-transformer")
 KindOpt = Annotated[str, typer.Option("--kind", help=f"Model kind to generate: {', '.join(BUILTIN_KINDS)} (needs the \\[tf] extra), a model zoo's (hf-llama, hf-qwen2, hf-mixtral, hf-gpt2, hf-bert, timm-vit, timm-convnext: the \\[zoo] extra; titan-llama3, titan-qwen3: the \\[titan] extra), a kind a --plugin registers, or 'all' (every kind this machine can build).")]
 TierOpt = Annotated[str | None, typer.Option("--tier", help="default: every family, sharding type, schedule, quantization scheme and oracle once, at the smallest world size (a few minutes); full: every registered setting. Without --tier: default, or full when --settings is given (a glob then means all it matches).")]
 ShrinkOpt = Annotated[float, typer.Option("--shrink-budget", min=0, help="Seconds per finding to shrink its standalone script by trials (statements removed one at a time while it still shows the same bug); 0: only what never ran is removed; 60 before filing a finding.")]
 MinimiseOpt = Annotated[float, typer.Option("--minimise-budget", "--minimize-budget", min=0, help="Seconds per finding to shrink its example case (fewer tables, layers, rows, ranks) while it still fails the same way; 0: no minimisation.")]
-# the default job's models per kind where not --models: one each of the larger kinds keeps it within minutes
-DEFAULT_JOB_MODELS_OF = "torchrec-dlrm=1,torchrec-deepfm=1,transformer=1,keras-dag=1,keras-transformer=1"
+# the default job's models per kind where not --models: one each of the larger kinds keeps it within minutes; the
+# looped transformers (the transformer's blocks applied several times) only when asked for
+DEFAULT_JOB_MODELS_OF = "torchrec-dlrm=1,torchrec-deepfm=1,transformer=1,transformer-looped=0,keras-dag=1,keras-transformer=1"
 DEFAULT_MODELS = 2
 ModelsOfOpt = Annotated[str, typer.Option("--models-of", help="Comma-separated kind=N: models of those kinds, instead of --models ('' for none).")]
 RunModelsOfOpt = Annotated[str | None, typer.Option("--models-of", help=f"Comma-separated kind=N: models of those kinds, instead of --models ('' for none). Default with --kind all: {DEFAULT_JOB_MODELS_OF}; with one --kind, --models is that kind's count.")]

@@ -476,6 +476,7 @@ class LoopedTransformerGenerator(TransformerGenerator):
     it (pytorch#180952: shared weights counted twice)."""
 
     kind = LOOPED_KIND
+    traits = TransformerGenerator.traits | {"reused-weights"}
 
     def spec(self, seed: int, index: int) -> ModelSpec:
         spec = super().spec(seed, index)

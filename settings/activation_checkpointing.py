@@ -7,7 +7,9 @@ calibrated envelope. Modes: `reentrant` (torch.utils.checkpoint with use_reentra
 `selective` (non-reentrant with an op policy that saves matrix products and recomputes the rest, torchtitan's
 selective AC). Reentrant checkpointing needs a block input that requires grad (documented): where none does (the
 model's embedding is frozen), torch warns and leaves the block's parameters without gradients, and the setting is
-`unsupported` with torch's words rather than a finding.
+`unsupported` with torch's words rather than a finding. So is reentrant checkpointing inside DDP of a model that applies
+a block more than once: DDP's reducer refuses a parameter made ready by several reentrant backward passes of one step
+(its documented way, `static_graph=True`, is another DDP than this setting's).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ MODES = ("reentrant", "non-reentrant", "selective")
 WRAPS = ("single", "ddp", "fsdp2")
 # what torch says when a reentrant checkpoint has no input that requires grad (torch/utils/checkpoint.py)
 _NO_GRAD_INPUTS = "None of the inputs have requires_grad=True"
+# what DDP's reducer says when a parameter is used by several reentrant backward passes of one step (a block applied
+# more than once): "DDP does not support such use cases in default" (torch/csrc/distributed/c10d/reducer.cpp); its
+# docstring names static_graph=True as what supports "activation checkpointing multiple times"
+_DDP_READY_TWICE = "Expected to mark a variable ready only once"
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,15 @@ class ActivationCheckpointing(Setting):
             # requires grad either, which costs nothing there
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                loss = sgd_step(model, wrapped, optimizer, batch, ctx.device)
+                try:
+                    loss = sgd_step(model, wrapped, optimizer, batch, ctx.device)
+                except RuntimeError as exc:
+                    if not (self.wrap == "ddp" and self.mode == "reentrant" and _DDP_READY_TWICE in str(exc)):
+                        raise
+                    raise Unsupported(f"DDP refuses, by design, a parameter used by several reentrant backward passes "
+                                      f"of one step (this model applies a block more than once): "
+                                      f"{str(exc).split('. ')[0]}; DDP does not support such use cases in default "
+                                      f"(its documented way is static_graph=True)") from None
             said = next((str(w.message) for w in caught if _NO_GRAD_INPUTS in str(w.message)), None)
             if said is not None:
                 raise Unsupported(f"torch.utils.checkpoint (use_reentrant=True) on this model: {said} (documented: "

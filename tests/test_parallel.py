@@ -157,6 +157,36 @@ def test_activation_checkpointing_wraps_every_block_and_trains_as_the_reference(
         emitted.checked.output[-3000:]
 
 
+def test_a_block_applied_twice_trains_everywhere_but_under_split_backward_a_known_bug(tmp_path: Path) -> None:
+    """A looped transformer (each block applied twice, weights shared across depth) trains as the reference under
+    per-block FSDP2, a full-backward pipeline and non-reentrant checkpointing inside DDP; the zero-bubble schedule's
+    split backward raises, triaged to the manifest's entry; reentrant checkpointing inside DDP is refused with DDP's
+    words (by design), never an error row."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.storage.store import Store
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer-looped",)))
+    model = "transformer-looped-s0-i0"
+    agreeing = ("fsdp2/per-layer/reshard/fp32/ws2", "pipeline/1f1b/ws2/stages2/mb2/balanced", "ac/ddp/non-reentrant/ws2")
+    split = "pipeline/interleaved-zero-bubble/ws2/stages4/mb2/balanced"
+    run_sweep(run_dir, SweepOptions(pairs=tuple((model, s) for s in (*agreeing, split, "ac/ddp/reentrant/ws2"))))
+    analysis = analyze(run_dir)
+    cases = analysis.cases.set_index(["model", "setting"])["verdict"]
+    assert {s: cases[(model, s)] for s in agreeing} == dict.fromkeys(agreeing, "ok")
+    assert cases[(model, split)] == "error" and cases[(model, "ac/ddp/reentrant/ws2")] == "unsupported"
+    store = Store(run_dir)
+    try:
+        refusal = next(r.message for r in store.records() if r.setting == "ac/ddp/reentrant/ws2")
+    finally:
+        store.close()
+    assert "DDP does not support such use cases" in refusal, refusal
+    found = [f for f in triage(run_dir, analysis) if f.status == "error"]
+    assert [f.known.id if f.known else None for f in found] == ["pipelining-split-backward-reused-weights"], found
+
+
 def test_gradient_clipping_clips_as_one_process_does_and_the_infinity_norm_on_an_empty_shard_is_a_known_bug(
         tmp_path: Path) -> None:
     """Clipping to a global norm under DDP, legacy FSDP and FSDP2 (norm 2) matches the single-process root, the norm

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_readme_opens_with_its_two_commands_and_is_short() -> None:
     text = (ROOT / "README.md").read_text()
     block = text.split("```", 2)[1].strip().splitlines()
-    assert block == ["./install.sh && .venv/bin/difftest run",
-                     '.venv/bin/python -m pytest && .venv/bin/python -m pytest -m "e2e or ray or oldest"']
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]  # CI runs the README's test command, as written
+    assert block == ["./install.sh && .venv/bin/difftest run", ci] and ci.startswith(".venv/bin/python -m pytest")
     assert text.count("\n") <= 120 and max(len(line) for line in text.splitlines()) <= 120
     assert not re.search(r"__[A-Z_]+__", text), "a figure was left to fill in"
 

@@ -45,6 +45,7 @@ from difftest.contracts.errors import ConversionFailed, InvariantViolated, Unsup
 from difftest.contracts.generator import UNPLACED, EmbeddingTable, Generator, ModelCode, order_by_words
 from difftest.contracts.model import Inputs, LoadedModel
 from difftest.contracts.registry import (
+    features_of,
     get_setting,
     register_calibration,
     register_derived,
@@ -102,6 +103,7 @@ __all__ = [
     "current_stack",
     "device_refusal",
     "failure_pattern",
+    "features_of",
     "gather_to_rank0",
     "get_setting",
     "load_model",

@@ -9,8 +9,11 @@ model resolves for the world size (`_resolve_parallel_plans`, what `from_pretrai
 architecture that ships no plan is refused with that reason. FSDP2's units and activation checkpointing take the
 decoder or encoder layers.
 
-`timm-<model>`: small `timm` vision models (a ViT, a ConvNeXt) from `timm.create_model(…, pretrained=False)`,
-classifying 32×32 images; FSDP2 and checkpointing take their blocks.
+`timm-<model>`: small `timm` vision models (a ResNet with BatchNorm, a ViT, a ConvNeXt) from
+`timm.create_model(…, pretrained=False)`, classifying 32×32 images; FSDP2 and checkpointing take their blocks. The
+ResNet's BatchNorm normalises by the batch's statistics, so wherever a setting splits the batch (ranks, micro-batches)
+it computes something else by design: triage names that cause (`difftest/findings/model_semantics.toml`), and
+`ddp/sync-batchnorm` runs the fix torch documents.
 
 A zoo's findings are the library's (triaged against the manifest like any built-in kind's), not the user's.
 """
@@ -50,10 +53,13 @@ HUGGING_FACE = {
                                                                  attention_probs_dropout_prob=0.0),
              "bert.encoder.layer"),
 }
-# timm model → its options and the blocks' module path
+# timm model → its options and its blocks' module names
 TIMM = {
-    "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4), "blocks"),
-    "convnext": ("convnext_atto", dict(depths=(1, 1, 1, 1), dims=(16, 32, 48, 64)), "stages"),
+    "resnet": ("resnet10t", dict(channels=(8, 16, 24, 32), stem_width=8, zero_init_last=False),
+               ("layer1", "layer2", "layer3", "layer4")),
+    "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4),
+            ("blocks.0", "blocks.1")),
+    "convnext": ("convnext_atto", dict(depths=(1, 1, 1, 1), dims=(16, 32, 48, 64)), ("stages.0", "stages.1")),
 }
 LAYERS = 2
 
@@ -168,8 +174,7 @@ def _register() -> None:
                                blocks=tuple(f"lm.{blocks}.{i}" for i in range(LAYERS)), tp_plan=_library_plan)
         register_generator(adapter.name, ZooKind(adapter, "transformers"))
     for name, (_, _, blocks) in TIMM.items():
-        adapter = ModelAdapter(f"timm-{name}", partial(_image_model, name), _image_batch, _class_loss,
-                               blocks=tuple(f"{blocks}.{i}" for i in range(LAYERS)))
+        adapter = ModelAdapter(f"timm-{name}", partial(_image_model, name), _image_batch, _class_loss, blocks=blocks)
         register_generator(adapter.name, ZooKind(adapter, "timm"))
 
 

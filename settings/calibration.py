@@ -11,7 +11,8 @@ calibration runs that root's own code again, unchanged, with one thing changed a
 * `calib-threads/<root>` — fp32 with 4 intra-op threads instead of 1: the kernels block their sums differently;
 * `calib-microbatch/<root>` — fp32, every training forward run as two micro-batches whose predictions are
   concatenated: the same per-sample arithmetic, but each weight gradient is summed in two parts and then added, as
-  gradient accumulation and data parallelism sum it;
+  gradient accumulation and data parallelism sum it (not on a model with BatchNorm, whose per-micro-batch
+  statistics are other arithmetic);
 * `calib-fp32-{a,b,c}/<root>` — float64 with Monte Carlo arithmetic at fp32's unit roundoff: every floating tensor a
   leaf module reads or writes and every gradient gets an independent relative error uniform in ±2⁻²⁴ (three seeds):
   how far rounding errors of fp32 size can carry the root, whatever kernels the machine's CPU happens to run. The
@@ -46,12 +47,14 @@ from difftest import (
     UNIT_ROUNDOFF,
     Inputs,
     LoadedModel,
+    ModelSpec,
     Outputs,
     Repeat,
     RunContext,
     Setting,
     SettingRole,
     Unsupported,
+    features_of,
     register_calibration,
 )
 from generators.inputs import Batch
@@ -98,6 +101,12 @@ class Calibration(Repeat):
         # ill-conditioned (a keras-transformer's LayerNorm after four momentum steps: 8.6e-4 from float64). Only the
         # oracle's envelope reads them; a verdict of theirs would be a false alarm.
         return False
+
+    def supports(self, spec: ModelSpec) -> str | None:
+        if self.mode == "microbatch" and "BatchNorm" in features_of(spec):
+            return ("the model's BatchNorm normalises each micro-batch by that micro-batch's statistics: two "
+                    "micro-batches are not its root's per-sample arithmetic, so they measure none of its noise")
+        return super().supports(spec)
 
     def describe(self) -> str:
         return f"{self.base.name} again, {_DESCRIPTIONS[self.mode.split('-')[0]]}"

@@ -2,7 +2,10 @@
 
 Every rank trains on its contiguous share of the global batch; DDP averages gradients, which equals the
 reference's global-mean gradient because the shares are equal. `no-sync` accumulates two micro-batches
-locally (`no_sync()` on the first) before the synchronising backward, each loss scaled by 1/2.
+locally (`no_sync()` on the first) before the synchronising backward, each loss scaled by 1/2. `sync-batchnorm`
+converts a model's BatchNorm layers to SyncBatchNorm first (`SyncBatchNorm.convert_sync_batchnorm`, as torch's DDP
+documentation tells users to): statistics over the global batch, as one process computes them; torch computes them
+on GPU tensors only, so on the CPU the variant is `unsupported` with torch's words.
 """
 
 # ruff: noqa: F821 -- `backward_on_share` calls the model's `model_loss`, which a standalone script defines before it
@@ -15,11 +18,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest import (
     DATA_PARALLEL,
+    ModelSpec,
     Outputs,
     RunContext,
     Setting,
     Unsupported,
     across,
+    features_of,
     record_training,
     refuse_changed_hooks,
     register_settings,
@@ -40,6 +45,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "static-graph": {"static_graph": True},
     "find-unused": {"find_unused_parameters": True},
     "no-sync": {},
+    "sync-batchnorm": {},
 }
 
 
@@ -60,20 +66,41 @@ class DataParallel(Setting):
         options = ", ".join(f"{k}={v}" for k, v in VARIANTS[self.variant].items()) or "defaults"
         if self.variant == "no-sync":
             options = "2 micro-batches, no_sync() on the first"
+        if self.variant == "sync-batchnorm":
+            options = "BatchNorm converted to SyncBatchNorm"
         return f"DDP over {self.world_size} ranks ({options})"
 
     @property
     def collectives(self) -> frozenset[str]:
         return across(self.world_size, DATA_PARALLEL)
 
+    def supports(self, spec: ModelSpec) -> str | None:
+        if self.variant == "sync-batchnorm" and "BatchNorm" not in features_of(spec):
+            return "the model has no BatchNorm layer: SyncBatchNorm would change nothing (ddp/default runs it)"
+        return None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """What `distribute` takes: DDP's keyword options, and whether BatchNorm becomes SyncBatchNorm first."""
+        return {"options": VARIANTS[self.variant], "sync_batchnorm": self.variant == "sync-batchnorm"}
+
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        try:
+            return self._train(ctx, model, inputs)
+        except ValueError as exc:  # torch's refusal of SyncBatchNorm on a device it does not synchronise on, by
+            # design (DDP's constructor and SyncBatchNorm's forward check it), in torch's words
+            if self.variant == "sync-batchnorm" and "SyncBatchNorm" in str(exc):
+                raise Unsupported(f"torch refuses SyncBatchNorm on {ctx.device}: {exc}") from None
+            raise
+
+    def _train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         import torch
 
         module = build_for_training(model, ctx.device)
         trainable = [p for p in module.parameters() if p.requires_grad]
         if not trainable:
             raise Unsupported("every parameter is frozen; DDP refuses a module with nothing to train")
-        ddp = distribute(module, ctx.group, ctx.device, {"options": VARIANTS[self.variant]})
+        ddp = distribute(module, ctx.group, ctx.device, self.options)
         optimizer = torch.optim.SGD(trainable, lr=ctx.lr)
 
         def train_step(batch: Any) -> float:
@@ -107,8 +134,9 @@ class DataParallel(Setting):
         own: tuple[Any, ...] = (distribute, full_parameters)
         if self.variant == "no-sync":
             options, own = "two micro-batches per step, no_sync() on the first", (*own, backward_on_share)
-        return training_script(case, f"DistributedDataParallel ({options})", self.world_size, own,
-                               {"options": VARIANTS[self.variant]})
+        if self.variant == "sync-batchnorm":
+            options = "BatchNorm converted to SyncBatchNorm"
+        return training_script(case, f"DistributedDataParallel ({options})", self.world_size, own, self.options)
 
 
 def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
@@ -117,6 +145,8 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.device(device)] if device.startswith("cuda") else None
+    if setting.get("sync_batchnorm"):  # the same parameters, in SyncBatchNorm layers reducing over `group`
+        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group=group)
     return DistributedDataParallel(module, device_ids=device_ids, process_group=group, **setting["options"])
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from difftest.contracts.adapter import BATCH_DEPENDENT_LAYERS
 from difftest.contracts.errors import UserError
 from difftest.contracts.registry import all_settings, generator_kinds, load_plugins, traits_of
 from difftest.findings import known
@@ -15,7 +16,7 @@ from difftest.findings import known
 def test_every_entry_still_names_settings_and_traits_that_exist() -> None:
     load_plugins()
     names = [s.name for s in all_settings()]
-    traits = set().union(*(traits_of(k) for k in generator_kinds()))
+    traits = set().union(*(traits_of(k) for k in generator_kinds())) | set(BATCH_DEPENDENT_LAYERS)
     issues = known.manifest()
     assert len(issues) >= 10 and len({i.id for i in issues}) == len(issues)
     stale = [f"{i.id}: {glob}" for i in issues for glob in i.settings if not fnmatch.filter(names, glob)]
@@ -24,6 +25,29 @@ def test_every_entry_still_names_settings_and_traits_that_exist() -> None:
     for issue in issues:
         assert issue.statuses and set(issue.statuses) <= {"inconsistent", "nondeterministic", "error", "crash", "timeout"}
         assert all(r.tracker.count("/") == 1 and r.number > 0 for r in issue.references)
+
+
+def test_a_semantic_difference_explains_a_finding_only_if_it_explains_every_case() -> None:
+    import pandas as pd
+
+    from difftest.findings.semantics import differences, semantic_difference_of
+
+    load_plugins()
+    names = [s.name for s in all_settings()]
+    for difference in differences():
+        assert difference.layer in BATCH_DEPENDENT_LAYERS
+        assert all(fnmatch.filter(names, glob) for glob in (*difference.settings, *difference.exempt)), difference.id
+    rows = pd.DataFrame({"model": ["bn", "bn"], "setting": ["ddp/default/ws2", "fsdp2/per-layer/reshard/fp32/ws2"],
+                         "status": ["inconsistent", "inconsistent"]})
+    layers = {"bn": {"BatchNorm"}, "plain": set()}
+    found = semantic_difference_of(rows, layers)
+    assert found is not None and found.id == "batchnorm-statistics-per-share" and "SyncBatchNorm" in found.fix
+    assert semantic_difference_of(rows.assign(model="plain"), layers) is None  # no BatchNorm: not its cause
+    assert semantic_difference_of(rows.assign(status="error"), layers) is None  # a failure is another cause
+    # one case it does not explain (one process, tensor parallel: the batch is not split) leaves the finding open
+    assert semantic_difference_of(pd.concat([rows, rows.assign(setting="tp/colwise-rowwise/ws2")]), layers) is None
+    # the fix, run, is no longer the model's difference: a disagreement there is somebody's bug
+    assert semantic_difference_of(rows.assign(setting="ddp/sync-batchnorm/ws2"), layers) is None
 
 
 def test_a_case_is_matched_by_setting_status_message_traits_and_oracle() -> None:

@@ -171,7 +171,7 @@ def test_the_default_tier_covers_every_class_and_every_tier_axis_value_at_the_sm
     # simulators and one-rank judges come in as references only
     assert not any(s.judge_only for s in default if not any(t.reference == s.name for t in default))
     # a glob means what it matches, unless a tier is asked for
-    assert len(select_settings("ddp/*")) == 18 and len(select_settings("ddp/*", "default")) == 6
+    assert len(select_settings("ddp/*")) == 21 and len(select_settings("ddp/*", "default")) == 7
     with pytest.raises(UserError, match="unknown tier"):
         tier("huge")
 

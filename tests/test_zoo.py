@@ -1,6 +1,7 @@
 """Model zoos as kinds (generators/zoo.py, the [zoo] extra): Hugging Face models under their library's own
 tensor-parallel plan, FSDP2 per decoder layer and activation checkpointing; what a zoo model cannot take, refused with
-the reason; its findings the library's, not the user's."""
+the reason; its findings the library's, not the user's, but for what its layers compute otherwise by design (a
+ResNet's BatchNorm on a split batch)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,35 @@ def test_a_view_dtensor_refuses_by_design_is_unsupported_with_its_words(tmp_path
     message = refused.loc["tp/colwise-rowwise/ws2", "message"]
     assert refused.loc["tp/colwise-rowwise/ws2", "status"] == "unsupported", message
     assert "refuses, by design" in message and "Cannot unflatten unevenly sharded tensor" in message
+
+
+@needs_zoo
+def test_a_resnets_batchnorm_is_one_cause_with_its_fix_and_its_library_bugs_are_known(tmp_path: Path) -> None:
+    """timm's ResNet: BatchNorm's per-share statistics under DDP and FSDP2 are one finding, the model's, with
+    SyncBatchNorm as its fix (torch runs it on GPUs only: unsupported here, in torch's words); checkpointing's second
+    update of the running statistics and FSDP2's bf16 policy on BatchNorm are known torch bugs; and the calibration
+    that micro-batches refuses a model whose arithmetic depends on the batch."""
+    out = tmp_path / "run"
+    settings = ("ddp/default/ws2,ddp/sync-batchnorm/ws2,fsdp2/per-layer/reshard/fp32/ws2,"
+                "fsdp2/per-layer/reshard/bf16/ws1,ac/single/non-reentrant/ws1")
+    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", "timm-resnet",
+                           "--models", "1", "--settings", settings, "--minimise-budget", "0"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    findings = pd.read_csv(out / "findings.csv").set_index("example_setting")
+    per_share = findings[findings["title"].str.contains("share of the batch")]
+    assert len(per_share) == 1 and per_share.iloc[0]["upstream"] == "your-model", findings.to_string()
+    assert per_share.iloc[0]["cases"] == 2  # DDP and FSDP2 in fp32: one cause, one finding
+    # evaluated as its user evaluates it (eval mode): the divergence starts in training, not before it
+    assert not str(per_share.iloc[0]["first_divergence"]).startswith("eval_before"), per_share.iloc[0]
+    assert "convert_sync_batchnorm" in (out / "findings.md").read_text()
+    known = dict(zip(findings["known_issue"], findings["upstream"], strict=True))
+    assert known.get("checkpoint-batchnorm-running-stats-twice") == "known", findings.to_string()
+    assert known.get("fsdp2-mixed-precision-batchnorm") == "known", findings.to_string()
+    refused = pd.read_csv(out / "inconsistencies.csv").set_index("setting")
+    assert "torch refuses SyncBatchNorm on cpu" in refused.loc["ddp/sync-batchnorm/ws2", "message"]
+    assert "BatchNorm normalises each micro-batch" in refused.loc["calib-microbatch/reference", "message"]
 
 
 def test_a_zoo_kind_without_its_library_says_which_extra_to_install() -> None:

@@ -110,6 +110,25 @@ def _call(module: Any, batch: Batch, device: str, dtype: Any) -> Any:
     return module(*inputs, **keywords) if isinstance(inputs, tuple) else module(inputs, **keywords)
 
 
+# the layer kinds `batch_dependent_layers` reads (what difftest/findings/model_semantics.toml's entries name)
+BATCH_DEPENDENT_LAYERS = ("BatchNorm", "Dropout")
+
+
+def batch_dependent_layers(module: Any) -> list[str]:
+    """The layer kinds of `module` whose training forward computes a sample's result from the other samples of its
+    batch or from a random draw: "BatchNorm" (the batch's statistics) and "Dropout" (a mask drawn per call). Split the
+    batch over ranks or micro-batches and they compute something else, by design: triage names them as the cause."""
+    import torch
+
+    found = set()
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):  # SyncBatchNorm too
+            found.add("BatchNorm")
+        elif isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0:
+            found.add("Dropout")
+    return sorted(found)
+
+
 class AdapterGenerator(Generator):
     """The generator protocol over a `ModelAdapter`."""
 
@@ -122,7 +141,10 @@ class AdapterGenerator(Generator):
             self.traits = self.traits | {"blocks"}
 
     def spec(self, seed: int, index: int) -> ModelSpec:
-        return ModelSpec(kind=self.kind, seed=seed, index=index, params={}, frozen=tuple(self.adapter.frozen))
+        spec = ModelSpec(kind=self.kind, seed=seed, index=index, params={}, frozen=tuple(self.adapter.frozen))
+        # read once, where the model is made: triage and the settings read them without building the module
+        spec.params["layers"] = batch_dependent_layers(self._module(spec))
+        return spec
 
     def _module(self, spec: ModelSpec) -> Any:
         import torch
@@ -177,7 +199,14 @@ class AdapterGenerator(Generator):
         return _call(module, batch, device, next(iter(module.parameters())).dtype)
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
-        return {"prediction": self.forward(module, batch, device)}
+        # as its user evaluates it: in eval mode (BatchNorm by its running statistics, no Dropout, neither changing
+        # the model), then back to training
+        training = module.training
+        module.eval()
+        try:
+            return {"prediction": self.forward(module, batch, device)}
+        finally:
+            module.train(training)
 
     def loss(self, prediction: Any, batch: Batch) -> Any:
         import torch
@@ -191,6 +220,9 @@ class AdapterGenerator(Generator):
     def blocks(self, module: Any) -> list[tuple[str, Any]] | None:
         inner = self._unwrap(module)
         return [(name, inner.get_submodule(name)) for name in self.adapter.blocks] or None
+
+    def features(self, spec: ModelSpec) -> list[str]:
+        return list(spec.params.get("layers", ()))
 
     def size(self, spec: ModelSpec) -> dict[str, int]:
         return {"parameters": sum(int(np.prod(v.shape)) for v in self.init_state(spec).values())}

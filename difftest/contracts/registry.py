@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from difftest.contracts.errors import UserError
 from difftest.contracts.generator import Generator, UnregisteredKind
 from difftest.contracts.setting import Setting, SettingRole
+from difftest.contracts.spec import ModelSpec
 
 _SETTINGS: dict[str, Setting] = {}
 _GENERATORS: dict[str, Generator] = {}
@@ -292,6 +293,12 @@ def generator_kinds() -> list[str]:
 def kind_unavailable(kind: str) -> str | None:
     """None if this machine can generate models of `kind` (its libraries import), else why not."""
     return get_generator(kind).available()
+
+
+def features_of(spec: ModelSpec) -> frozenset[str]:
+    """The layer kinds one model has, as its generator reads them (`Generator.features`: "BatchNorm", "Conv1D", …):
+    a setting whose arithmetic a layer kind changes decides `supports` by them."""
+    return frozenset(capabilities_of(spec.kind).features(spec))
 
 
 def traits_of(kind: str) -> frozenset[str]:

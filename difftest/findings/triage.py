@@ -33,6 +33,7 @@ from difftest.contracts.setting import Setting
 from difftest.contracts.status import CONSEQUENCE, DISAGREEMENTS, FAILURES, Status
 from difftest.contracts.tolerance import Tolerance
 from difftest.findings.known import KnownIssue, Upstream, match, stack_versions
+from difftest.findings.semantics import SemanticDifference, semantic_difference_of
 from difftest.findings.signature import (
     bad_rows,
     case_signature,
@@ -83,6 +84,9 @@ class Finding:
     contrast: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
     # the library bug of difftest/findings/known_issues.toml that explains its cases, if any
     known: KnownIssue | None = None
+    # else the semantic difference of difftest/findings/model_semantics.toml that explains every case: the model's
+    # layers compute otherwise on a split batch by design (BatchNorm's statistics), not a library's bug
+    semantics: SemanticDifference | None = None
     # findings of other signatures merged into this one because one known library bug explains them all:
     # (their id, signature, cases); the finding's own signature stays its example's, which its reproducer checks
     merged: list[tuple[str, str, int]] = field(default_factory=list)
@@ -103,6 +107,8 @@ class Finding:
     def upstream(self) -> Upstream:
         if self.known is not None:
             return self.known.upstream
+        if self.semantics is not None:
+            return Upstream.YOUR_MODEL
         on_user_models = all("user" in capabilities_of(kind).traits for kind in self.rows["kind"])
         return Upstream.YOUR_MODEL if on_user_models else Upstream.NEW
 
@@ -120,12 +126,14 @@ class Finding:
         return list(zip(moved["model"], moved["setting"], moved["signed_as"], moved["first_divergence"], strict=True))
 
 
-def _features(run_dir: Path) -> dict[str, set[str]]:
-    features: dict[str, set[str]] = {}
+def _features(run_dir: Path) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Model → what triage contrasts ("kind=dlrm", "has Conv1D"), and model → its layer kinds as its generator reads
+    them (`Generator.features`)."""
+    features, layer_kinds = {}, {}
     for _, spec in list_models(run_dir):
-        layer_kinds = set(capabilities_of(spec.kind).features(spec))
-        features[spec.model_id] = {f"kind={spec.kind}"} | {f"has {f}" for f in layer_kinds}
-    return features
+        layer_kinds[spec.model_id] = set(capabilities_of(spec.kind).features(spec))
+        features[spec.model_id] = {f"kind={spec.kind}"} | {f"has {f}" for f in layer_kinds[spec.model_id]}
+    return features, layer_kinds
 
 
 def _distinguishing(failing: pd.DataFrame, cases: pd.DataFrame, features: dict[str, set[str]]) -> list[str]:
@@ -152,7 +160,7 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     with atomic_path(run_dir / "first_divergence.csv") as tmp:
         earliest.to_csv(tmp, index=False)  # per disagreeing case
     bad = bad_rows(analysis)
-    features = _features(run_dir)
+    features, layer_kinds = _features(run_dir)
     versions = stack_versions(stack.recorded(run_dir).get("libraries", {}))
     separating = separating_values(cases)
     disagreeing = disagreeing_cases(cases)
@@ -184,7 +192,9 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         finding.first_divergence = next((d for d in frame["first_divergence"] if d), "")
         finding.distinguishing = _distinguishing(frame, cases, features)
         finding.contrast = contrast_of(finding.example["setting"], separating)
-        finding.known = known_issue_of(frame, versions)
+        finding.known = known_issue_of(frame, versions, layer_kinds)
+        if finding.known is None:
+            finding.semantics = semantic_difference_of(frame, layer_kinds)
         findings.append(finding)
     _measure_consequence(findings, analysis)
     findings.sort(key=consequence)  # a merged finding is led by its gravest part
@@ -198,18 +208,20 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
 
 
 def merge_known(findings: list[Finding]) -> list[Finding]:
-    """One root cause, one finding: findings whose cases one known library bug explains become one, led by the most
-    severe and largest of them (its example, signature and reproducer), titled by that bug; the others are recorded in
-    `merged`. Findings no entry explains stay apart (their signatures are all the evidence there is). Order is
-    kept."""
+    """One root cause, one finding: findings whose cases one known library bug (or one semantic difference of the
+    model's) explains become one, led by the most severe and largest of them (its example, signature and reproducer),
+    titled by that cause; the others are recorded in `merged`. Findings no entry explains stay apart (their
+    signatures are all the evidence there is). Order is kept."""
     groups: dict[str, list[Finding]] = {}
     for f in findings:
-        groups.setdefault(f.known.id if f.known is not None else f.id, []).append(f)
+        cause = f.known or f.semantics
+        groups.setdefault(cause.id if cause is not None else f.id, []).append(f)
     merged = []
     for key, group in groups.items():
         lead = group[0]
-        if lead.known is not None:  # named by its cause, as a maintainer would say it, rather than where it shows
-            lead = dataclasses.replace(lead, title=f"{lead.status}: {lead.known.title}")
+        cause = lead.known or lead.semantics
+        if cause is not None:  # named by its cause, as a maintainer would say it, rather than where it shows
+            lead = dataclasses.replace(lead, title=f"{lead.status}: {cause.title}")
         if len(group) > 1:
             lead = dataclasses.replace(
                 lead, id=f"F{hashlib.sha1(f'known | {key}'.encode()).hexdigest()[:8]}",
@@ -234,12 +246,15 @@ def _number(value: object) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(str(value))
 
 
-def known_issue_of(rows: pd.DataFrame, versions: Mapping[str, str | None] | None = None) -> KnownIssue | None:
+def known_issue_of(rows: pd.DataFrame, versions: Mapping[str, str | None] | None = None,
+                   layer_kinds: Mapping[str, set[str]] | None = None) -> KnownIssue | None:
     """The known library bug that explains most of a finding's cases (all of them, in a finding of one cause), among
-    those known on the run's releases (`versions`)."""
+    those known on the run's releases (`versions`); an entry's traits match the kind's or the model's layer kinds."""
+    layers = layer_kinds or {}
     explained = Counter(issue for r in rows.itertuples()
                         if (issue := match(getattr(r, "signed_as", r.setting), r.status, r.message,
-                                           capabilities_of(r.kind).traits, r.d3_verdict, versions=versions,
+                                           capabilities_of(r.kind).traits | layers.get(r.model, set()),
+                                           r.d3_verdict, versions=versions,
                                            relative=_number(getattr(r, "relative", None)))) is not None)
     return explained.most_common(1)[0][0] if explained else None
 

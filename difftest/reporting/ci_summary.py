@@ -23,8 +23,10 @@ JUNIT_FILE = "junit.xml"
 
 
 def cause_key(finding: Any) -> str:
-    """The manifest entry's id, else the finding's signature."""
-    return str(finding.known.id) if finding.known is not None else str(finding.signature)
+    """The manifest entry's id (a known bug's, or a semantic difference's of the model), else the finding's
+    signature."""
+    cause = finding.known or getattr(finding, "semantics", None)
+    return str(cause.id) if cause is not None else str(finding.signature)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,8 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     # each failing case names the rank that failed first, not a peer cut loose by it
     assert not rows[rows.status == "error"].message.str.contains("Connection closed by peer|Read error").any()
     # refusals are kind mismatches, engines refusing fp16 weights, TF-MOT missing, models without the layers a
-    # parallelism needs (Linear pairs, positions, a vocabulary projection for loss parallel), CPU-versus-GPU settings
+    # parallelism needs (Linear pairs, positions, a vocabulary projection for loss parallel, BatchNorm for
+    # SyncBatchNorm), CPU-versus-GPU settings
     # on a machine without one, TFLite's int8 leaving every kernel of a small model in float, a fused optimizer or a
     # variable-batch lookup fbgemm's CPU build lacks, a train pipeline that needs a device stream or a model torch.fx
     # can trace, each with its reason
@@ -76,7 +77,7 @@ def _check_the_job(out: Path, tier_name: str, result: subprocess.CompletedProces
     assert refused.message.str.contains("kind|refuses float16|tensorflow-model-optimization|layer units|Linear"
                                         "|positions|vocabulary|CUDA device|tensorflow#53094"
                                         "|not supported in CPU mode|not supported on CPU|device stream"
-                                        "|does not trace").all(), \
+                                        "|does not trace|no BatchNorm").all(), \
         refused.message.unique()
     _check_library_findings(rows, in_tier)
     # the seeds' oracles: resume (bitwise in one process), re-partitioning, PipeDream, partial reduce all hold

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pandas as pd
@@ -77,3 +78,23 @@ def test_a_cuda_setting_in_a_cuda_sweep_says_it_has_no_cpu_run_to_compare_with(t
     records = {r.setting: r for r in store.records()}
     store.close()
     assert records["cuda/reference"].status == "unsupported" and "--device cpu" in records["cuda/reference"].message
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm over NCCL needs a GPU per rank: 2 or more")
+@pytest.mark.skipif(importlib.util.find_spec("timm") is None, reason="the [zoo] extra is not installed")
+def test_sync_batchnorm_makes_ddp_train_a_resnet_as_one_process_does(tmp_path: Path) -> None:
+    """The fix the BatchNorm finding names, run where torch runs it: DDP with SyncBatchNorm over NCCL trains timm's
+    ResNet as one process does (statistics of the global batch), while plain DDP keeps per-rank statistics."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
+    from difftest.judging.analysis import analyze
+    from difftest.runner.sweep import SweepOptions, run_sweep
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("timm-resnet",)))
+    run_sweep(run_dir, SweepOptions(settings="reference,ddp/default/ws2,ddp/sync-batchnorm/ws2", device="cuda",
+                                    backend="nccl", timeout_s=300))
+    assert not _failures(run_dir, also=("unsupported",))
+    cases = analyze(run_dir).cases.set_index("setting")
+    assert cases.loc["ddp/sync-batchnorm/ws2", "verdict"] == "ok", cases["verdict"]
+    assert cases.loc["ddp/default/ws2", "verdict"] == "inconsistent", cases["verdict"]

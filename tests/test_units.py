@@ -196,7 +196,8 @@ def test_a_selection_brings_the_chain_of_settings_it_is_judged_against() -> None
     # the bf16 ones are judged against the reference's Monte Carlo bf16 envelope
     assert chain("fsdp2/per-layer/reshard/bf16/ws3") == [
         "fsdp2/per-layer/reshard/bf16/ws3", "fsdp2/per-layer/reshard/bf16/ws1", "reference",
-        *(f"calib-{m}/reference" for m in ("float64", "bf16-a", "bf16-b", "bf16-c"))]
+        *(f"calib-{m}/reference" for m in ("float64", "bf16-a", "bf16-b", "bf16-c", "bf16-op-a", "bf16-op-b",
+                                           "bf16-op-c"))]
     load_plugins(("tests.faults.planted",))  # a planted fault is judged against the clean setting it breaks
     assert chain("faults/stash_queue_one_short/stages2")[:2] == [
         "faults/stash_queue_one_short/stages2", "async-pipeline/simulator/stash/stages2/mb4"]

@@ -48,6 +48,16 @@ def test_a_semantic_difference_explains_a_finding_only_if_it_explains_every_case
     assert semantic_difference_of(pd.concat([rows, rows.assign(setting="tp/colwise-rowwise/ws2")]), layers) is None
     # the fix, run, is no longer the model's difference: a disagreement there is somebody's bug
     assert semantic_difference_of(rows.assign(setting="ddp/sync-batchnorm/ws2"), layers) is None
+    # a model's layer kinds as an adapter reads them: BatchNorm (SyncBatchNorm too), Dropout only where it drops
+    import torch
+
+    from difftest.contracts.adapter import batch_dependent_layers
+
+    assert batch_dependent_layers(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.SyncBatchNorm(2),
+                                                      torch.nn.Dropout(0.1))) == ["BatchNorm", "Dropout"]
+    assert batch_dependent_layers(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))) == []
+    dropped = semantic_difference_of(rows.assign(model="drop"), {"drop": {"Dropout"}})
+    assert dropped is not None and dropped.id == "dropout-masks-per-share"
 
 
 def test_a_case_is_matched_by_setting_status_message_traits_and_oracle() -> None:

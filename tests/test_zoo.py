@@ -23,9 +23,9 @@ SETTINGS = ("ddp/default/ws2,tp/colwise-rowwise/ws2,fsdp2-tp/dp2-tp2/colwise-row
             "ac/fsdp2/reentrant/ws2,pipeline/gpipe/ws2/stages2/mb2/balanced")
 
 
-def _run(out: Path, kind: str) -> subprocess.CompletedProcess:
+def _run(out: Path, kind: str, settings: str = SETTINGS) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", kind,
-                           "--models", "1", "--settings", SETTINGS, "--minimise-budget", "0"],
+                           "--models", "1", "--settings", settings, "--minimise-budget", "0"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -73,10 +73,7 @@ def test_a_view_dtensor_refuses_by_design_is_unsupported_with_its_words(tmp_path
     """timm's ViT reshapes its fused qkv projection to (3, heads, width): under a derived tensor-parallel plan the
     sharded width cannot be unflattened, which DTensor refuses by design (pytorch#149764); not an error of anyone's."""
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", "timm-vit",
-                           "--models", "1", "--settings", "tp/colwise-rowwise/ws2", "--minimise-budget", "0"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = _run(out, "timm-vit", "tp/colwise-rowwise/ws2")
     assert done.returncode == 0, done.stderr[-3000:]
     refused = pd.read_csv(out / "inconsistencies.csv").set_index("setting")
     message = refused.loc["tp/colwise-rowwise/ws2", "message"]
@@ -93,10 +90,7 @@ def test_a_resnets_batchnorm_is_one_cause_with_its_fix_and_its_library_bugs_are_
     out = tmp_path / "run"
     settings = ("ddp/default/ws2,ddp/sync-batchnorm/ws2,fsdp2/per-layer/reshard/fp32/ws2,"
                 "fsdp2/per-layer/reshard/bf16/ws1,ac/single/non-reentrant/ws1")
-    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", "timm-resnet",
-                           "--models", "1", "--settings", settings, "--minimise-budget", "0"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = _run(out, "timm-resnet", settings)
     assert done.returncode == 0, done.stderr[-3000:]
     findings = pd.read_csv(out / "findings.csv").set_index("example_setting")
     per_share = findings[findings["title"].str.contains("share of the batch")]
@@ -119,10 +113,7 @@ def test_bf16_rounding_between_a_vits_modules_is_noise_not_a_finding(tmp_path: P
     leaf modules, which only the per-operation Monte Carlo runs model: judged by them, ok (1.59x the envelope without
     them: two false findings), and those runs are in the envelope it was judged by."""
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", "timm-vit",
-                           "--models", "1", "--settings", "fsdp2/per-layer/reshard/bf16/ws1", "--minimise-budget", "0"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = _run(out, "timm-vit", "fsdp2/per-layer/reshard/bf16/ws1")
     assert done.returncode == 0, done.stderr[-3000:]
     compared = pd.read_csv(out / "comparisons.csv")
     case = compared[(compared["setting"] == "fsdp2/per-layer/reshard/bf16/ws1") & compared["tensor"].notna()]

@@ -81,7 +81,9 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
             schedule.step(positions, target=target, losses=[])
 
     module, modules, wrapped, schedule, optimizer = place(layout["starts"])
-    run("eval")  # before the first step and after the last, as the setting does
+    evaluates = layout.get("evaluates", True)  # a setting trained without the schedule's eval() has it False
+    if evaluates:
+        run("eval")  # before the first step and after the last, as the setting does
     for step in range(case["steps"]):
         if step == layout.get("move_after"):  # a re-partitioning (only its script defines these): cut anew, reloaded
             handed = gather_state(held(), optimizer, world_size)
@@ -91,7 +93,8 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
         if optimizer is not None:  # a step, and the gradients gone before the next
             optimizer.step()
             optimizer.zero_grad()
-    run("eval")
+    if evaluates:
+        run("eval")
     for stage in wrapped.values():  # FSDP2 holds a shard of each parameter: the whole of it, to read
         getattr(stage, "unshard", lambda: None)()
     pieces = [None] * world_size if rank == 0 else None

@@ -122,8 +122,8 @@ def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_
     layout = layout_of(chain)
     hybrid = layout.get("data_parallel", 1) > 1
     return Script(
-        summary=f"{described}: the model's layer chain cut into stages (torch.distributed.pipelining), evaluated once, "
-                f"then {steps} step(s) of {optimizer} (lr {case.lr:g}) over {world_size} CPU ranks (gloo){detail}"
+        summary=f"{described}: the model's layer chain cut into stages (torch.distributed.pipelining), "
+                f"{'evaluated once, then ' if layout.get('evaluates', True) else ''}{steps} step(s) of {optimizer} (lr {case.lr:g}) over {world_size} CPU ranks (gloo){detail}"
                 + case.against("the same steps accumulating the micro-batches' gradients in one process: the "
                                "parameters after them") + f". {model.summary}",
         libraries=("torch", *model.libraries, "numpy"),

@@ -254,7 +254,7 @@ class Pipeline(Setting):
                 raise RuntimeError(f"no stage holds {sorted(missing)}")
             return merged
 
-        return record_training(ctx, inputs, evaluate, train_step, full_parameters,
+        return record_training(ctx, inputs, evaluate if self.evaluates else None, train_step, full_parameters,
                                data_shard=(dp_index, self.data_parallel))
 
     def layout(self, chain: Any, seed: int) -> dict[str, Any]:
@@ -269,7 +269,8 @@ class Pipeline(Setting):
         else:
             starts = random_split(len(chain.units), stages, zlib.crc32(f"{seed}/{self.name}".encode()))
         return {"schedule_class": class_name, "stages": stages, "starts": starts, "per_rank": per_rank,
-                "placement": placement, "microbatches": self.microbatches}
+                "placement": placement, "microbatches": self.microbatches,
+                **({} if self.evaluates else {"evaluates": False})}
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, Pipeline, "after_backward")
@@ -280,11 +281,34 @@ class Pipeline(Setting):
         return pipeline_script(case, self.describe(), lambda chain: {**self.layout(chain, case.seed), **hybrid},
                                self.world_size, "plain SGD", replicas)
 
+    # whether the schedule's eval() runs before and after training (`PipelineTrainedOnly`: not)
+    evaluates: ClassVar[bool] = True
     # hooks for planted faults
     scale_grads: ClassVar[bool] = True
 
     def after_backward(self, ctx: RunContext, modules: dict[int, Any]) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class PipelineTrainedOnly(Pipeline):
+    """A schedule trained without its eval(): on torch 2.12-2.14 ScheduleZBVZeroBubble.eval() and
+    ScheduleDualPipeV.eval() raise before any step (known issue `pipelining-zbv-eval`), which left every training
+    bug of the V schedules' split backward behind that error. Judged on the losses and the parameters after each
+    step; the evaluating settings keep reporting the eval() failure."""
+
+    evaluates: ClassVar[bool] = False
+    tier_axes: ClassVar[tuple[str, ...]] = ("schedule", "inner")
+
+    @property
+    def name(self) -> str:
+        return f"{super().name}/train-only"
+
+    def describe(self) -> str:
+        return f"{super().describe()}, trained without evaluating"
+
+    def judges(self, tensor_name: str) -> bool:
+        return super().judges(tensor_name) and not tensor_name.startswith("eval_")
 
 
 _GROUPS: dict[tuple[int, int], dict[str, Any]] = {}
@@ -301,18 +325,25 @@ def _groups(ctx: RunContext, dp: int, pp: int) -> dict[str, Any]:
     return _GROUPS[(dp, pp)]
 
 
-def _pipeline_settings() -> list[Setting]:
-    settings: list[Setting] = []
-    for schedule, (_, _per_rank, _) in SCHEDULES.items():
-        for ws in (2, 3, 4):
-            stages = ws * _per_rank  # DualPipeV refuses fewer micro-batches than stages (its documented minimum)
-            for mb in (ws, 2 * ws) if schedule != "dualpipev" else (stages, 2 * stages):
-                settings += [Pipeline(schedule, ws, mb, split) for split in ("balanced", "random")]
-    return settings
+def _microbatch_counts(schedule: str, pipeline_ranks: int) -> tuple[int, int]:
+    stages = pipeline_ranks * SCHEDULES[schedule][1]  # DualPipeV refuses fewer micro-batches than stages (documented)
+    return (stages, 2 * stages) if schedule == "dualpipev" else (pipeline_ranks, 2 * pipeline_ranks)
 
 
+def _pipeline_settings(kind: type[Pipeline] = Pipeline, schedules: tuple[str, ...] = tuple(SCHEDULES)) -> list[Setting]:
+    return [kind(schedule, ws, mb, split) for schedule in schedules for ws in (2, 3, 4)
+            for mb in _microbatch_counts(schedule, ws) for split in ("balanced", "random")]
+
+
+# the V schedules, whose eval() raises on the releases that have them, trained without it
+V_SCHEDULES = ("zbv-zero-bubble", "dualpipev")
 HYBRID = [Pipeline(schedule, 4, mb, "balanced", data_parallel=2, inner=inner)
           for inner in ("ddp", "fsdp2") for schedule in ("gpipe", "1f1b", "interleaved-1f1b") for mb in (2, 4)]
-register_settings([Accumulation(mb) for mb in sorted({s.microbatches * s.data_parallel
-                                                      for s in _pipeline_settings() + HYBRID})])
-register_settings(_pipeline_settings() + HYBRID)
+# split input/weight backward inside DDP or FSDP2 replicas of each stage
+HYBRID += [PipelineTrainedOnly(schedule, 4, mb, "balanced", data_parallel=2, inner=inner)
+           for inner in ("ddp", "fsdp2") for schedule in V_SCHEDULES for mb in _microbatch_counts(schedule, 2)]
+HYBRID += [Pipeline("interleaved-zero-bubble", 4, mb, "balanced", data_parallel=2, inner=inner)
+           for inner in ("ddp", "fsdp2") for mb in _microbatch_counts("interleaved-zero-bubble", 2)]
+PIPELINES = _pipeline_settings() + _pipeline_settings(PipelineTrainedOnly, V_SCHEDULES) + HYBRID
+register_settings([Accumulation(mb) for mb in sorted({s.microbatches * s.data_parallel for s in PIPELINES})])
+register_settings(PIPELINES)

@@ -116,6 +116,33 @@ def test_fsdp2_inside_pipeline_stages_finishes_on_a_converted_keras_model(fresh_
     assert set(cases.verdict) == {"ok"} and set(hybrid) <= set(cases.setting)
 
 
+def test_the_v_schedules_train_without_eval_and_ddp_replicas_under_split_backward_train_apart(tmp_path: Path) -> None:
+    """ZBV trained without its eval() (which raises on these releases) is judged on its training alone and agrees on
+    the native transformer, alone and with FSDP2 replicas of each stage; with DDP replicas the split backward never
+    all-reduces the weight gradients (pytorch#144530), so the replicas train apart: inconsistent, and the manifest's."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings import known
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",)))
+    alone = "pipeline/zbv-zero-bubble/ws2/stages4/mb2/balanced/train-only"
+    hybrid = "hybrid/zbv-zero-bubble/dp2x{}/pp2/stages4/mb2/balanced/train-only"
+    pairs = tuple(("transformer-s0-i0", s) for s in (alone, hybrid.format("fsdp2"), hybrid.format("ddp")))
+    run_sweep(run_dir, SweepOptions(pairs=pairs, timeout_s=120))
+    analysis = analyze(run_dir)
+    verdicts = analysis.cases.set_index("setting")["verdict"]
+    assert verdicts[alone] == verdicts[hybrid.format("fsdp2")] == "ok", verdicts
+    judged = analysis.comparisons[analysis.comparisons["setting"] == alone]
+    assert judged["phase"].str.startswith("param_after_step").any()
+    assert not judged["phase"].str.startswith("eval_").any()  # nothing evaluated, nothing missing
+    if known.reproduces_here("pipelining-ddp-split-backward"):
+        assert verdicts[hybrid.format("ddp")] == "inconsistent", verdicts
+        found = next(f for f in triage(run_dir, analysis) if f.status == "inconsistent")
+        assert found.known is not None and found.known.id == "pipelining-ddp-split-backward"
+
+
 def test_activation_checkpointing_wraps_every_block_and_trains_as_the_reference(tmp_path: Path) -> None:
     """Checkpointed blocks (reentrant, non-reentrant, selective; alone, in DDP, in FSDP2) recompute the same operations:
     ok against the plain reference, under the plain model's parameter names, every block really wrapped."""

@@ -51,7 +51,7 @@ def loss_record(losses: list[float]) -> np.ndarray:
 def record_training(
     ctx: RunContext,
     inputs: Inputs,
-    evaluate: Callable[[Batch], dict[str, Any] | None],
+    evaluate: Callable[[Batch], dict[str, Any] | None] | None,
     train_step: Callable[[Batch], Any],
     full_parameters: Callable[[], dict[str, np.ndarray] | None],
     data_shard: tuple[int, int] | None = None,
@@ -66,7 +66,9 @@ def record_training(
     step and returns the share's mean loss; `full_parameters` is collective and returns every parameter
     under its canonical name on rank 0. `optimizer_state`, where given, is collective too and returns the optimizer's
     state after each step (`state_after_step<i>/<parameter>.<state>`): an optimizer that keeps state (Adagrad's
-    accumulators) is judged on it, not only on the weights it moved.
+    accumulators) is judged on it, not only on the weights it moved. `evaluate` None: nothing evaluated, no
+    `eval_*` phase recorded (a setting whose library cannot evaluate is still judged on its training; its `judges`
+    leaves those phases out).
     """
     import torch
 
@@ -85,6 +87,8 @@ def record_training(
         return [by_share[i] for i in range(count)]
 
     def gathered_predictions(phase: str) -> None:
+        if evaluate is None:
+            return
         with torch.no_grad():
             evaluated = evaluate(eval_batch)
         local = None if evaluated is None else {name: to_numpy(t) for name, t in evaluated.items()}

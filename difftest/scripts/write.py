@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from difftest.contracts.errors import Unsupported
 from difftest.contracts.script import DATA_FILE, STANDALONE_FILE, STANDALONE_VERDICT_FILE, StandaloneCase
@@ -230,5 +230,26 @@ class StandaloneScripts:
         else:
             model, setting = str(f.example["model"]), str(f.example["setting"])
             model_dir, spread = run_dir / "models" / model, envelope_spread(run_dir, model, setting, tolerance)
-        return emit(run_dir, f.id, title, f.status, model_dir, setting, f.first_divergence, spread, tolerance,
-                    message=str(f.example.get("message", "")))
+        emitted = emit(run_dir, f.id, title, f.status, model_dir, setting, f.first_divergence, spread, tolerance,
+                       message=str(f.example.get("message", "")))
+        if emitted.path is not None or emitted.defect:
+            return emitted
+        # the example's kind has no script (a converted model has no layer chain): a case of the same finding on
+        # another kind may have one, unminimised, and it reproduces the same cause
+        for row in _one_case_per_other_kind(f, OTHER_KINDS_TRIED):
+            other = emit(run_dir, f.id, title, f.status, run_dir / "models" / row.model, row.setting,
+                         row.first_divergence or f.first_divergence,
+                         envelope_spread(run_dir, row.model, row.setting, tolerance), tolerance, message=str(row.message))
+            if other.path is not None or other.defect:
+                return other
+        return emitted
+
+
+# how many other kinds of a finding's cases are tried for a script when its example's kind has none
+OTHER_KINDS_TRIED = 3
+
+
+def _one_case_per_other_kind(f: Finding, most: int) -> list[Any]:
+    """The first case of each kind but the example's among a finding's cases of its status, at most `most`."""
+    rows = f.rows[(f.rows["status"] == f.status) & (f.rows["kind"] != f.example["kind"])]
+    return list(rows.drop_duplicates("kind").head(most).itertuples())

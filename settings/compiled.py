@@ -174,11 +174,12 @@ def note_compilation(ctx: RunContext) -> None:
 
 
 def stepping(module: Any) -> Any:
-    """What a step's forward and backward run inside: Compiled Autograd where the module is compiled (the one-process
-    program a script compares with is not)."""
+    """What a step's forward and backward run inside: Compiled Autograd where the module or one of its units is
+    compiled (FSDP2 compiles each unit, not the root; the one-process program a script compares with is not)."""
     from torch._dynamo.utils import maybe_enable_compiled_autograd
 
-    return maybe_enable_compiled_autograd(getattr(module, "_compiled_call_impl", None) is not None)
+    return maybe_enable_compiled_autograd(any(getattr(m, "_compiled_call_impl", None) is not None
+                                              for m in module.modules()))
 
 
 def inductor_cannot_compile() -> str | None:
@@ -222,4 +223,5 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
 
 register_settings([CompiledTraining(1, "single")]
                   + [CompiledTraining(ws, wrap) for wrap in ("ddp", "fsdp2") for ws in (2, 4)]
-                  + [CompiledAutogradTraining(1, "single"), CompiledAutogradTraining(2, "ddp")])
+                  + [CompiledAutogradTraining(1, "single")]
+                  + [CompiledAutogradTraining(2, wrap) for wrap in ("ddp", "fsdp2")])

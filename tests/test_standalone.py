@@ -111,6 +111,9 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
     assert failure_pattern("error", "AssertionError: can't steal_bwd_input if 'x' ...") == \
         r"AssertionError:\ can't\ steal_bwd_input\ if"
     assert failure_pattern("inconsistent", "plan: ...") == ""
+    # a case run in processes of its own fails as its process did, not as difftest's wrapper says
+    assert failure_pattern("error", "ProcessesFailed: phase train rank 0 exited 1: Unsupported: Call to `torch._dynamo"
+                                    ".disable()` | File …") == r"Unsupported:\ Call\ to\ `torch\._dynamo\.disable"
     # an exception raised bare: its traceback's last line is the type alone, not the line that raised it
     bare = failure_pattern("error", "AssertionError:  || File \"…/_tp_conv.py\", line 288 | raise AssertionError")
     shown = "Traceback (most recent call last):\n  File \"_tp_conv.py\", line 288\n    raise AssertionError\nAssertionError\n"

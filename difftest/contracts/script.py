@@ -105,6 +105,10 @@ _SIGNAL = re.compile(r"killed by (SIG[A-Z]+)")
 _EXCEPTION = re.compile(r"^(?:[\w.]*\.)?([A-Z]\w*): ((?:[^\d(\[{'\"|<]|(?<=[a-z])'(?=[a-z]))*)")
 
 
+# what `difftest.runner.processes.run_in_processes` wraps a process's own failure in: the failure is the process's
+_IN_PROCESSES = re.compile(r"^ProcessesFailed: phase \S+ rank \d+ exited -?\d+: ")
+
+
 def failure_pattern(status: str, message: str) -> str:
     """A regex that what `torch.multiprocessing.start_processes` raises matches while the setting fails as recorded: the signal
     that killed a rank (`process 0 terminated with signal SIGFPE`), or the exception's type and its words before the
@@ -112,6 +116,7 @@ def failure_pattern(status: str, message: str) -> str:
     timeout, a message without an exception type) is no script's."""
     if status not in (Status.ERROR, Status.CRASH, Status.TIMEOUT):  # a disagreement (or an ok case: the script shows it agree)
         return ""
+    message = _IN_PROCESSES.sub("", message.strip())
     if status == Status.CRASH and (signal := _SIGNAL.search(message)):
         return rf"signal {signal[1]}\b"
     if status == Status.ERROR and (raised := _EXCEPTION.match(message.strip())):

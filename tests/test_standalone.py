@@ -7,8 +7,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
 from difftest.contracts.registry import all_settings
 from difftest.contracts.script import STANDALONE_FILE
@@ -77,7 +79,7 @@ QUANT = ("quant/torchrec/int8/out-fp32/row_wise/sim-ws2", "quant/torchrec/int8/o
 
 
 def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_difftest(
-        fresh_run: Path, tmp_path: Path) -> None:
+        fresh_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in QUANT), timeout_s=120))
     analysis = analyze(fresh_run)
     cases = analysis.cases.set_index(["model", "setting"])
@@ -120,6 +122,31 @@ def test_a_quantized_finding_and_a_failure_reach_their_settings_verdict_without_
     found = re.search(bare, shown)
     assert found and shown[found.start():].split("\n")[0] == "AssertionError"
     assert not re.search(bare, "AssertionErrors happen\n    raise AssertionError\n")
+    # a rerun that writes the same script, on the same data and libraries, takes the kept check and reduction instead
+    # of running the script again; any other key runs it
+    import json
+
+    import difftest.scripts.reduce
+
+    number, setting = next((n, s) for n, s in enumerate(QUANT) if verdicts[s] != "ok")
+    folder = fresh_run / "findings" / f"Q{number}"
+    before = {name: (folder / name).read_text() for name in (STANDALONE_FILE, "standalone.txt")}
+
+    def again() -> Any:
+        return emit(fresh_run, f"Q{number}", "a quantized TorchRec finding", verdicts[setting],
+                    fresh_run / "models" / MODEL, setting, "eval_before/pooled.tf0", {}, Tolerance(),
+                    check_timeout_s=120, message=messages[setting])
+
+    def not_again(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("ran the script again")
+
+    monkeypatch.setattr(difftest.scripts.reduce, "traced_check", not_again)
+    reused = again()
+    assert reused.checked is not None and reused.checked.reproduces and not reused.defect
+    assert {name: (folder / name).read_text() for name in before} == before
+    kept = json.loads((folder / ".check.json").read_text())
+    (folder / ".check.json").write_text(json.dumps({**kept, "key": "another release"}))
+    assert "ran the script again" in again().why_not
 
 
 # the training settings' scripts: the model's own code (`Generator.standalone_model`) and the setting's wrapper

@@ -88,7 +88,8 @@ def render_script(case: StandaloneCase, script: Script) -> str:
     sources = {f.__name__: _source(f) for f in (*script.functions, *(f for f in runtime if f.__name__ not in own))}
     called, names = _called_from(entry, sources)
     constants = [f"LIBRARIES = {tuple(script.libraries)!r}", f"WORLD_SIZE = {script.world_size}",
-                 f"RANK_IMPORTS = {_local_imports(sources[name] for name in called)!r}"]
+                 # in the order the definitions come (a set's order changes from one run to the next)
+                 f"RANK_IMPORTS = {_local_imports(text for name, text in sources.items() if name in called)!r}"]
     if failure:
         constants.append(f"FAILURE = {failure!r}  # how the setting fails (what its ranks raise, or the signal)")
     elif script.twice:

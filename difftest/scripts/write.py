@@ -149,6 +149,10 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
 
     if e.path is None:
         return e
+    key = _check_key(e.path, shrink_budget_s)
+    if (reused := _earlier_check(e, key)) is not None:  # a rerun's: the same script, data and libraries
+        _record(e.path.parent, reused)
+        return reused
     env = sealed_environment(e.path.parent / ".sealed")
     try:
         checked, executed = traced_check(e.path, timeout_s, env, niceness)
@@ -162,7 +166,77 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
         return done
     done = dataclasses.replace(e, checked=checked, reduction=reduction)
     _record(e.path.parent, done)
+    if checked.exit_code in (0, 1):  # an answer (not a timeout, not a script that could not run) is worth keeping
+        _keep_check(done, key)
     return done
+
+
+# what checking a finding's script gave, kept beside it: a rerun that writes the same script, on the same data and
+# libraries, takes it instead of running and reducing the script again
+CHECK_RECORD = ".check.json"
+# the libraries whose release a script's verdict can depend on (whichever are installed)
+CHECKED_WITH = ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy", "tensorflow", "tf2onnx", "onnx",
+                "onnxruntime", "onnx2torch", "onnx2pytorch", "transformers", "timm", "torchtitan")
+
+
+def _check_key(path: Path, shrink_budget_s: float) -> str:
+    """The script's text, its data's arrays (an .npz's bytes hold the time it was written), the shrink budget, the
+    interpreter and the installed releases of `CHECKED_WITH`."""
+    import hashlib
+    import sys
+    from importlib import metadata
+
+    import numpy as np
+
+    digest = hashlib.sha256(path.read_bytes())
+    data = path.with_name(DATA_FILE)
+    if data.is_file():
+        with np.load(data) as arrays:
+            for name in sorted(arrays.files):
+                array = arrays[name]
+                digest.update(f"{name} {array.dtype} {array.shape}".encode())
+                digest.update(np.ascontiguousarray(array).tobytes())
+    releases = []
+    for name in CHECKED_WITH:
+        try:
+            releases.append(f"{name}={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    digest.update(f"{shrink_budget_s} {sys.executable} {sys.version} {' '.join(releases)}".encode())
+    return digest.hexdigest()
+
+
+def _earlier_check(e: Emitted, key: str) -> Emitted | None:
+    """The kept check of the same script (`CHECK_RECORD` under `key`), its reduced form put back in place; None where
+    there is none."""
+    import dataclasses
+    import json
+
+    from difftest.scripts.reduce import Reduction
+
+    assert e.path is not None
+    try:
+        kept = json.loads(e.path.with_name(CHECK_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(kept, dict) or kept.get("key") != key:
+        return None
+    reduction = Reduction(**kept["reduction"]) if kept.get("reduction") else None
+    if reduction is not None:  # as the reduction left the folder: the whole script beside the one in place
+        e.path.with_name(FULL_FILE).write_text(e.path.read_text())
+        e.path.write_text(kept["script"])
+    return dataclasses.replace(e, checked=Checked(**kept["checked"]), reduction=reduction)
+
+
+def _keep_check(done: Emitted, key: str) -> None:
+    import dataclasses
+    import json
+
+    assert done.path is not None and done.checked is not None
+    record = {"key": key, "checked": dataclasses.asdict(done.checked),
+              "reduction": dataclasses.asdict(done.reduction) if done.reduction is not None else None,
+              "script": done.path.read_text()}
+    done.path.with_name(CHECK_RECORD).write_text(json.dumps(record))
 
 
 def _check_all(emitted: list[Emitted], timeout_s: float, shrink_budget_s: float = 0.0) -> list[Emitted]:

@@ -4,6 +4,7 @@ minimal case and run once where difftest does not import, or why it has none; `f
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,17 +175,10 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
 # what checking a finding's script gave, kept beside it: a rerun that writes the same script, on the same data and
 # libraries, takes it instead of running and reducing the script again
 CHECK_RECORD = ".check.json"
-# the libraries whose release a script's verdict can depend on (whichever are installed)
-CHECKED_WITH = ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy", "tensorflow", "tf2onnx", "onnx",
-                "onnxruntime", "onnx2torch", "onnx2pytorch", "transformers", "timm", "torchtitan")
-
-
 def _check_key(path: Path, shrink_budget_s: float) -> str:
-    """The script's text, its data's arrays (an .npz's bytes hold the time it was written), the shrink budget, the
-    interpreter and the installed releases of `CHECKED_WITH`."""
+    """The script's text, its data's arrays (an .npz's bytes hold the time it was written), the shrink budget and
+    this process's stack (the interpreter, the libraries' releases, the CPU: `difftest.storage.stack`)."""
     import hashlib
-    import sys
-    from importlib import metadata
 
     import numpy as np
 
@@ -196,14 +190,18 @@ def _check_key(path: Path, shrink_budget_s: float) -> str:
                 array = arrays[name]
                 digest.update(f"{name} {array.dtype} {array.shape}".encode())
                 digest.update(np.ascontiguousarray(array).tobytes())
-    releases = []
-    for name in CHECKED_WITH:
-        try:
-            releases.append(f"{name}={metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            continue
-    digest.update(f"{shrink_budget_s} {sys.executable} {sys.version} {' '.join(releases)}".encode())
+    digest.update(f"{shrink_budget_s} {_this_stack()}".encode())
     return digest.hexdigest()
+
+
+@functools.cache
+def _this_stack() -> str:
+    """`difftest.storage.stack.current()`, asked once per process."""
+    import json
+
+    from difftest.storage import stack
+
+    return json.dumps(stack.current(), sort_keys=True)
 
 
 def _earlier_check(e: Emitted, key: str) -> Emitted | None:

@@ -15,7 +15,7 @@ from difftest.storage.artifacts import atomic_write_text
 
 # distributions whose releases a finding can depend on (CPU and CUDA builds both listed: the one installed shows)
 LIBRARIES = ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "tensorflow", "tensorflow-cpu", "keras", "tf2onnx",
-             "onnx", "onnxruntime", "onnx2torch", "onnx2pytorch", "numpy", "ray")
+             "onnx", "onnxruntime", "onnx2torch", "onnx2pytorch", "transformers", "timm", "torchtitan", "numpy", "ray")
 
 
 FROM_CHECKOUT = "not installed (run from a checkout)"

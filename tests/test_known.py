@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ from difftest.contracts.adapter import BATCH_DEPENDENT_LAYERS
 from difftest.contracts.errors import UserError
 from difftest.contracts.registry import all_settings, generator_kinds, load_plugins, traits_of
 from difftest.findings import known
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_entry_still_names_settings_and_traits_that_exist() -> None:
@@ -158,3 +162,18 @@ def test_a_run_records_its_stack_and_keeps_an_earlier_one(tmp_path: Path) -> Non
     assert json.loads(run_file.read_text())["earlier_stacks"][0]["libraries"]["torch"] == "2.10.0"
     assert RunConfig.load(run_file) == RunConfig(seed=3)  # resuming still compares only how the run was made
     assert "torch " + known.installed_version("torch") in stack.describe(stack.recorded(tmp_path))
+
+
+@pytest.mark.parametrize(("entry", "repro"), [
+    ("pipelining-interleaved-zero-bubble-wrong-training", "pipelining_split_backward_untrained_weights.py"),
+    ("pipelining-split-backward-reused-weights", "pipelining_split_backward_reused_weights.py"),
+])
+def test_a_one_process_reproducer_shows_its_bug_exactly_where_the_manifest_says(entry: str, repro: str) -> None:
+    """The traced library line behind a finding, run alone: it exits 1 on every release the entry affects and 0
+    elsewhere (upstream fixed it: narrow `affects`, and the finding's cases must stop matching it)."""
+    issue = next(i for i in known.manifest() if i.id == entry)
+    assert f"repros/{repro}" in issue.notes
+    done = subprocess.run([sys.executable, str(ROOT / "repros" / repro)], capture_output=True, text=True, timeout=120)
+    expected = 1 if issue.reproduces_on(known.installed_versions({issue.library})) else 0
+    assert done.returncode == expected, done.stdout + done.stderr[-2000:]
+    assert ("BUG PRESENT" in done.stdout) == (expected == 1)

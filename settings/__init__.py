@@ -34,6 +34,7 @@ from settings import gradient_clipping  # noqa: F401
 from settings import accumulation  # noqa: F401
 from settings import compiled  # noqa: F401
 from settings import titan  # noqa: F401
+from settings import dtensor_spmd  # noqa: F401
 from settings import device  # noqa: F401  (last: it registers CUDA runs of settings registered above)
 
 # what the settings import lazily in every rank, loaded once into the server CPU ranks fork from

@@ -251,6 +251,36 @@ def test_gradient_clipping_clips_as_one_process_does_and_the_infinity_norm_on_an
     assert "import difftest" not in emitted.path.read_text()  # type: ignore[union-attr]
 
 
+@pytest.mark.needs_tf
+def test_a_model_run_in_dtensor_end_to_end_trains_as_one_process_and_an_empty_shard_fails_as_the_manifest_says(
+        tmp_path: Path) -> None:
+    """Every parameter a replicated DTensor and the inputs sharded (on the batch, or on the last dimension): two
+    converted Keras models train as one process does on 2 and 3 ranks, except where 3 ranks leave one rank an empty
+    shard of a 2-channel image, whose pooling ATen refuses (a library bug the manifest knows); its standalone script
+    shows it without difftest."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.scripts.write import emit
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=2, kinds=("sequential",)))
+    run_sweep(run_dir, SweepOptions(settings="dtensor/*"))
+    analysis = analyze(run_dir)
+    cases = analysis.cases[analysis.cases.setting.str.startswith("dtensor/")]
+    verdicts = {(c.model, c.setting): c.verdict for c in cases.itertuples()}
+    failing = ("sequential-s0-i1-frozen", "dtensor/last-sharded/ws3")
+    assert len(verdicts) == 8 and verdicts.pop(failing) == "error", verdicts
+    assert set(verdicts.values()) == {"ok"}, verdicts
+    assert (analysis.comparisons[analysis.comparisons.setting.str.startswith("dtensor/")].status == "ok").sum() > 20
+    found = next(f for f in triage(run_dir, analysis) if f.status == "error")
+    assert found.known is not None and found.known.id == "dtensor-empty-shard-max-pool", found
+    emitted = emit(run_dir, "D1", found.title, "error", run_dir / "models" / failing[0], failing[1], "", {},
+                   Tolerance(), check_timeout_s=180, message=str(found.example["message"]))
+    assert emitted.checked is not None and emitted.checked.reproduces, emitted.checked
+
+
 def test_compiled_training_matches_eager_and_the_shape_tensor_crash_is_a_known_dynamo_bug(tmp_path: Path) -> None:
     """torch.compile'd training of a native transformer, alone, under DDP (compiled whole) and FSDP2 (units compiled)
     matches eager training, judged by the envelope, with the graphs it compiled noted; a Keras model converted through

@@ -1,0 +1,119 @@
+"""The model run in DTensor end to end: data parallel written the way DTensor's SPMD API documents it.
+
+`distribute_module` makes every parameter and buffer a replicated DTensor; every tensor the model is called with
+becomes a DTensor sharded over the ranks (`distribute_tensor`), on the batch dimension or on the last one, and what
+the model returns is made whole again. So every operator of the forward and backward pass, and the optimizer's
+update, runs under DTensor's sharding rules on the model's own composition of views, reshapes, reductions and
+normalisations: a batch-sharded matmul's weight gradient arrives as a pending sum (`Partial`) that the update
+reduces; a last-dim-sharded input makes the first layer contract over a sharded dimension, and whatever follows
+runs on partial sums until a rule redistributes them. The model's widths and the batch need not divide by the
+number of ranks: DTensor shards unevenly, as `torch.chunk` does. Plain tensors the model makes itself (a mask, a
+position range) meet DTensors as replicated ones (`implicit_replication`, as tensor parallel runs). Judged against
+one process on the whole batch: evaluation before and after training, the losses and every parameter after each
+step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from difftest import (
+    SHARDED,
+    ModelSpec,
+    Outputs,
+    RunContext,
+    Setting,
+    across,
+    refuse_changed_hooks,
+    register_settings,
+    traits_of,
+)
+from settings._tp_apply import stepping
+from settings._training import build_for_training, full_parameters, gathered_parameters, train_data_parallel
+
+if TYPE_CHECKING:
+    from difftest import Script, StandaloneCase
+
+# where each tensor the model is called with is sharded: its first (batch) dimension, or its last one
+SHARDED_DIMS = ("batch", "last")
+
+
+@dataclass(frozen=True)
+class DTensorSpmd(Setting):
+    """Replicated DTensor parameters, inputs sharded on `dim` over `world_size` ranks, plain SGD."""
+
+    world_size: int
+    dim: str = "batch"
+    family: ClassVar[str] = "dtensor"
+    tier_axes: ClassVar[tuple[str, ...]] = ("dim",)
+
+    @property
+    def name(self) -> str:
+        return f"dtensor/{self.dim}-sharded/ws{self.world_size}"
+
+    def describe(self) -> str:
+        where = "the batch dimension" if self.dim == "batch" else "the last dimension"
+        return (f"DTensor over {self.world_size} ranks: parameters replicated, the model's inputs sharded on {where}, "
+                f"every operator under DTensor's rules")
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, SHARDED | {"all_reduce"})
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """What `distribute` takes; `data_parallel` 1: every rank is called with the whole batch, which DTensor
+        shards (a standalone script feeds it so)."""
+        return {"dim": self.dim, "data_parallel": 1}
+
+    def supports(self, spec: ModelSpec) -> str | None:
+        if "torchrec" in traits_of(spec.kind):
+            return (f"model kind {spec.kind!r} is called with KeyedJaggedTensors, which DTensor does not shard "
+                    f"(TorchRec shards its tables itself: the torchrec family)")
+        return None
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        module = distribute(build_for_training(model, ctx.device), ctx.group, ctx.device, self.options)
+        with stepping(module):
+            return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module),
+                                       data_shard=(0, 1))
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, DTensorSpmd)
+
+        from settings._training_script import training_script
+
+        where = "the batch dimension" if self.dim == "batch" else "the last dimension"
+        return training_script(case, f"DTensor SPMD (distribute_module: parameters replicated; the model's inputs "
+                                     f"sharded on {where} by distribute_tensor)", self.world_size,
+                               (distribute, stepping, full_parameters), self.options)
+
+
+def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
+    """Every parameter and buffer a replicated DTensor over `group`; every tensor the module is called with a DTensor
+    sharded on `setting["dim"]` (its first or its last dimension: each rank keeps its chunk), and every DTensor it
+    returns whole again."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+    from torch.utils._pytree import tree_map
+
+    mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
+
+    def sharded(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0:
+            return value
+        return distribute_tensor(value, mesh, [Shard(0 if setting["dim"] == "batch" else value.dim() - 1)])
+
+    def whole(value: Any) -> Any:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    distribute_module(module, mesh)  # no partition function: every parameter and buffer replicated
+    module.register_forward_pre_hook(lambda _m, args, kwargs: (tree_map(sharded, args), tree_map(sharded, kwargs)),
+                                     with_kwargs=True)
+    module.register_forward_hook(lambda _m, _args, output: tree_map(whole, output))
+    return module
+
+
+register_settings(DTensorSpmd(ws, dim) for dim in SHARDED_DIMS for ws in (2, 3))

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from difftest.contracts.registry import generator_kinds, get_setting, tier
+from difftest.contracts.registry import generator_kinds, get_setting, tier, traits_of
 from difftest.contracts.setting import Setting
 from difftest.contracts.spec import RunConfig
 from difftest.contracts.tolerance import Tolerance
+from difftest.findings import known
 from difftest.findings.signature import computation_order, first_divergences
 from difftest.generation.generate import generate
 from difftest.judging.analysis import analyze, envelope_spread
@@ -37,6 +38,13 @@ def _families_with_emitters() -> list[str]:
     return sorted(chosen.values())
 
 
+def _known_to_hang(kind: str, setting: str) -> bool:
+    """Whether the manifest says the setting times out on this kind on the installed releases (a library bug that
+    holds a worker group for the whole timeout, and leaves no case to write a script of)."""
+    versions = known.installed_versions({i.library for i in known.manifest()})
+    return known.match(setting, "timeout", "no answer from rank(s)", traits_of(kind), versions=versions) is not None
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.timeout(1200)  # a sweep and ~70 scripts: past the default 600 s on a slow hour of a 2-core host
 def test_every_emitter_writes_a_script_on_every_kind_on_a_seed_not_the_default_jobs(tmp_path: Path, seed: int) -> None:
@@ -49,7 +57,10 @@ def test_every_emitter_writes_a_script_on_every_kind_on_a_seed_not_the_default_j
     run_dir = tmp_path / f"s{seed}"
     generate(run_dir, RunConfig(seed=seed, models=1, kinds=kinds))
     models = sorted(p.name for p in (run_dir / "models").iterdir())
-    run_sweep(run_dir, SweepOptions(pairs=tuple((m, s) for m in models for s in families), timeout_s=180))
+    pairs = tuple((m, s) for m in models for s in families if not _known_to_hang(m.rsplit("-s", 1)[0], s))
+    assert len(pairs) < len(models) * len(families) and all(s.startswith("dtensor/") for s in
+                                                            set(families) - {s for _, s in pairs}), pairs
+    run_sweep(run_dir, SweepOptions(pairs=pairs, timeout_s=180))
     runs = [run_dir]
 
     emitted, checked = [], []

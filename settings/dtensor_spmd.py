@@ -24,7 +24,6 @@ from difftest import (
     Outputs,
     RunContext,
     Setting,
-    Unsupported,
     across,
     refuse_changed_hooks,
     register_settings,
@@ -32,7 +31,7 @@ from difftest import (
 )
 from settings._tp_apply import stepping
 from settings._training import build_for_training, full_parameters, gathered_parameters, train_data_parallel
-from settings.tensor_parallel import REFUSED_VIEW
+from settings.tensor_parallel import views_refused_by_design
 
 if TYPE_CHECKING:
     from difftest import Script, StandaloneCase
@@ -77,17 +76,9 @@ class DTensorSpmd(Setting):
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         module = distribute(build_for_training(model, ctx.device), ctx.group, ctx.device, self.options)
-        try:
-            with stepping(module):
-                return train_data_parallel(ctx, model, inputs, module,
-                                           lambda: gathered_parameters(ctx, model, module), data_shard=(0, 1))
-        except RuntimeError as exc:
-            if REFUSED_VIEW not in str(exc):
-                raise
-            # a view that would split a sharded dimension where the shards do not fall: refused by design since
-            # pytorch#149764, in DTensor's words
-            raise Unsupported(f"DTensor refuses, by design, a view of a sharded activation: "
-                              f"{str(exc).splitlines()[0]}") from None
+        with views_refused_by_design("its inputs' sharding left"), stepping(module):
+            return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module),
+                                       data_shard=(0, 1))
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, DTensorSpmd)

@@ -16,6 +16,8 @@ computed under `loss_parallel()`; it applies to those plans only (a derived plan
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -47,6 +49,20 @@ if TYPE_CHECKING:
 # the end of DTensor's refusal of a view that splits a sharded dimension unevenly ("Cannot unflatten unevenly sharded
 # tensor: … Please redistribute the tensor before this operation.")
 REFUSED_VIEW = "Please redistribute the tensor before this operation"
+
+
+@contextlib.contextmanager
+def views_refused_by_design(under: str) -> Iterator[None]:
+    """DTensor's refusal of a view that would split a sharded dimension where the shards do not fall (a fused
+    projection reshaped to (3, heads, width), an uneven width), by design since pytorch#149764 and #161950, becomes
+    `unsupported` in DTensor's words; `under`: what sharded the activation."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if REFUSED_VIEW not in str(exc):
+            raise
+        raise Unsupported(f"DTensor refuses, by design, a view of a sharded activation {under}: "
+                          f"{str(exc).splitlines()[0]}") from None
 
 
 @dataclass(frozen=True)
@@ -155,17 +171,9 @@ class TensorParallel(Setting):
             optimizer.step()
             return loss.item()
 
-        try:
-            with stepping(module):
-                return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step,
-                                       lambda: gathered_parameters(ctx, model, module), data_shard=data_shard)
-        except RuntimeError as exc:
-            if REFUSED_VIEW not in str(exc):
-                raise
-            # DTensor refuses a view that would split a sharded dimension where the shards do not fall (a fused
-            # projection reshaped to (3, heads, width), an uneven width): by design since pytorch#149764 and #161950
-            raise Unsupported(f"DTensor refuses, by design, a view of a sharded activation under this plan: "
-                              f"{str(exc).splitlines()[0]}") from None
+        with views_refused_by_design("under this plan"), stepping(module):
+            return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step,
+                                   lambda: gathered_parameters(ctx, model, module), data_shard=data_shard)
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, TensorParallel, "style")

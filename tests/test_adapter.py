@@ -41,18 +41,46 @@ def test_the_documented_adapter_runs_under_every_setting_that_takes_it_and_agree
     assert "no findings" in done.stdout
 
 
-def test_a_mistake_of_the_users_model_is_a_finding_marked_as_possibly_the_models(tmp_path: Path) -> None:
-    with_batchnorm = documented_example().replace(
-        "torch.nn.Linear(8, 16), torch.nn.Tanh()", "torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh()")
-    assert "BatchNorm1d" in with_batchnorm
-    done, out = _run(tmp_path, "my_bn_model", with_batchnorm)
+# two mistakes of a model's training setup, each planted in the documented example: the text it replaces, the text
+# put there, then what the one finding's title and fix say
+MISTAKES = {
+    "batchnorm": ("torch.nn.Linear(8, 16), torch.nn.Tanh()",
+                  "torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh()",
+                  "share of the batch", "SyncBatchNorm.convert_sync_batchnorm(model)"),
+    "summed-loss": ("torch.nn.functional.mse_loss)",
+                    "lambda p, y: torch.nn.functional.mse_loss(p, y, reduction='sum'))",
+                    "adds its samples' losses", 'reduction="mean"'),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_mistake_of_the_users_model_is_a_finding_marked_as_possibly_the_models(tmp_path: Path, mistake: str) -> None:
+    was, planted, title, fix = MISTAKES[mistake]
+    example = documented_example()
+    assert example.count(was) == 1
+    done, out = _run(tmp_path, "my_model_with_a_mistake", example.replace(was, planted))
     assert done.returncode == 0, done.stderr[-3000:]
-    # one cause (BatchNorm's statistics per rank, DDP's and FSDP2's cases alike), the model's, with its fix
+    # one cause (DDP's and FSDP2's cases alike), the model's, with its fix
     findings = pd.read_csv(out / "findings.csv")
     assert len(findings) == 1 and findings.iloc[0]["upstream"] == "your-model", findings.to_string()
-    assert "share of the batch" in findings.iloc[0]["title"] and findings.iloc[0]["settings"] == 2
+    assert title in findings.iloc[0]["title"] and findings.iloc[0]["settings"] == 2
     said = (out / "findings.md").read_text()
-    assert "not a library's bug" in said and "SyncBatchNorm.convert_sync_batchnorm(model)" in said
+    assert "not a library's bug" in said and fix in said
+
+
+def test_a_loss_that_sums_is_told_from_one_that_averages() -> None:
+    import torch
+
+    from difftest.contracts.adapter import loss_sums_over_the_batch
+
+    prediction, target = torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), torch.zeros(4, 3)
+    mse = torch.nn.functional.mse_loss
+    assert loss_sums_over_the_batch(lambda p, y: mse(p, y, reduction="sum"), prediction, target)
+    assert not loss_sums_over_the_batch(mse, prediction, target)
+    assert not loss_sums_over_the_batch(lambda p, y: mse(p, y) * 0, prediction, target)  # undecided: says nothing
+    labels = torch.tensor([0, 2, 1, 0])
+    assert loss_sums_over_the_batch(lambda p, y: torch.nn.functional.cross_entropy(p, y, reduction="sum"),
+                                    prediction, labels)
 
 
 @pytest.mark.parametrize(("source", "said"), [

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from difftest.contracts.adapter import BATCH_DEPENDENT_LAYERS
+from difftest.contracts.adapter import MODEL_FEATURES
 from difftest.contracts.errors import UserError
 from difftest.contracts.registry import all_settings, generator_kinds, load_plugins, traits_of
 from difftest.findings import known
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_entry_still_names_settings_and_traits_that_exist() -> None:
     load_plugins()
     names = [s.name for s in all_settings()]
-    traits = set().union(*(traits_of(k) for k in generator_kinds())) | set(BATCH_DEPENDENT_LAYERS)
+    traits = set().union(*(traits_of(k) for k in generator_kinds())) | set(MODEL_FEATURES)
     issues = known.manifest()
     assert len(issues) >= 10 and len({i.id for i in issues}) == len(issues)
     stale = [f"{i.id}: {glob}" for i in issues for glob in i.settings if not fnmatch.filter(names, glob)]
@@ -39,7 +39,7 @@ def test_a_semantic_difference_explains_a_finding_only_if_it_explains_every_case
     load_plugins()
     names = [s.name for s in all_settings()]
     for difference in differences():
-        assert difference.layer in BATCH_DEPENDENT_LAYERS
+        assert difference.layer in MODEL_FEATURES
         assert all(fnmatch.filter(names, glob) for glob in (*difference.settings, *difference.exempt)), difference.id
     rows = pd.DataFrame({"model": ["bn", "bn"], "setting": ["ddp/default/ws2", "fsdp2/per-layer/reshard/fp32/ws2"],
                          "status": ["inconsistent", "inconsistent"]})

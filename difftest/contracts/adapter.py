@@ -129,6 +129,25 @@ def batch_dependent_layers(module: Any) -> list[str]:
     return sorted(found)
 
 
+# the feature a model has when its adapter's loss adds its samples' losses
+SUMMED_LOSS = "SummedLoss"
+# every feature of a user's model that difftest/findings/model_semantics.toml's entries may name
+MODEL_FEATURES = (*BATCH_DEPENDENT_LAYERS, SUMMED_LOSS)
+
+
+def loss_sums_over_the_batch(loss: Callable[[Any, Any], Any], prediction: Any, target: Any) -> bool:
+    """Whether `loss` on the whole batch is the sum of its losses on the two halves rather than their mean: a loss that
+    sums makes every rank's gradient a sum over its share, so averaging them over N ranks (DDP, FSDP) or micro-batches
+    gives 1/N of the one process's gradient. Undecided (False) when the halves' losses add up to about nothing."""
+    half = len(prediction) // 2
+    whole, first, second = (float(loss(p, t)) for p, t in ((prediction, target), (prediction[:half], target[:half]),
+                                                           (prediction[half:], target[half:])))
+    added = first + second
+    if not abs(added) > 1e-6 * max(abs(first), abs(second), 1e-30):
+        return False
+    return abs(whole - added) <= 1e-4 * abs(added) < abs(whole - added / 2)
+
+
 class AdapterGenerator(Generator):
     """The generator protocol over a `ModelAdapter`."""
 
@@ -143,8 +162,27 @@ class AdapterGenerator(Generator):
     def spec(self, seed: int, index: int) -> ModelSpec:
         spec = ModelSpec(kind=self.kind, seed=seed, index=index, params={}, frozen=tuple(self.adapter.frozen))
         # read once, where the model is made: triage and the settings read them without building the module
-        spec.params["layers"] = batch_dependent_layers(self._module(spec))
+        module = self._module(spec)
+        spec.params["layers"] = batch_dependent_layers(module) + (
+            [SUMMED_LOSS] if self._loss_sums(module, spec) else [])
         return spec
+
+    def _loss_sums(self, module: Any, spec: ModelSpec) -> bool:
+        """Whether the adapter's loss adds its samples' losses instead of averaging them (`loss_sums_over_the_batch`
+        on the model's prediction for a batch of four, in eval mode); a model or loss that fails here is left to fail
+        in the cases, where its failure is recorded."""
+        import torch
+
+        batch = self.inputs(spec, 4)["train"]  # a batch that does not fit is one line, before any sweep
+        try:
+            module.eval()
+            with torch.no_grad():
+                prediction = _call(module, batch, "cpu", next(iter(module.parameters())).dtype)
+                target = torch.as_tensor(batch.labels)
+                target = target.to(prediction.dtype) if target.is_floating_point() else target
+                return loss_sums_over_the_batch(self.adapter.loss, prediction, target)
+        except Exception:  # a probe: the sweep runs the model and records its own failure
+            return False
 
     def _module(self, spec: ModelSpec) -> Any:
         import torch

@@ -95,6 +95,34 @@ def test_a_failure_is_written_and_read_back_in_one_place() -> None:
     assert normalise_message(str(crashed)) == "rank N killed by SIGSEGV"
 
 
+def _a_models_layer_calls(layer: object) -> None:
+    import torch
+
+    layer(torch.ones(2, 5))  # a Linear(3, 4): torch raises three frames deeper, in its own code
+
+
+def test_a_failure_deep_in_torch_names_the_models_frame_that_reached_it() -> None:
+    import torch
+
+    from difftest.contracts.failure import Failure
+    from difftest.findings.signature import innermost_library_frame
+
+    try:
+        _a_models_layer_calls(torch.nn.Linear(3, 4))
+    except RuntimeError as exc:
+        raised = Failure.of(exc)
+    caller, code, elided, *last = raised.readable().split("\n\nTraceback, innermost frames last:\n")[1].split("\n")
+    assert caller == f'File "{__file__}", line {_a_models_layer_calls.__code__.co_firstlineno + 3}, in ' \
+                     "_a_models_layer_calls" and code.startswith("layer(torch.ones(2, 5))") and elided == "…"
+    assert "torch/nn/modules/linear.py" in "\n".join(last) and last[-1].startswith("RuntimeError: ")
+    assert innermost_library_frame(raised.stored()) == "torch/nn/modules/linear.py:forward"  # the signature's frame
+    try:
+        raise ValueError("raised here")
+    except ValueError as exc:
+        here = Failure.of(exc)
+    assert here.frames.count('File "') == 1  # the innermost frame is the caller: said once
+
+
 def test_a_cases_notes_are_written_and_read_back_by_key() -> None:
     from difftest.contracts.notes import parse_notes, render_notes
 

@@ -1,6 +1,7 @@
 """How a case failed, as the store keeps it: one line in its `message` column, written and read back only here.
 
-A raise is `<Type>: <message> || <frame> | <code> | …` (the traceback's last lines joined on one line); a rank that
+A raise is `<Type>: <message> || <frame> | <code> | …` (the innermost frame outside torch, `…`, then the traceback's
+last lines, joined on one line); a rank that
 died, or a group that could not start, is `<what happened>; log: <the last lines of its log>`. `head` is what a person
 reads first and what a failure's signature is made of; `frames` and `log` are the evidence behind it.
 """
@@ -11,6 +12,7 @@ import traceback
 from dataclasses import dataclass
 
 _FRAMES = " || "
+_ELIDED = "…"
 _LOG = "; log:"
 LIMIT = 4000  # characters a stored failure keeps
 
@@ -31,8 +33,12 @@ class Failure:
 
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
-        """A raise: its type and text, and the last three lines of its traceback."""
+        """A raise: its type and text, the last three lines of its traceback and, before them, the innermost frame
+        outside torch and the standard library (`calling_frame`) where that is another frame."""
         frames = "".join(traceback.format_exception(exc)[-3:]).strip().replace("\n", " | ")
+        caller = calling_frame(exc)
+        if caller and caller.partition(" | ")[0] not in frames:
+            frames = f"{caller} | {_ELIDED} | {frames}"
         return cls(f"{type(exc).__name__}: {exc}", frames=frames)
 
     @classmethod
@@ -47,3 +53,26 @@ class Failure:
         text = self.head + (f"{_LOG} {self.log}" if self.log else "")
         return text + ("\n\nTraceback, innermost frames last:\n" + "\n".join(self.frames.split(" | "))
                        if self.frames else "")
+
+
+def calling_frame(exc: BaseException) -> str:
+    """The innermost frame of `exc`'s traceback outside torch and the standard library, as the traceback prints it
+    (`File "…", line N, in f | its code`): the model's module or the setting that called the operator which raised.
+    An error deep in DTensor's or autograd's dispatch keeps only dispatcher frames in its last lines; this one says
+    which layer of the model reached it. "" when every frame is torch's."""
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    torch = sys.modules.get("torch")
+    inside = [str(Path(sysconfig.get_paths()["stdlib"]).resolve())]
+    if torch is not None and (torch_file := getattr(torch, "__file__", None)):
+        inside.append(str(Path(torch_file).resolve().parent))
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename.startswith("<"):
+            continue  # frozen imports, code compiled from a string
+        if not any(str(Path(frame.filename).resolve()).startswith(root + "/") for root in inside):
+            line = (frame.line or "").strip()
+            return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}' + (f" | {line}" if line else "")
+    return ""
+

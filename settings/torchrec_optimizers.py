@@ -18,12 +18,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest import Outputs, RunContext, Setting, record_training, register_settings, to_numpy, traits_of
 from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, gather_whole
 from settings._training import build_for_training, canonical_parameters, sgd_step
 from settings.torchrec_sharding import TorchRecSharding
+
+if TYPE_CHECKING:
+    from difftest import Script, StandaloneCase
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,57 @@ class FusedOptimizerSharding(TorchRecSharding):
 
         return read
 
-    def standalone(self, case: Any) -> Any:
-        from difftest import Unsupported
+    def standalone(self, case: StandaloneCase) -> Script:
+        """The tables alone, one fused step under the case's plan against the optimizer's PyTorch class in one
+        process (settings/_torchrec_optim_script.py): the tables' weights after it, judged by allclose (the script's
+        loss is the tables' own, not the model's the envelope was measured on)."""
+        from difftest import Script, Unsupported, refuse_changed_hooks
+        from settings import _torchrec_optim_script as script
+        from settings._torchrec_plan import (
+            _generator,
+            _load_full_state,
+            _local_pieces,
+            _plan_helpers,
+            collection_tables,
+            sharding_plan,
+            table_configs,
+            table_kinds,
+        )
+        from settings._torchrec_script import embedding_script_data, standalone_features, standalone_tables
+        from settings.torchrec_vbe import pooled_loss
 
-        raise Unsupported("the fused-optimizer family writes no standalone script (repro.py reproduces the case through difftest)")
+        refuse_changed_hooks(self, FusedOptimizerSharding, "table_optimizer", "dense_optimizer", "optimizer_state",
+                             "load_initial_state", "sharded_module", "trainer", "full_state")
+        if case.failure:
+            raise Unsupported("the fused-optimizer script shows a disagreement; a failure reproduces through repro.py")
+        if self.sharding == "data_parallel":
+            raise Unsupported("a data-parallel table is trained unfused, by DDP and the optimizer's PyTorch class, "
+                              "not by the fused kernel the script shows")
+        tables = case.generator.embedding_tables(case.spec)
+        if tables is None:
+            raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")
+        if any("." in t.collection for t in tables):
+            raise Unsupported("its embedding collections are nested inside the model; the script holds them at its top")
+        data, table_list = embedding_script_data(case, tables)
+        spec = OPTIMIZERS[self.optimizer]
+        return Script(
+            summary=f"TorchRec EmbeddingBagCollections sharded by DistributedModelParallel over {self.world_size} CPU "
+                    f"ranks (gloo), every table {self.sharding}, trained one step by fused {spec.cls} inside the "
+                    f"lookup (apply_optimizer_in_backward), each rank on its share of one batch"
+                    + case.against(f"torch's {spec.cls} on the same collections in one process: every table after "
+                                   "the step") + ".",
+            libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
+            preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
+            case={"sharding": self.sharding, "local_world_size": case.local_world_size, "device": "cpu",
+                  "batch": case.inputs["eval"].size, "lr": case.lr, "optimizer": (spec.module, spec.cls),
+                  "options": dict(spec.options), "tables": table_list},
+            functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
+                       *_plan_helpers(self.sharding, tables, 0, self.world_size), _local_pieces, _load_full_state,
+                       standalone_tables, standalone_features, pooled_loss, script.table_optimizer,
+                       script.single_process, script.on_rank),
+            # named apart from the run's tensors: the envelope measured the model's loss, not the script's
+            tensors={f"{t.state_key}": f"script/{t.state_key}" for t in tables}, data=data,
+            world_size=self.world_size)
 
 
 @dataclass(frozen=True)

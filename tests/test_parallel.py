@@ -426,6 +426,20 @@ def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does
     assert set(state) <= {f"{p}/{t}" for p, t in zip(compared["phase"], compared["tensor"])}
     found = [f for f in triage(run_dir, analysis) if f.status == "inconsistent" and f.known is not None]
     assert "torchrec-rowwise-adagrad-column-shards" in {f.known.id for f in found}  # type: ignore[union-attr]
+    # the finding's standalone script (the tables alone, one fused step, no difftest importable) shows the column
+    # shards' training differ and the table-wise one agree, as the sweep did
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.scripts.write import emit
+
+    for number, (setting, code) in enumerate((("torchrec-optim/rowwise-adagrad/column_wise/ws4", 1),
+                                              ("torchrec-optim/rowwise-adagrad/table_wise/ws2", 0))):
+        emitted = emit(run_dir, f"O{number}", "a fused-optimizer finding", "inconsistent", run_dir / "models" /
+                       "dlrm-s0-i0", setting, "state_after_step1/sparse.embedding_bags.weight.sum", {}, Tolerance(),
+                       check_timeout_s=120)
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        assert "import difftest" not in emitted.path.read_text() and "apply_optimizer_in_backward" in \
+            emitted.path.read_text()
+        assert emitted.checked.exit_code == code, emitted.checked.output[-3000:]
 
 
 def test_every_pipeline_schedule_the_installed_torch_exports_is_run() -> None:

@@ -81,15 +81,31 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
         return _pooled(tables.to(dtype)(standalone_features(data, case, 0, case["batch"], dtype)), case)
 
 
+def script_sharder(case: dict[str, Any]) -> Any:
+    """What shards the collections: TorchRec's bag sharder, its pooled embeddings' collectives (and their gradients')
+    quantized by fbgemm's codecs where the case names their precisions (`CASE["qcomms"]`: forward, backward)."""
+    import torch
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    if not case.get("qcomms"):
+        return EmbeddingBagCollectionSharder()
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+
+    forward, backward = case["qcomms"]
+    config = QCommsConfig(forward_precision=CommType[forward], backward_precision=CommType[backward])
+    # the device only decides TorchRec's bf16 fallback to fp16 (gloo has no bf16 codec), which fp16 and fp32 never take
+    return EmbeddingBagCollectionSharder(
+        qcomm_codecs_registry=get_qcomm_codecs_registry(config, device=torch.device("cpu")))
+
+
 def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
     """The setting: DistributedModelParallel over the collections; each rank pools its share of the batch."""
     import torch
     import torch.distributed as dist
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.types import ShardingEnv
 
-    module, sharder = standalone_tables(case), EmbeddingBagCollectionSharder()
+    module, sharder = standalone_tables(case), script_sharder(case)
     plan = sharding_plan(module, sharder, case["sharding"], case["plan_seed"], world_size, case["local_world_size"],
                          case["device"], dist.group.WORLD)
     dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,

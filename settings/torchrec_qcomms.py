@@ -15,8 +15,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from difftest import UNIT_ROUNDOFF, Tolerance, Unsupported, register_settings
+from difftest import UNIT_ROUNDOFF, Tolerance, register_settings
 from settings._torchrec_plan import SHARDING_TYPES
+from settings._torchrec_script import script_sharder
 from settings.torchrec_sharding import TorchRecSharding
 
 # (forward, backward) precisions of the embeddings' collectives, as QCommsConfig names them
@@ -52,19 +53,10 @@ class TorchRecQComms(TorchRecSharding):
                 f"{forward.lower()} and their gradients in {backward.lower()} (QCommsConfig)")
 
     def sharder(self) -> Any:
-        import torch
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+        return script_sharder({"qcomms": self.script_comms()})  # the one its standalone script builds
 
-        forward, backward = PRECISIONS[self.comms]
-        config = QCommsConfig(forward_precision=CommType[forward], backward_precision=CommType[backward])
-        # the device only decides TorchRec's bf16 fallback, which fp16 and fp32 never take
-        return EmbeddingBagCollectionSharder(
-            qcomm_codecs_registry=get_qcomm_codecs_registry(config, device=torch.device("cpu")))
-
-    def standalone(self, case: Any) -> Any:
-        raise Unsupported("the TorchRec quantized-comms family writes no standalone script (repro.py reproduces the "
-                          "case through difftest)")
+    def script_comms(self) -> tuple[str, str] | None:
+        return PRECISIONS[self.comms]
 
 
 # data-parallel tables send no embeddings through the codecs: `torchrec/ebc/data_parallel/*` judges them at fp32

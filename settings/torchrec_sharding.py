@@ -50,6 +50,7 @@ from settings._torchrec_script import (
     _pooled,
     embedding_script_data,
     on_rank,
+    script_sharder,
     single_process,
     standalone_features,
     standalone_tables,
@@ -240,21 +241,30 @@ class TorchRecSharding(Setting):
         plan = {"planner": "the plan TorchRec's EmbeddingShardingPlanner chooses",
                 "mixed": f"a seeded random sharding type per table (seed {self.plan_seed})"}.get(
                     self.sharding, f"every table {self.sharding}")
+        comms = self.script_comms()
         return Script(
             summary=f"TorchRec EmbeddingBagCollections sharded by DistributedModelParallel over {self.world_size} "
                     f"CPU ranks (gloo), {plan}"
+                    + (f", pooled embeddings sent in {comms[0].lower()} by fbgemm's codecs (QCommsConfig)" if comms
+                       else "")
                     + case.against("the same collections in one process: the pooled embeddings of one batch, before "
                                    "any training") + ".",
             libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
-                  "device": "cpu", "batch": batch.size, "tables": table_list},
+                  "device": "cpu", "batch": batch.size, "tables": table_list, **({"qcomms": comms} if comms else {})},
             functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
                        *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size),
                        _local_pieces, _load_full_state, standalone_tables, standalone_features, _pooled,
-                       single_process, on_rank),
+                       single_process, script_sharder, on_rank),
             tensors={name: recorded for recorded, name in pooled.items()},
             data=data, world_size=self.world_size)
+
+
+    def script_comms(self) -> tuple[str, str] | None:
+        """The precisions (forward, backward) of the pooled embeddings' collectives the script asks fbgemm's codecs
+        for (`script_sharder`); None: sent as they are."""
+        return None
 
 
 @dataclass(frozen=True)

@@ -520,6 +520,24 @@ def test_torchrecs_quantized_comms_round_to_fp16_and_stay_inside_the_fp16_envelo
     assert worst["torchrec-qcomms/fp16-fp32/row_wise/ws2"] > 1e-5, worst
     assert not [s.name for s in all_settings() if s.name.startswith("torchrec-qcomms/") and "data_parallel" in s.name]
     assert 0 < rows["calibrated_ratio"].astype(float).max() < 1, rows["calibrated_ratio"]
+    # its standalone script (no difftest importable) sends the pooled embeddings through the same codecs: off from one
+    # process by fp16's rounding, as the sweep's case, and inside the envelope (exit 0)
+    import numpy as np
+
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.write import emit
+
+    setting, first = "torchrec-qcomms/fp16-fp16/table_wise/ws2", "eval_before/pooled.tf0"
+    emitted = emit(run_dir, "Q0", "a quantized-comms finding", "inconsistent", run_dir / "models" / "dlrm-s0-i0",
+                   setting, first, envelope_spread(run_dir, "dlrm-s0-i0", setting), Tolerance(), check_timeout_s=120)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert "QCommsConfig(" in emitted.path.read_text() and "CommType[forward]" in emitted.path.read_text()
+    assert emitted.checked.exit_code == 0, emitted.checked.output[-3000:]
+    worst = [re.search(r"single process (\S+), setting (\S+),", line) for line in emitted.checked.output.splitlines()
+             if line.startswith("pooled.")]
+    assert worst and max(abs(float(m[1]) - float(m[2])) for m in worst if m) > 1e-5, emitted.checked.output[-3000:]
+    assert np.isfinite([float(m[2]) for m in worst if m]).all()
 
 
 def test_torchrecs_variable_batch_sends_fewer_bags_and_pools_as_every_bag_written_out(tmp_path: Path) -> None:

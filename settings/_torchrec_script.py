@@ -45,26 +45,48 @@ def standalone_tables(case: dict[str, Any]) -> Any:
     return module
 
 
-def standalone_features(data: dict[str, Any], case: dict[str, Any], start: int, stop: int, dtype: Any) -> dict:
-    """Samples start..stop of the evaluation batch: one KeyedJaggedTensor per collection, keyed in table order."""
+def standalone_features(data: dict[str, Any], case: dict[str, Any], start: int, stop: int, dtype: Any,
+                        variable: bool = False) -> dict:
+    """Samples start..stop of the evaluation batch: one KeyedJaggedTensor per collection, keyed in table order, every
+    bag written out or (`variable`) each feature's runs of equal bags once (`bag_runs_kjt`)."""
+    features = {}
+    for path in dict.fromkeys(t["collection"] for t in case["tables"]):
+        bags = {}
+        for f in [f for t in case["tables"] if t["collection"] == path for f in t["features"]]:
+            lengths = data[f"eval.{f}.lengths"]
+            lo, hi = np.concatenate([[0], np.cumsum(lengths)])[[start, stop]]
+            weights = data.get(f"eval.{f}.weights")
+            bags[f] = (lengths[start:stop], data[f"eval.{f}.values"][lo:hi], None if weights is None else weights[lo:hi])
+        features[path] = bag_runs_kjt(bags, variable, dtype)
+    return features
+
+
+def bag_runs_kjt(bags: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]], variable: bool, dtype: Any) -> Any:
+    """One KeyedJaggedTensor of `bags` (feature → its samples' bags: lengths, values, weights or None): every bag
+    written out, or (`variable`: TorchRec's variable batch per feature) each run of equal consecutive bags once, its
+    `stride_per_key_per_rank` the runs' count and every sample's run its inverse index."""
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    features = {}
-    for path in dict.fromkeys(t["collection"] for t in case["tables"]):
-        keys, values, lengths, weights = [], [], [], []
-        for f in [f for t in case["tables"] if t["collection"] == path for f in t["features"]]:
-            bags = data[f"eval.{f}.lengths"]
-            lo, hi = np.concatenate([[0], np.cumsum(bags)])[[start, stop]]
-            keys.append(f)
-            lengths.append(bags[start:stop])
-            values.append(data[f"eval.{f}.values"][lo:hi])
-            if f"eval.{f}.weights" in data:
-                weights.append(data[f"eval.{f}.weights"][lo:hi])
-        features[path] = KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.from_numpy(np.concatenate(lengths)),
-            weights=torch.from_numpy(np.concatenate(weights)).to(dtype) if weights else None)
-    return features
+    lengths, values, weights, strides, inverse = [], [], [], [], []
+    for bag_lengths, bag_values, bag_weights in bags.values():
+        starts = np.concatenate([[0], np.cumsum(bag_lengths)])
+        bag = [(bag_values[starts[i]:starts[i + 1]], None if bag_weights is None else bag_weights[starts[i]:starts[i + 1]])
+               for i in range(len(bag_lengths))]
+        runs = [i for i in range(len(bag)) if not variable or i == 0 or not (
+            np.array_equal(bag[i][0], bag[i - 1][0]) and (bag_weights is None or np.array_equal(bag[i][1], bag[i - 1][1])))]
+        lengths.append(bag_lengths[runs])
+        values += [bag[i][0] for i in runs]
+        weights += [bag[i][1] for i in runs] if bag_weights is not None else []
+        strides.append([len(runs)])
+        inverse.append(np.searchsorted(runs, np.arange(len(bag)), side="right") - 1)
+    keys, options = list(bags), {"weights": torch.from_numpy(np.concatenate(weights)).to(dtype)} if weights else {}
+    if not variable:
+        return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.from_numpy(np.concatenate(values)),
+                                                   lengths=torch.from_numpy(np.concatenate(lengths)), **options)
+    return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values)),
+                             lengths=torch.from_numpy(np.concatenate(lengths)), stride_per_key_per_rank=strides,
+                             inverse_indices=(keys, torch.from_numpy(np.stack(inverse))), **options)
 
 
 def _pooled(pooled: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -106,6 +128,11 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     from torchrec.distributed.types import ShardingEnv
 
     module, sharder = standalone_tables(case), script_sharder(case)
+    if "fused_sgd_lr" in case:  # the tables trained by fused SGD, as the setting shards them (a variable batch's
+        # output dist on the CPU, sharded without an optimizer fused in, fails on its own: "Split sizes doesn't match")
+        from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+        apply_optimizer_in_backward(torch.optim.SGD, list(module.parameters()), {"lr": case["fused_sgd_lr"]})
     plan = sharding_plan(module, sharder, case["sharding"], case["plan_seed"], world_size, case["local_world_size"],
                          case["device"], dist.group.WORLD)
     dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
@@ -113,7 +140,8 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     _load_full_state(dmp, {k[len("state."):]: v for k, v in data.items() if k.startswith("state.")})
     share = case["batch"] // world_size
     with torch.no_grad():
-        mine = _pooled(dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32)), case)
+        mine = _pooled(dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32,
+                                               variable=case.get("variable_batch", False))), case)
     shares = [None] * world_size if rank == 0 else None
     dist.gather_object(mine, shares, dst=0)
     return {name: np.concatenate([s[name] for s in shares]) for name in mine} if shares else None

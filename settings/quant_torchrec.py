@@ -45,7 +45,13 @@ from settings._quantized_tables import (
     standalone_quantized,
 )
 from settings._torchrec_plan import _column_shards, collection_tables, embedding_collections
-from settings._torchrec_script import _pooled, embedding_script_data, standalone_features, standalone_tables
+from settings._torchrec_script import (
+    _pooled,
+    bag_runs_kjt,
+    embedding_script_data,
+    standalone_features,
+    standalone_tables,
+)
 
 # name -> (torch dtype attribute, bits of a row-wise integer scheme or 0 for a float type)
 # what QuantEmbeddingBagCollectionSharder offers on CPU (it refuses table_row_wise, table_column_wise, data_parallel)
@@ -185,7 +191,7 @@ class QuantizedEmbeddings(Setting):
             case={"sharding": self.sharding, "world": self.simulated_world, "output": self.output, "device": "cpu",
                   "batch": batch.size, "per_table": self.table_weights(case.spec.params["tables"]),
                   "tables": table_list},
-            functions=(standalone_tables, standalone_features, _pooled, quantize, _cpu_inference_sharding,
+            functions=(standalone_tables, standalone_features, bag_runs_kjt, _pooled, quantize, _cpu_inference_sharding,
                        _column_shards, quantized_placement, quantized_plan, shard_quantized, standalone_quantized,
                        single_process, on_rank),
             tensors={name: recorded for recorded, name in pooled.items()},

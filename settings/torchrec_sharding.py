@@ -48,6 +48,7 @@ from settings._torchrec_plan import (
 )
 from settings._torchrec_script import (
     _pooled,
+    bag_runs_kjt,
     embedding_script_data,
     on_rank,
     script_sharder,
@@ -224,10 +225,17 @@ class TorchRecSharding(Setting):
     # --- a standalone script (difftest.scripts.emit) ------------------------------------------------
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, TorchRecSharding, "load_initial_state", "sharded_module", "trainer", "full_state")
+        return self.sharding_script(case)
+
+    def sharding_script(self, case: StandaloneCase, variable_batch: bool = False) -> Script:
+        """The collections alone, sharded under the case's plan, their pooled embeddings of the evaluation batch
+        against one process's; `variable_batch`: each rank sends each feature's runs of equal bags once (VBE), and
+        the run recorded the pooled embeddings by feature (`pooled.<feature>`)."""
         tables = case.generator.embedding_tables(case.spec)
         if tables is None:
             raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")
-        pooled = {f"{EVAL_BEFORE}/{name}": name for t in tables for name in t.outputs}
+        pooled = {f"{EVAL_BEFORE}/{f'pooled.{feature}' if variable_batch else name}": name
+                  for t in tables for feature, name in zip(t.features, t.outputs, strict=True)}
         # by the tensor's kind (`pooled`): the example's first-diverging feature may not be in the minimal model
         phase, _, tensor = case.first_divergence.partition("/")
         kinds = {case.generator.tensor_class(name) for name in pooled.values()}
@@ -247,15 +255,18 @@ class TorchRecSharding(Setting):
                     f"CPU ranks (gloo), {plan}"
                     + (f", pooled embeddings sent in {comms[0].lower()} by fbgemm's codecs (QCommsConfig)" if comms
                        else "")
+                    + (", each rank sending each feature's runs of equal bags once (variable batch per feature: "
+                       "stride_per_key_per_rank, inverse_indices)" if variable_batch else "")
                     + case.against("the same collections in one process: the pooled embeddings of one batch, before "
                                    "any training") + ".",
             libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
-                  "device": "cpu", "batch": batch.size, "tables": table_list, **({"qcomms": comms} if comms else {})},
+                  "device": "cpu", "batch": batch.size, "tables": table_list, **({"qcomms": comms} if comms else {}),
+                  **({"variable_batch": True, "fused_sgd_lr": case.lr} if variable_batch else {})},
             functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
                        *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size),
-                       _local_pieces, _load_full_state, standalone_tables, standalone_features, _pooled,
+                       _local_pieces, _load_full_state, standalone_tables, standalone_features, bag_runs_kjt, _pooled,
                        single_process, script_sharder, on_rank),
             tensors={name: recorded for recorded, name in pooled.items()},
             data=data, world_size=self.world_size)

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -30,13 +30,18 @@ from difftest import (
     Setting,
     Unsupported,
     record_training,
+    refuse_changed_hooks,
     register_settings,
     to_numpy,
     traits_of,
 )
 from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, table_configs
+from settings._torchrec_script import bag_runs_kjt
 from settings._training import build_for_training
 from settings.torchrec_sharding import HeldTablesSharding
+
+if TYPE_CHECKING:
+    from difftest import Script, StandaloneCase
 
 WORLD_SIZES = (2, 4)
 
@@ -66,37 +71,10 @@ def _features(model: Any) -> list[str]:
 
 
 def _feature_kjt(batch: Any, names: list[str], device: str, dtype: Any, variable: bool) -> Any:
-    """The batch's bags of `names` as one KeyedJaggedTensor: every sample's bag written out, or (`variable`) each run
-    of equal consecutive bags once, with each sample's run as its inverse index (VBE)."""
-    import torch
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    lengths, values, weights, strides, inverse = [], [], [], [], []
-    weighted = batch.sparse[names[0]].weights is not None
-    for name in names:
-        bags = batch.sparse[name]
-        starts = np.concatenate([[0], np.cumsum(bags.lengths)])
-        bag = [(bags.values[starts[i]:starts[i + 1]],
-                None if bags.weights is None else bags.weights[starts[i]:starts[i + 1]]) for i in range(batch.size)]
-        runs = [i for i in range(batch.size) if not variable or i == 0 or not _same_bag(bag[i], bag[i - 1])]
-        lengths.append(bags.lengths[runs])
-        values += [bag[i][0] for i in runs]
-        weights += [bag[i][1] for i in runs] if weighted else []
-        strides.append([len(runs)])
-        inverse.append(np.searchsorted(runs, np.arange(batch.size), side="right") - 1)
-
-    def tensor(parts: list[np.ndarray]) -> Any:
-        return torch.from_numpy(np.concatenate(parts)).to(device)
-
-    options: dict[str, Any] = {"weights": tensor(weights).to(dtype)} if weighted else {}
-    if variable:
-        options |= {"stride_per_key_per_rank": strides,
-                    "inverse_indices": (list(names), torch.from_numpy(np.stack(inverse)).to(device))}
-    return KeyedJaggedTensor(keys=list(names), values=tensor(values), lengths=tensor(lengths), **options)
-
-
-def _same_bag(a: tuple[np.ndarray, np.ndarray | None], b: tuple[np.ndarray, np.ndarray | None]) -> bool:
-    return np.array_equal(a[0], b[0]) and (a[1] is None or np.array_equal(a[1], b[1]))
+    """The batch's bags of `names` as one KeyedJaggedTensor (`bag_runs_kjt`): every sample's bag written out, or
+    (`variable`) each run of equal consecutive bags once, with each sample's run as its inverse index (VBE)."""
+    return bag_runs_kjt({name: (batch.sparse[name].lengths, batch.sparse[name].values, batch.sparse[name].weights)
+                         for name in names}, variable, dtype).to(device)
 
 
 def pooled_outputs(holder: Any, features: dict[str, list[str]], batch: Any, device: str, variable: bool,
@@ -190,9 +168,16 @@ class VariableBatchSharding(HeldTablesSharding):
 
         return train_step, evaluate
 
-    def standalone(self, case: Any) -> Any:
-        raise Unsupported("the TorchRec variable-batch family writes no standalone script (repro.py reproduces the "
-                          "case through difftest)")
+    def standalone(self, case: StandaloneCase) -> Script:
+        """The sharding family's script of the collections (`sharding_script`) on the batch with its repeated bags,
+        each rank sending each feature's runs of equal bags once."""
+        refuse_changed_hooks(self, VariableBatchSharding, "sharded_module", "trainer", "full_state",
+                             "load_initial_state")
+        tables = case.generator.embedding_tables(case.spec) or []
+        repeated = repeated_bags(Inputs(case.inputs["train"], case.inputs["eval"]),
+                                 [f for table in tables for f in table.features])
+        return self.sharding_script(dataclasses.replace(case, inputs={"train": repeated.train, "eval": repeated.eval}),
+                                    variable_batch=True)
 
 
 def _holder(module: Any) -> Any:

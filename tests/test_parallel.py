@@ -566,3 +566,22 @@ def test_torchrecs_variable_batch_sends_fewer_bags_and_pools_as_every_bag_writte
     if verdicts["torchrec-vbe/row_wise/ws2"] != "ok":
         failed = analysis.comparisons[analysis.comparisons["setting"] == "torchrec-vbe/row_wise/ws2"]["message"]
         assert re.search(get("torchrec-vbe-mean-divisor-inverse-order").message, " ".join(failed)), failed
+    # its standalone script (no difftest importable) sends the same runs of bags and agrees; with every sample pointed
+    # at its feature's first run (a planted wrong inverse index) it disagrees
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.check import check_script
+    from difftest.scripts.write import emit
+
+    setting = "torchrec-vbe/table_wise/ws2"
+    emitted = emit(run_dir, "V0", "a variable-batch finding", "inconsistent", run_dir / "models" / "dlrm-s0-i0",
+                   setting, "eval_before/pooled.tf0", envelope_spread(run_dir, "dlrm-s0-i0", setting), Tolerance(),
+                   check_timeout_s=120)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert emitted.checked.exit_code == 0, emitted.checked.output[-3000:]
+    text = emitted.path.read_text()
+    inverse = 'np.searchsorted(runs, np.arange(len(bag)), side="right") - 1'
+    assert "stride_per_key_per_rank=strides" in text and text.count(inverse) == 1
+    emitted.path.write_text(text.replace(inverse, "np.zeros(len(bag), dtype=np.int64)"))
+    planted = check_script(emitted.path, timeout_s=120)
+    assert planted.exit_code == 1 and "BUG PRESENT" in planted.output, planted.output[-3000:]

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from settings._torchrec_plan import _load_full_state, _local_pieces, sharding_plan
-from settings._torchrec_script import standalone_features, standalone_tables
+from settings._torchrec_plan import _local_pieces
+from settings._torchrec_script import sharded_tables, standalone_features, standalone_tables
 from settings.torchrec_vbe import pooled_loss
 
 
@@ -45,19 +45,13 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     table after it, whole, on rank 0 (its shards summed into zeros: they do not overlap)."""
     import torch
     import torch.distributed as dist
-    from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    module, sharder = standalone_tables(case), EmbeddingBagCollectionSharder()
+    module = standalone_tables(case)
     optimizer_class, options = table_optimizer(case)
     apply_optimizer_in_backward(optimizer_class, list(module.parameters()), options)
-    plan = sharding_plan(module, sharder, case["sharding"], 0, world_size, case["local_world_size"], case["device"],
-                         dist.group.WORLD)
-    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
-                                   sharders=[sharder], device=torch.device(case["device"]))
-    _load_full_state(dmp, {k[len("state."):]: v for k, v in data.items() if k.startswith("state.")})
+    dmp = sharded_tables(module, EmbeddingBagCollectionSharder(), data, case, world_size)
     share = case["batch"] // world_size
     pooled = dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32))
     pooled_loss(pooled, case["batch"]).backward()  # the tables step inside it

@@ -120,24 +120,34 @@ def script_sharder(case: dict[str, Any]) -> Any:
         qcomm_codecs_registry=get_qcomm_codecs_registry(config, device=torch.device("cpu")))
 
 
-def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """The setting: DistributedModelParallel over the collections; each rank pools its share of the batch."""
+def sharded_tables(module: Any, sharder: Any, data: dict[str, Any], case: dict[str, Any], world_size: int) -> Any:
+    """`module`'s collections sharded by DistributedModelParallel under the case's plan over the script's ranks, each
+    rank's shards holding the case's initial weights (TorchRec initialises shards afresh)."""
     import torch
     import torch.distributed as dist
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
-    module, sharder = standalone_tables(case), script_sharder(case)
+    plan = sharding_plan(module, sharder, case["sharding"], case.get("plan_seed", 0), world_size,
+                         case["local_world_size"], case["device"], dist.group.WORLD)
+    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                   sharders=[sharder], device=torch.device(case["device"]))
+    _load_full_state(dmp, {k[len("state."):]: v for k, v in data.items() if k.startswith("state.")})
+    return dmp
+
+
+def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The setting: DistributedModelParallel over the collections; each rank pools its share of the batch."""
+    import torch
+    import torch.distributed as dist
+
+    module = standalone_tables(case)
     if "fused_sgd_lr" in case:  # the tables trained by fused SGD, as the setting shards them (a variable batch's
         # output dist on the CPU, sharded without an optimizer fused in, fails on its own: "Split sizes doesn't match")
         from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
         apply_optimizer_in_backward(torch.optim.SGD, list(module.parameters()), {"lr": case["fused_sgd_lr"]})
-    plan = sharding_plan(module, sharder, case["sharding"], case["plan_seed"], world_size, case["local_world_size"],
-                         case["device"], dist.group.WORLD)
-    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
-                                   sharders=[sharder], device=torch.device(case["device"]))
-    _load_full_state(dmp, {k[len("state."):]: v for k, v in data.items() if k.startswith("state.")})
+    dmp = sharded_tables(module, script_sharder(case), data, case, world_size)
     share = case["batch"] // world_size
     with torch.no_grad():
         mine = _pooled(dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32,

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from settings._torchrec_plan import _load_full_state, sharding_plan
+from settings._torchrec_script import sharded_tables
 
 
 # --- what a standalone script runs (plain torch/torchrec: copied into the script as they are) ------------------------
@@ -72,20 +72,14 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     """The setting: DistributedModelParallel over the collections; each rank looks up its share of the batch."""
     import torch
     import torch.distributed as dist
-    from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
-    from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     module, sharder = standalone_sequence_tables(case), EmbeddingCollectionSharder(use_index_dedup=case["dedup"])
     # the tables trained by fused SGD, as the setting shards them (sharded without an optimizer fused in, TorchRec's
     # sequence output dist on the CPU fails on its own: "Split sizes doesn't match total dim 0 size")
     apply_optimizer_in_backward(torch.optim.SGD, list(module.parameters()), {"lr": case["lr"]})
-    plan = sharding_plan(module, sharder, case["sharding"], 0, world_size, case["local_world_size"], case["device"],
-                         dist.group.WORLD)
-    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
-                                   sharders=[sharder], device=torch.device(case["device"]))
-    _load_full_state(dmp, {k[len("state."):]: v for k, v in data.items() if k.startswith("state.")})
+    dmp = sharded_tables(module, sharder, data, case, world_size)
     share = case["batch"] // world_size
     with torch.no_grad():
         mine = _sequences(dmp(standalone_sequence_features(data, case, rank * share, (rank + 1) * share)))

@@ -137,6 +137,7 @@ class FusedOptimizerSharding(TorchRecSharding):
         from settings._torchrec_script import (
             bag_runs_kjt,
             embedding_script_data,
+            sharded_tables,
             standalone_features,
             standalone_tables,
         )
@@ -169,7 +170,7 @@ class FusedOptimizerSharding(TorchRecSharding):
                   "options": dict(spec.options), "tables": table_list},
             functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
                        *_plan_helpers(self.sharding, tables, 0, self.world_size), _local_pieces, _load_full_state,
-                       standalone_tables, standalone_features, bag_runs_kjt, pooled_loss, script.table_optimizer,
+                       sharded_tables, standalone_tables, standalone_features, bag_runs_kjt, pooled_loss, script.table_optimizer,
                        script.single_process, script.on_rank),
             # named apart from the run's tensors: the envelope measured the model's loss, not the script's
             tensors={f"{t.state_key}": f"script/{t.state_key}" for t in tables}, data=data,

@@ -45,6 +45,7 @@ from settings._torchrec_plan import (
     table_configs,
     table_kinds,
 )
+from settings._torchrec_script import sharded_tables
 from settings._torchrec_sequence_script import (
     _sequences,
     on_rank,
@@ -252,7 +253,7 @@ class SequenceSharding(HeldTablesSharding):
                   "device": "cpu", "batch": batch.size, "lr": case.lr, "groups": listed},
             functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
                        *_plan_helpers(self.sharding, tables, 0, self.world_size), _local_pieces, _load_full_state,
-                       standalone_sequence_tables, standalone_sequence_features, _sequences, single_process, on_rank),
+                       sharded_tables, standalone_sequence_tables, standalone_sequence_features, _sequences, single_process, on_rank),
             tensors={f"seq.{f}": f"{EVAL_BEFORE}/seq.{f}" for f in features}, data=data, world_size=self.world_size)
 
 

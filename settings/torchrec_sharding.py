@@ -52,6 +52,7 @@ from settings._torchrec_script import (
     embedding_script_data,
     on_rank,
     script_sharder,
+    sharded_tables,
     single_process,
     standalone_features,
     standalone_tables,
@@ -266,7 +267,7 @@ class TorchRecSharding(Setting):
                   **({"variable_batch": True, "fused_sgd_lr": case.lr} if variable_batch else {})},
             functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
                        *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size),
-                       _local_pieces, _load_full_state, standalone_tables, standalone_features, bag_runs_kjt, _pooled,
+                       _local_pieces, _load_full_state, sharded_tables, standalone_tables, standalone_features, bag_runs_kjt, _pooled,
                        single_process, script_sharder, on_rank),
             tensors={name: recorded for recorded, name in pooled.items()},
             data=data, world_size=self.world_size)

@@ -14,8 +14,8 @@ What is adapted for the CPU, and recorded in each case's notes: torchtitan picks
 accelerator is found (`torchtitan.tools.utils.device_type`, copied into `torchtitan.distributed.parallel_dims`), so
 the mesh's device is set to the case's; FSDP2's gradient reduction is asked for a plain sum where the backend is gloo
 (torchtitan's divide factor becomes a `PREMUL_SUM`, which gloo lacks). What the recipe is run with: parameters in
-fp32 (`mixed_precision_param`, whose default is bf16: the envelope here is fp32's), `/compile` compiling the model's
-blocks (not the loss). Gradient clipping, the learning-rate schedule and AdamW, which the trainer adds around the
+fp32 (`mixed_precision_param`; `/bf16` runs its default, bf16 parameters with fp32 gradient reduction, judged by the
+root's bf16 envelope), `/compile` compiling the model's blocks (not the loss). Gradient clipping, the learning-rate schedule and AdamW, which the trainer adds around the
 recipe, are not part of it (the `clip` family tests clipping).
 """
 
@@ -35,12 +35,14 @@ from difftest import (
     Outputs,
     RunContext,
     Setting,
+    Tolerance,
     across,
     register_settings,
     traits_of,
 )
 from settings._training import build_for_training
 from settings.compiled import inductor_cannot_compile
+from settings.fsdp import BF16_TOLERANCE
 
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 CHECKPOINTING = ("none", "full", "selective")
@@ -59,10 +61,13 @@ class TorchtitanRecipe(Setting):
     checkpointing: str = "none"  # a value of CHECKPOINTING
     compile: bool = False
     backend: str = "spmd_types"  # a value of BACKENDS
+    # torchtitan's `mixed_precision_param`: "bfloat16" (its default) is FSDP2's MixedPrecisionPolicy (bf16 parameters
+    # in compute, gradients reduced in fp32), so it takes a data-parallel mesh
+    param_dtype: str = "float32"
     world_size: int = 1  # the sweep's process only launches the recipe's own group
     family: ClassVar[str] = "titan"
     tier_axes: ClassVar[tuple[str, ...]] = ("backend", "checkpointing", "sequence_parallel", "data_parallel",
-                                            "tensor_parallel")
+                                            "tensor_parallel", "param_dtype")
     size_parameters: ClassVar[frozenset[str]] = frozenset()
 
     @property
@@ -74,14 +79,23 @@ class TorchtitanRecipe(Setting):
         mesh = f"dp{self.data_parallel}-tp{self.tensor_parallel}" + (
             "" if self.sequence_parallel or self.tensor_parallel == 1 else "-no-sp")
         return (f"titan/{self.backend}/{mesh}/ac-{self.checkpointing}" + ("/compile" if self.compile else "")
-                + f"/ws{self.ranks}")
+                + ("/bf16" if self.param_dtype == "bfloat16" else "") + f"/ws{self.ranks}")
+
+    @property
+    def precision(self) -> str:  # type: ignore[override]
+        """bf16 parameters in compute: judged by the root's bf16 envelope (what bf16 itself costs, and sharding)."""
+        return "bf16" if self.param_dtype == "bfloat16" else "fp32"
+
+    def tolerance(self, default: Tolerance) -> Tolerance:
+        return BF16_TOLERANCE if self.precision == "bf16" else default
 
     def describe(self) -> str:
         parts = [f"FSDP2 over {self.data_parallel} ranks" if self.data_parallel > 1 else "",
                  f"tensor parallel over {self.tensor_parallel}"
                  + (" with sequence parallel" if self.sequence_parallel else "") if self.tensor_parallel > 1 else "",
                  f"{self.checkpointing} activation checkpointing" if self.checkpointing != "none" else "",
-                 "each block compiled" if self.compile else ""]
+                 "each block compiled" if self.compile else "",
+                 "bf16 parameters, fp32 gradient reduction" if self.param_dtype == "bfloat16" else ""]
         return (f"torchtitan's parallelize recipe ({', '.join(p for p in parts if p)}; SPMD backend "
                 f"{self.backend}) in {self.ranks} new processes")
 
@@ -183,7 +197,7 @@ class _Recipe:
         self.compile_config = CompileConfig(enable=setting.compile, components=["model"])
         with tempfile.TemporaryDirectory() as dump:  # where selective checkpointing may write its op log
             module = _parallelize_function(module)(
-                module, parallel_dims=self.dims, training=TrainingConfig(mixed_precision_param="float32"),
+                module, parallel_dims=self.dims, training=TrainingConfig(mixed_precision_param=setting.param_dtype),
                 parallelism=parallelism, compile_config=self.compile_config,
                 ac_config=_checkpointing(setting.checkpointing), dump_folder=dump)
         if ctx.backend == "gloo":
@@ -325,5 +339,8 @@ def _parallel_dims(parallelism: Any, world_size: int) -> Any:
 register_settings(
     [TorchtitanRecipe(dp, tp, sp, ac, False, backend) for backend in BACKENDS for dp, tp in ((2, 1), (1, 2), (2, 2))
      for sp in ((True, False) if tp > 1 else (True,)) for ac in CHECKPOINTING]
+    # torchtitan's default precision, where it applies (FSDP2's policy needs the data-parallel mesh)
+    + [TorchtitanRecipe(dp, tp, True, "none", False, backend, "bfloat16") for backend in BACKENDS
+       for dp, tp in ((2, 1), (2, 2))]
     + [CompiledTorchtitanRecipe(dp, tp, True, "selective") for dp, tp in ((2, 1), (1, 2), (2, 2))]
 )

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from difftest import UNIT_ROUNDOFF, Tolerance, register_settings
+from difftest import UNIT_ROUNDOFF, Tolerance, refuse_changed_hooks, register_settings
 from settings._torchrec_plan import SHARDING_TYPES
 from settings._torchrec_script import script_sharder
 from settings.torchrec_sharding import TorchRecSharding
+
+if TYPE_CHECKING:
+    from difftest import Script, StandaloneCase
 
 # (forward, backward) precisions of the embeddings' collectives, as QCommsConfig names them
 PRECISIONS = {"fp16-fp16": ("FP16", "FP16"), "fp16-fp32": ("FP16", "FP32")}
@@ -57,6 +60,11 @@ class TorchRecQComms(TorchRecSharding):
 
     def script_comms(self) -> tuple[str, str] | None:
         return PRECISIONS[self.comms]
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        # the script builds its sharder with `script_sharder`: a variant whose sharder differs is not what it runs
+        refuse_changed_hooks(self, TorchRecQComms, "sharder", "script_comms")
+        return super().standalone(case)
 
 
 # data-parallel tables send no embeddings through the codecs: `torchrec/ebc/data_parallel/*` judges them at fp32

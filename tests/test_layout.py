@@ -116,6 +116,10 @@ def test_a_failure_deep_in_torch_names_the_models_frame_that_reached_it() -> Non
                      "_a_models_layer_calls" and code.startswith("layer(torch.ones(2, 5))") and elided == "…"
     assert "torch/nn/modules/linear.py" in "\n".join(last) and last[-1].startswith("RuntimeError: ")
     assert innermost_library_frame(raised.stored()) == "torch/nn/modules/linear.py:forward"  # the signature's frame
+    # the calling frame is evidence, never the signature's: a raise in the standard library under a library's call
+    from_json = Failure("ValueError: bad", frames='File "/v/site-packages/torchrec/m.py", line 3, in f | decode(x) | … | '
+                        'File "/usr/lib/python3.11/json/decoder.py", line 5, in g | raise | ValueError: bad')
+    assert innermost_library_frame(from_json.stored()) == ""
     try:
         raise ValueError("raised here")
     except ValueError as exc:

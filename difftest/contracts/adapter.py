@@ -139,6 +139,9 @@ def loss_sums_over_the_batch(loss: Callable[[Any, Any], Any], prediction: Any, t
     """Whether `loss` on the whole batch is the sum of its losses on the two halves rather than their mean: a loss that
     sums makes every rank's gradient a sum over its share, so averaging them over N ranks (DDP, FSDP) or micro-batches
     gives 1/N of the one process's gradient. Undecided (False) when the halves' losses add up to about nothing."""
+    # in float64: a bf16 or fp16 model's losses would round the sum of the halves by more than the test's margin
+    prediction = prediction.double() if prediction.is_floating_point() else prediction
+    target = target.double() if target.is_floating_point() else target
     half = len(prediction) // 2
     whole, first, second = (float(loss(p, t)) for p, t in ((prediction, target), (prediction[:half], target[:half]),
                                                            (prediction[half:], target[half:])))

@@ -1,7 +1,7 @@
 """How a case failed, as the store keeps it: one line in its `message` column, written and read back only here.
 
-A raise is `<Type>: <message> || <frame> | <code> | …` (the innermost frame outside torch, `…`, then the traceback's
-last lines, joined on one line); a rank that
+A raise is `<Type>: <message> || <frame> | <code> | …` (the innermost frame outside torch and `…` where that frame
+is not among the traceback's last lines, then those lines, joined on one line); a rank that
 died, or a group that could not start, is `<what happened>; log: <the last lines of its log>`. `head` is what a person
 reads first and what a failure's signature is made of; `frames` and `log` are the evidence behind it.
 """
@@ -48,6 +48,11 @@ class Failure:
         head, _, log = head.partition(_LOG)
         return cls(head, frames, log[1:] if log.startswith(" ") else log)
 
+    @property
+    def last_frames(self) -> str:
+        """The traceback's last lines alone, without the calling frame kept before them."""
+        return self.frames.split(f" | {_ELIDED} | ", 1)[-1]
+
     def readable(self) -> str:
         """The line as a person reads it: the traceback's lines one per line again."""
         text = self.head + (f"{_LOG} {self.log}" if self.log else "")
@@ -64,14 +69,21 @@ def calling_frame(exc: BaseException) -> str:
     import sysconfig
     from pathlib import Path
 
-    torch = sys.modules.get("torch")
-    inside = [str(Path(sysconfig.get_paths()["stdlib"]).resolve())]
-    if torch is not None and (torch_file := getattr(torch, "__file__", None)):
-        inside.append(str(Path(torch_file).resolve().parent))
+    def root(path: str) -> str:
+        return str(Path(path).resolve()) + "/"
+
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    torch_root = root(str(Path(torch_file).parent)) if torch_file else None
+    paths = sysconfig.get_paths()
+    stdlib = root(paths["stdlib"])
+    # an interpreter without a virtualenv keeps its site-packages inside the standard library's folder
+    libraries = (root(paths["purelib"]), root(paths["platlib"]))
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         if frame.filename.startswith("<"):
             continue  # frozen imports, code compiled from a string
-        if not any(str(Path(frame.filename).resolve()).startswith(root + "/") for root in inside):
+        path = root(frame.filename)
+        in_stdlib = path.startswith(stdlib) and not path.startswith(libraries)
+        if not in_stdlib and not (torch_root is not None and path.startswith(torch_root)):
             line = (frame.line or "").strip()
             return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}' + (f" | {line}" if line else "")
     return ""

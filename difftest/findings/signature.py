@@ -61,8 +61,11 @@ def _readable_path(match: re.Match[str]) -> str:
 
 
 def innermost_library_frame(message: str) -> str:
-    """`torch/distributed/pipelining/schedules.py:_perform_action` for the deepest frame outside our code."""
-    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', str(message))
+    """`torch/distributed/pipelining/schedules.py:_perform_action` for the deepest frame outside our code, among the
+    traceback's last lines and the log (never the calling frame a stored raise keeps before them)."""
+    failure = Failure.parse(str(message))
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)',
+                        " ".join((failure.head, failure.last_frames, failure.log)))
     for path, function in reversed(frames):
         if "site-packages/" in path:
             return f"{path.split('site-packages/', 1)[1]}:{function}"

@@ -15,8 +15,8 @@ accelerator is found (`torchtitan.tools.utils.device_type`, copied into `torchti
 the mesh's device is set to the case's; FSDP2's gradient reduction is asked for a plain sum where the backend is gloo
 (torchtitan's divide factor becomes a `PREMUL_SUM`, which gloo lacks). What the recipe is run with: parameters in
 fp32 (`mixed_precision_param`; `/bf16` runs its default, bf16 parameters with fp32 gradient reduction, judged by the
-root's bf16 envelope), `/compile` compiling the model's blocks (not the loss). Gradient clipping, the learning-rate schedule and AdamW, which the trainer adds around the
-recipe, are not part of it (the `clip` family tests clipping).
+root's bf16 envelope), `/compile` compiling the model's blocks (not the loss). Gradient clipping, the learning-rate
+schedule and AdamW, which the trainer adds around the recipe, are not part of it (the `clip` family tests clipping).
 """
 
 from __future__ import annotations

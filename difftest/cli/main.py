@@ -250,12 +250,11 @@ def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int
     from difftest.contracts.spec import RunConfig
     from difftest.runner.sweep import plan_cases, run_sweep
 
+    _check_devices(device, backend, executor)  # before the libraries' imports: told in a second
+    _check_jobs(jobs, executor)
     load_plugins(RunConfig.load(out / "run.json").plugins + plugins)
     integrity.check_models(out)  # a damaged input never runs as a case
     integrity.check_store(out)  # nor is a damaged store taken for an empty one
-
-    _check_devices(device, backend, executor)
-    _check_jobs(jobs, executor)
     options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice, executor=executor or ExecutorConfig(), backend=backend)
     plan_cases(out, options)  # bad input fails here, before any progress bar or worker starts
     _SWEPT.append(out)  # what an interruption's line counts
@@ -458,14 +457,15 @@ def run(
     out = absolute(out)
     from difftest.contracts.registry import load_plugins, select_settings
 
+    # the options that need no registry first: a mistyped one is told in a second, not after the libraries' imports
+    where = _executor(executor, address, cpus_per_rank)
+    _check_devices(device, backend, where)
+    _check_jobs(jobs, where)
     plugins = tuple(plugin or ()) + ((model,) if model else ())
     load_plugins(plugins)
     if model:
         kind = _adapter_kind(model)
     select_settings(settings, tier)  # a glob that selects nothing fails before any model is written
-    where = _executor(executor, address, cpus_per_rank)
-    _check_devices(device, backend, where)
-    _check_jobs(jobs, where)
     count, models_of, which_wins = model_counts(models, models_of, kind, _default_job_models_of())
     if which_wins:
         console.print(which_wins, highlight=False)

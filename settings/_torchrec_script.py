@@ -142,11 +142,11 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     import torch.distributed as dist
 
     module = standalone_tables(case)
-    if "fused_sgd_lr" in case:  # the tables trained by fused SGD, as the setting shards them (a variable batch's
-        # output dist on the CPU, sharded without an optimizer fused in, fails on its own: "Split sizes doesn't match")
-        from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    # the tables trained by fused SGD at the run's learning rate, as the setting shards them (sharded without an
+    # optimizer fused in, a variable batch's output dist on the CPU fails on its own: "Split sizes doesn't match")
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-        apply_optimizer_in_backward(torch.optim.SGD, list(module.parameters()), {"lr": case["fused_sgd_lr"]})
+    apply_optimizer_in_backward(torch.optim.SGD, list(module.parameters()), {"lr": case["lr"]})
     dmp = sharded_tables(module, script_sharder(case), data, case, world_size)
     share = case["batch"] // world_size
     with torch.no_grad():

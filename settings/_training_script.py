@@ -32,8 +32,9 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     the setting's wrapper, each rank on its share of the batch; it compares the parameters after them.
     `setting_functions` are the setting's own, among them `distribute(module, group, device, setting)` (the
     module wrapped), `full_parameters(wrapped, read)` (every tensor `read(wrapped)` names, whole) and, where the steps
-    run inside a context, `stepping(module)`, or where a step takes its share's gradients otherwise than in one
-    backward pass, `backward_on_share(module, data, start, stop, dtype)`. `setting["data_parallel"]`: how many
+    run inside a context, `stepping(module)`, where a step takes its share's gradients otherwise than in one
+    backward pass, `backward_on_share(module, data, start, stop, dtype)`, or where the steps are not plain SGD,
+    `sgd_on_share(module, data, case, rank, world_size, dtype)`. `setting["data_parallel"]`: how many
     shares the batch is cut into (default: one per rank)."""
     from difftest import Script
 
@@ -51,8 +52,8 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
         preamble=model.preamble,
         case={**model.case, "setting": setting, "device": "cpu", "lr": case.lr, "steps": steps,
               "batch": train.size},
-        functions=(*model.functions, *setting_functions, to_numpy, sgd_on_share,
-                   *(f for f in (backward_on_share, stepping) if f.__name__ not in own),
+        functions=(*model.functions, *setting_functions, to_numpy,
+                   *(f for f in (sgd_on_share, backward_on_share, stepping) if f.__name__ not in own),
                    parameters_after, single_process, on_rank),
         tensors=tensors, data=model.data, world_size=world_size)
 

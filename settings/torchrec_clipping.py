@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest import Outputs, RunContext, Setting, Unsupported, record_training, register_settings, traits_of
-from settings._torchrec_plan import SHARDING_TYPES, embedding_collections
+from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, sharding_plan
 from settings._training import build_for_training, canonical_parameters
 from settings.gradient_clipping import MAX_NORM
 from settings.torchrec_optimizers import Optimizers, _is_table
@@ -68,8 +68,43 @@ class TorchRecClipping(TorchRecSharding):
             ctx.notes["total norm before clipping"] = f"{float(norm):.4g} (max_norm {MAX_NORM:g})"
 
     def standalone(self, case: Any) -> Any:
-        raise Unsupported("the TorchRec clipping family writes no standalone script (repro.py reproduces the case "
-                          "through difftest)")
+        """The whole model, its tables sharded under the case's plan and its other parameters clipped by
+        GradientClippingOptimizer, against clip_grad_norm_ in one process (settings/_torchrec_clip_script.py): the
+        parameters outside the tables after the steps, which the clipping scales."""
+        import dataclasses
+
+        from difftest import refuse_changed_hooks
+        from settings import _torchrec_clip_script as script
+        from settings._torchrec_plan import (
+            _generator,
+            _load_full_state,
+            _local_pieces,
+            _plan_helpers,
+            collection_tables,
+            table_configs,
+            table_kinds,
+        )
+        from settings._training_script import training_script
+
+        refuse_changed_hooks(self, TorchRecClipping, "dense_optimizer", "dense_step", "table_optimizer",
+                             "load_initial_state", "sharded_module", "trainer", "full_state")
+        if _is_table(case.first_divergence.partition("/")[2]):
+            raise Unsupported(f"it first diverges at a table ({case.first_divergence}), which the clipping leaves "
+                              "alone; the sharding family's script shows the tables")
+        tables = case.generator.embedding_tables(case.spec) or []
+        clipped = (f"every table {self.sharding}, fused with SGD, the other parameters clipped to {self.norm} "
+                   f"{MAX_NORM:g} by TorchRec's GradientClippingOptimizer before each step")
+        made = training_script(
+            case, f"TorchRec DistributedModelParallel over the whole model, {clipped}", self.world_size,
+            (embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
+             *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size), _local_pieces, _load_full_state,
+             _is_table, script.distribute, script.sgd_on_share, script.full_parameters),
+            {"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
+             "lr": case.lr}, libraries=("fbgemm-gpu", "fbgemm-gpu-cpu"))
+        return dataclasses.replace(
+            made, tensors={k: v for k, v in made.tensors.items() if not _is_table(k.partition("/")[2])},
+            preamble=(*made.preamble, "import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}",
+                      f"MAX_NORM = {MAX_NORM!r}", f"CLIP_NORM = {NORMS[self.norm]!r}"))
 
 
 @dataclass(frozen=True)

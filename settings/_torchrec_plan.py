@@ -35,6 +35,13 @@ def _plan_helpers(sharding: str, tables: list[Any], plan_seed: int, world_size: 
     return tuple(dict.fromkeys(h for kind in kinds for h in helpers.get(kind, ())))
 
 
+def plan_functions(sharding: str, tables: list[Any], plan_seed: int, world_size: int) -> tuple[Callable, ...]:
+    """What a script copies to build the case's plan (`sharding_plan` and what it calls, the helpers of the sharding
+    types this plan uses among them) and to load the initial weights into the shards (`_load_full_state`)."""
+    return (embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
+            *_plan_helpers(sharding, tables, plan_seed, world_size), _local_pieces, _load_full_state)
+
+
 def table_kinds(sharding: str, plan_seed: int, world_size: int, count: int) -> list[str]:
     """The sharding type of each of `count` tables, in plan order: `sharding`, or for "mixed" a seeded random one."""
     rng = random.Random(plan_seed * 1009 + world_size)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from difftest import Outputs, RunContext, Setting, Unsupported, record_training, register_settings, traits_of
-from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, sharding_plan
+from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, plan_functions
 from settings._training import build_for_training, canonical_parameters
 from settings.gradient_clipping import MAX_NORM
 from settings.torchrec_optimizers import Optimizers, _is_table
@@ -75,15 +75,6 @@ class TorchRecClipping(TorchRecSharding):
 
         from difftest import refuse_changed_hooks
         from settings import _torchrec_clip_script as script
-        from settings._torchrec_plan import (
-            _generator,
-            _load_full_state,
-            _local_pieces,
-            _plan_helpers,
-            collection_tables,
-            table_configs,
-            table_kinds,
-        )
         from settings._training_script import training_script
 
         refuse_changed_hooks(self, TorchRecClipping, "dense_optimizer", "dense_step", "table_optimizer",
@@ -96,9 +87,7 @@ class TorchRecClipping(TorchRecSharding):
                    f"{MAX_NORM:g} by TorchRec's GradientClippingOptimizer before each step")
         made = training_script(
             case, f"TorchRec DistributedModelParallel over the whole model, {clipped}", self.world_size,
-            (embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
-             *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size), _local_pieces, _load_full_state,
-             _is_table, script.distribute, script.sgd_on_share, script.full_parameters),
+            (*plan_functions(self.sharding, tables, self.plan_seed, self.world_size), _is_table, script.distribute, script.sgd_on_share, script.full_parameters),
             {"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
              "lr": case.lr}, libraries=("fbgemm-gpu", "fbgemm-gpu-cpu"))
         return dataclasses.replace(

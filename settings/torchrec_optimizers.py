@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest import Outputs, RunContext, Setting, record_training, register_settings, to_numpy, traits_of
-from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, gather_whole
+from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, gather_whole, plan_functions
 from settings._training import build_for_training, canonical_parameters, sgd_step
 from settings.torchrec_sharding import TorchRecSharding
 
@@ -124,16 +124,6 @@ class FusedOptimizerSharding(TorchRecSharding):
         loss is the tables' own, not the model's the envelope was measured on)."""
         from difftest import Script, Unsupported, refuse_changed_hooks
         from settings import _torchrec_optim_script as script
-        from settings._torchrec_plan import (
-            _generator,
-            _load_full_state,
-            _local_pieces,
-            _plan_helpers,
-            collection_tables,
-            sharding_plan,
-            table_configs,
-            table_kinds,
-        )
         from settings._torchrec_script import (
             bag_runs_kjt,
             embedding_script_data,
@@ -168,9 +158,7 @@ class FusedOptimizerSharding(TorchRecSharding):
             case={"sharding": self.sharding, "local_world_size": case.local_world_size, "device": "cpu",
                   "batch": case.inputs["eval"].size, "lr": case.lr, "optimizer": (spec.module, spec.cls),
                   "options": dict(spec.options), "tables": table_list},
-            functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
-                       *_plan_helpers(self.sharding, tables, 0, self.world_size), _local_pieces, _load_full_state,
-                       sharded_tables, standalone_tables, standalone_features, bag_runs_kjt, pooled_loss, script.table_optimizer,
+            functions=(*plan_functions(self.sharding, tables, 0, self.world_size), sharded_tables, standalone_tables, standalone_features, bag_runs_kjt, pooled_loss, script.table_optimizer,
                        script.single_process, script.on_rank),
             # named apart from the run's tensors: the envelope measured the model's loss, not the script's
             tensors={f"{t.state_key}": f"script/{t.state_key}" for t in tables}, data=data,

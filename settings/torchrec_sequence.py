@@ -35,15 +35,7 @@ from difftest import (
 )
 from settings._torchrec_plan import (
     SHARDING_TYPES,
-    _generator,
-    _load_full_state,
-    _local_pieces,
-    _plan_helpers,
-    collection_tables,
-    embedding_collections,
-    sharding_plan,
-    table_configs,
-    table_kinds,
+    plan_functions,
 )
 from settings._torchrec_script import sharded_tables
 from settings._torchrec_sequence_script import (
@@ -251,9 +243,7 @@ class SequenceSharding(HeldTablesSharding):
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "dedup": DEDUP[self.dedup], "local_world_size": case.local_world_size,
                   "device": "cpu", "batch": batch.size, "lr": case.lr, "groups": listed},
-            functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
-                       *_plan_helpers(self.sharding, tables, 0, self.world_size), _local_pieces, _load_full_state,
-                       sharded_tables, standalone_sequence_tables, standalone_sequence_features, _sequences, single_process, on_rank),
+            functions=(*plan_functions(self.sharding, tables, 0, self.world_size), sharded_tables, standalone_sequence_tables, standalone_sequence_features, _sequences, single_process, on_rank),
             tensors={f"seq.{f}": f"{EVAL_BEFORE}/seq.{f}" for f in features}, data=data, world_size=self.world_size)
 
 

@@ -33,18 +33,14 @@ from difftest import (
 from settings._torchrec_plan import (
     SHARDING_TYPES,
     _full_state,
-    _generator,
     _load_full_state,
-    _local_pieces,
-    _plan_helpers,
     _plan_summary,
-    collection_tables,
     embedding_collections,
     gather_whole,
+    plan_functions,
     plan_tables,
     sharding_plan,
     table_configs,
-    table_kinds,
 )
 from settings._torchrec_script import (
     _pooled,
@@ -265,9 +261,7 @@ class TorchRecSharding(Setting):
             case={"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
                   "device": "cpu", "batch": batch.size, "tables": table_list, "lr": case.lr,
                   **({"qcomms": comms} if comms else {}), **({"variable_batch": True} if variable_batch else {})},
-            functions=(embedding_collections, table_configs, collection_tables, table_kinds, sharding_plan, _generator,
-                       *_plan_helpers(self.sharding, tables, self.plan_seed, self.world_size),
-                       _local_pieces, _load_full_state, sharded_tables, standalone_tables, standalone_features, bag_runs_kjt, _pooled,
+            functions=(*plan_functions(self.sharding, tables, self.plan_seed, self.world_size), sharded_tables, standalone_tables, standalone_features, bag_runs_kjt, _pooled,
                        single_process, script_sharder, on_rank),
             tensors={name: recorded for recorded, name in pooled.items()},
             data=data, world_size=self.world_size)

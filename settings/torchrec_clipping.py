@@ -81,7 +81,7 @@ class TorchRecClipping(TorchRecSharding):
                              "load_initial_state", "sharded_module", "trainer", "full_state")
         if _is_table(case.first_divergence.partition("/")[2]):
             raise Unsupported(f"it first diverges at a table ({case.first_divergence}), which the clipping leaves "
-                              "alone; the sharding family's script shows the tables")
+                              "alone; the script compares the parameters it clips")
         tables = case.generator.embedding_tables(case.spec) or []
         clipped = (f"every table {self.sharding}, fused with SGD, the other parameters clipped to {self.norm} "
                    f"{MAX_NORM:g} by TorchRec's GradientClippingOptimizer before each step")

@@ -142,11 +142,16 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     import torch.distributed as dist
 
     module = standalone_tables(case)
-    # the tables trained by fused SGD at the run's learning rate, as the setting shards them (sharded without an
-    # optimizer fused in, a variable batch's output dist on the CPU fails on its own: "Split sizes doesn't match")
+    # the tables trained by fused SGD at the run's learning rate, a frozen one at 0, as the setting shards them
+    # (sharded without an optimizer fused in, a variable batch's output dist on the CPU fails on its own: "Split sizes
+    # doesn't match")
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    apply_optimizer_in_backward(torch.optim.SGD, list(module.parameters()), {"lr": case["lr"]})
+    frozen = set(case.get("frozen", ()))
+    for lr, tables in ((case["lr"], [p for n, p in module.named_parameters() if n not in frozen]),
+                       (0.0, [p for n, p in module.named_parameters() if n in frozen])):
+        if tables:
+            apply_optimizer_in_backward(torch.optim.SGD, tables, {"lr": lr})
     dmp = sharded_tables(module, script_sharder(case), data, case, world_size)
     share = case["batch"] // world_size
     with torch.no_grad():

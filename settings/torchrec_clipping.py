@@ -77,23 +77,27 @@ class TorchRecClipping(TorchRecSharding):
         from settings import _torchrec_clip_script as script
         from settings._training_script import training_script
 
-        refuse_changed_hooks(self, TorchRecClipping, "dense_optimizer", "dense_step", "table_optimizer",
-                             "load_initial_state", "sharded_module", "trainer", "full_state")
+        refuse_changed_hooks(self, TorchRecClipping, "dense_optimizer", "dense_step", "table_optimizer", "sharder",
+                             "_plan", "initial_state", "optimizer_state", "load_initial_state", "sharded_module",
+                             "trainer", "full_state")
         if _is_table(case.first_divergence.partition("/")[2]):
             raise Unsupported(f"it first diverges at a table ({case.first_divergence}), which the clipping leaves "
                               "alone; the script compares the parameters it clips")
-        tables = case.generator.embedding_tables(case.spec) or []
+        tables = case.generator.embedding_tables(case.spec)
+        if tables is None:
+            raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")
         clipped = (f"every table {self.sharding}, fused with SGD, the other parameters clipped to {self.norm} "
                    f"{MAX_NORM:g} by TorchRec's GradientClippingOptimizer before each step")
         made = training_script(
             case, f"TorchRec DistributedModelParallel over the whole model, {clipped}", self.world_size,
             (*plan_functions(self.sharding, tables, self.plan_seed, self.world_size), _is_table, script.distribute, script.sgd_on_share, script.full_parameters),
             {"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
-             "lr": case.lr}, libraries=("fbgemm-gpu", "fbgemm-gpu-cpu"))
+             "lr": case.lr}, libraries=("fbgemm-gpu",))
         return dataclasses.replace(
             made, tensors={k: v for k, v in made.tensors.items() if not _is_table(k.partition("/")[2])},
             preamble=(*made.preamble, "import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}",
-                      f"MAX_NORM = {MAX_NORM!r}", f"CLIP_NORM = {NORMS[self.norm]!r}"))
+                      f"MAX_NORM = {MAX_NORM!r}",
+                      f"CLIP_NORM = float({str(NORMS[self.norm])!r})"))  # repr(inf) is no Python name
 
 
 @dataclass(frozen=True)

@@ -260,6 +260,7 @@ class TorchRecSharding(Setting):
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
                   "device": "cpu", "batch": batch.size, "tables": table_list, "lr": case.lr,
+                  "frozen": sorted(t.state_key for t in tables if t.state_key in case.spec.frozen),
                   **({"qcomms": comms} if comms else {}), **({"variable_batch": True} if variable_batch else {})},
             functions=(*plan_functions(self.sharding, tables, self.plan_seed, self.world_size), sharded_tables, standalone_tables, standalone_features, bag_runs_kjt, _pooled,
                        single_process, script_sharder, on_rank),

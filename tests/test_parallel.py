@@ -498,22 +498,25 @@ def test_torchrecs_clipping_optimizer_clips_the_dense_gradients_as_clip_grad_nor
     norms = [float(n) for n in re.findall(r"total norm before clipping: ([0-9.e+-]+)", " ".join(notes))]
     assert norms and min(norms) > MAX_NORM, norms
     # its script: the whole model sharded, TorchRec's clipping optimizer on the ranks against clip_grad_norm_ in one
-    # process; it agrees (exit 0), and a clipping optimizer that clips to twice the bound disagrees (exit 1)
+    # process; it agrees (exit 0: both norms, data-parallel tables beside the clipped optimizer, 4 ranks), and a
+    # clipping optimizer that clips to twice the bound disagrees (exit 1)
     from difftest.contracts.tolerance import Tolerance
     from difftest.judging.analysis import envelope_spread
     from difftest.scripts.check import check_script
     from difftest.scripts.write import emit
 
-    setting = "torchrec-clip/norm2/table_wise/ws2"
-    emitted = emit(run_dir, "C0", "a TorchRec clipping finding", "inconsistent", run_dir / "models" / "dlrm-s0-i0",
-                   setting, "param_after_step1/over.0.weight", envelope_spread(run_dir, "dlrm-s0-i0", setting),
-                   Tolerance(), check_timeout_s=120)
-    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
-    assert emitted.checked.exit_code == 0 and "what rounding explains" in emitted.checked.output, \
-        emitted.checked.output[-3000:]
-    text = emitted.path.read_text()
-    assert "GradientClippingOptimizer(" in text and "clip_grad_norm_(" in text and "import difftest" not in text
-    assert "embedding_bags" not in "".join(re.findall(r"TENSORS = .*", text))  # the tables are not the clipping's
+    for number, setting in enumerate(("torchrec-clip/norminf/column_wise/ws4", "torchrec-clip/norm2/data_parallel/ws2",
+                                      "torchrec-clip/norm2/table_wise/ws2")):
+        emitted = emit(run_dir, f"C{number}", "a TorchRec clipping finding", "inconsistent",
+                       run_dir / "models" / "dlrm-s0-i0", setting, "param_after_step1/over.0.weight",
+                       envelope_spread(run_dir, "dlrm-s0-i0", setting), Tolerance(), check_timeout_s=120)
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        assert emitted.checked.exit_code == 0 and "what rounding explains" in emitted.checked.output, \
+            (setting, emitted.checked.output[-3000:])
+        text = emitted.path.read_text()
+        assert "GradientClippingOptimizer(" in text and "clip_grad_norm_(" in text and "import difftest" not in text
+        compared = "".join(re.findall(r"TENSORS = .*", text))
+        assert "over.0.weight" in compared and "embedding_bags" not in compared  # the tables are not the clipping's
     bound = "max_gradient=MAX_NORM"
     assert text.count(bound) == 1
     emitted.path.write_text(text.replace(bound, "max_gradient=2 * MAX_NORM"))

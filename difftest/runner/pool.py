@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import multiprocessing as mp
 import os
 import re
@@ -67,6 +68,9 @@ class GroupStartError(RuntimeError):
 class GroupBroken(RuntimeError):
     """The ranks could not open a fresh world for the next case: the group must be replaced, and the case
     it was about to run goes to the new group (it never started, so it is not a finding)."""
+
+
+_GROUPS_MADE = itertools.count()  # in this process: with its pid, each group's own log files
 
 
 def _tail(path: Path, lines: int = 6) -> str:
@@ -158,7 +162,9 @@ class WorkerGroup:
     ) -> None:
         self.world_size = world_size
         log_dir.mkdir(parents=True, exist_ok=True)
-        stamp = f"{time.strftime('%H%M%S')}-{id(self) % 10000}"
+        # the process and its count of groups, not id(self): a group made in the same second at a freed one's address
+        # (or in a Ray host process laid out as another) took its log file, and a timeout quoted both groups' lines
+        stamp = f"{time.strftime('%H%M%S')}-{os.getpid()}-{next(_GROUPS_MADE)}"
         self.log_paths = [log_dir / f"ws{world_size}-{stamp}-rank{r}.log" for r in range(world_size)]
         if local_world_size is None:
             local_world_size = simulated_local_size(world_size)

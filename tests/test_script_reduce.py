@@ -390,3 +390,46 @@ def test_each_copy_of_a_repeated_statement_is_its_own_candidate_and_an_elif_is_n
     assert sum(key.startswith("delete\n    wait()") for key in keys) == 2
     assert not any(key.startswith(("unwrap\n    elif", "unwrap\n    if x:")) for key in keys)  # an `if` with an `elif`
     assert any(key.startswith("delete\n        b()") for key in keys)
+
+
+def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the_last_word(tmp_path: Path) -> None:
+    """A run's checks trace torch-stack scripts in forks of servers that imported their libraries once
+    (`TraceServers`): the same output and executed lines as a fresh traced run; a script of other libraries is left to
+    a fresh run; and what a finding records is a fresh interpreter's verdict, even where the fork showed the bug."""
+    from difftest.scripts.write import Emitted, TraceServers, _check
+
+    folder = tmp_path / "finding"
+    folder.mkdir()
+    script = folder / "standalone.py"
+    script.write_text(SCRIPT)
+    servers = TraceServers()
+    try:
+        forked = servers.trace(script, 60, niceness=0)
+        assert forked is not None
+        fresh = traced_check(script, 60)
+        assert forked[0].exit_code == fresh[0].exit_code == 1 and same_bug(fresh[0].output, forked[0].output)
+        assert forked[1] == fresh[1]
+        other = folder.parent / "other" / "standalone.py"
+        other.parent.mkdir()
+        other.write_text("import tensorflow\n" + SCRIPT)
+        assert servers.trace(other, 60, niceness=0) is None  # not a library to fork after
+
+        # the bug shows only where numpy was imported before the script's own import: in the server's fork
+        only_in_a_fork = folder.parent / "fork" / "standalone.py"
+        only_in_a_fork.parent.mkdir()
+        only_in_a_fork.write_text(SCRIPT.replace("import json\n", "import json\nFORKED = 'numpy' in sys.modules\nimport numpy\n")
+                                  .replace('    print("BUG PRESENT: yes")\n    return 1',
+                                           '    if not FORKED:\n        print("ok")\n        return 0\n'
+                                           '    print("BUG PRESENT: yes")\n    return 1'))
+        assert "if not FORKED" in only_in_a_fork.read_text()
+        assert servers.trace(only_in_a_fork, 60, niceness=0)[0].reproduces  # type: ignore[index]
+        done = _check(Emitted("F1", "family", only_in_a_fork), 60, servers=servers)
+        assert done.checked is not None and done.checked.exit_code == 0 and "ok" in done.checked.output
+        assert done.reduction is not None and not done.reduction.kept
+        assert only_in_a_fork.read_text() == only_in_a_fork.with_name("standalone.full.py").read_text()
+        # and where the fork and a fresh run agree, the reduced script is kept, its fresh check standing for it
+        done = _check(Emitted("F2", "family", script), 60, servers=servers)
+        assert done.checked is not None and done.checked.reproduces and done.reduction is not None
+        assert done.reduction.kept and "never_called" not in script.read_text()
+    finally:
+        servers.close()

@@ -31,36 +31,49 @@ if TYPE_CHECKING:
 SHARED_MARKER = "# --- the rest is what every difftest script shares"
 FULL_FILE = "standalone.full.py"
 
-# Run as `python tracer.py SCRIPT OUT`: SCRIPT as __main__, each line of it the first time this process or a process
-# forked from it executes it appended to OUT/<pid>.lines at once, unbuffered (a rank killed by a signal has written
-# every line it ran). Only the standard library: it runs where the script runs, sealed as a check is.
-_TRACER = '''
-import os, runpy, sys, threading
+# Defines `trace_into(script, out)`: from then on each line of `script` the first time this process or a process forked
+# from it executes it is appended to out/<pid>.lines at once, unbuffered (a rank killed by a signal has written every
+# line it ran). Only the standard library: it runs where the script runs, sealed as a check is (`_TRACER`, and the
+# fork server of `difftest.scripts.shrink`).
+TRACE_FUNCTIONS = '''
+import os, sys, threading
+
+def trace_into(script, out):
+    seen, files = set(), {}
+
+    def record(line):
+        pid = os.getpid()
+        if pid not in files:  # a fork: what the parent saw is in the parent's file
+            files.clear()
+            files[pid] = os.open(os.path.join(out, f"{pid}.lines"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.write(files[pid], f"{line} ".encode())
+
+    def local(frame, event, arg):
+        if event == "line" and (os.getpid(), frame.f_lineno) not in seen:
+            seen.add((os.getpid(), frame.f_lineno))
+            record(frame.f_lineno)
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename == script else None
+
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+'''
+# Run as `python tracer.py SCRIPT OUT`: SCRIPT as __main__, traced into OUT.
+_TRACER = TRACE_FUNCTIONS + '''
+import runpy
 
 script, out = os.path.abspath(sys.argv[1]), sys.argv[2]
-seen, files = set(), {}
-
-def record(line):
-    pid = os.getpid()
-    if pid not in files:  # a fork: what the parent saw is in the parent's file
-        files.clear()
-        files[pid] = os.open(os.path.join(out, f"{pid}.lines"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.write(files[pid], f"{line} ".encode())
-
-def local(frame, event, arg):
-    if event == "line" and (os.getpid(), frame.f_lineno) not in seen:
-        seen.add((os.getpid(), frame.f_lineno))
-        record(frame.f_lineno)
-    return local
-
-def tracer(frame, event, arg):
-    return local if frame.f_code.co_filename == script else None
-
-sys.settrace(tracer)
-threading.settrace(tracer)
+trace_into(script, out)
 sys.argv = [script]
 runpy.run_path(script, run_name="__main__")
 '''
+
+
+def traced_lines(folder: Path) -> set[int]:
+    """The lines `trace_into(script, folder)` recorded, over every process."""
+    return {int(n) for dump in folder.glob("*.lines") for n in dump.read_text().split()}
 
 
 @dataclass(frozen=True)
@@ -97,7 +110,7 @@ def traced_check(script: Path, timeout_s: float, env: dict[str, str] | None = No
         tracer.write_text(_TRACER)
         checked = check_script(script, timeout_s, env=env, niceness=niceness, runner=[str(tracer)],
                                arguments=[folder])
-        lines = {int(n) for dump in Path(folder).glob("*.lines") for n in dump.read_text().split()}
+        lines = traced_lines(Path(folder))
     return checked, lines
 
 

@@ -32,26 +32,43 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from difftest.scripts.reduce import SHARED_MARKER, Reduction, drop_unused, reduce_script, same_bug, tidy
+from difftest.scripts.reduce import (
+    SHARED_MARKER,
+    TRACE_FUNCTIONS,
+    Reduction,
+    drop_unused,
+    reduce_script,
+    same_bug,
+    tidy,
+    traced_lines,
+)
 from difftest.scripts.syntax import parse
 
 if TYPE_CHECKING:
     from difftest.scripts.check import Checked
 
 # Run as `python server.py MODULE...`: imports them, says it is ready, then for each request line (JSON: script, out,
-# seconds: its time limit) forks a child that runs the script as `python script` would and answers with its exit
-# code. Only the standard library: it runs sealed, where difftest does not import.
-_SERVER = '''
-import importlib, json, os, runpy, signal, sys, time, traceback
+# seconds: its time limit; optionally imports: more modules to import first, once; cwd: the folder to run it from;
+# niceness: a lower priority for it; trace: a folder to trace it into, `trace_into`) forks a child that runs the
+# script as `python script` would and answers with its exit code. Only the standard library: it runs sealed, where
+# difftest does not import.
+_SERVER = TRACE_FUNCTIONS + '''
+import importlib, json, runpy, signal, time, traceback
 
-for name in sys.argv[1:]:  # what every trial would import again: once here
-    try:
-        importlib.import_module(name)
-    except Exception:  # a release without it: the script says what it does then
-        pass
+def load(names):
+    for name in names:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # a release without it: the script says what it does then
+            pass
+
+load(sys.argv[1:])  # what every trial would import again: once here
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     request = json.loads(line)
+    load(request.get("imports", ()))
     started = time.perf_counter()
     pid = os.fork()
     if pid == 0:
@@ -59,6 +76,12 @@ for line in sys.stdin:
         out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(out, 1)
         os.dup2(out, 2)
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+        if request.get("niceness"):
+            os.nice(request["niceness"])
+        if request.get("trace"):
+            trace_into(request["script"], request["trace"])
         sys.argv = [request["script"]]
         code = 0
         try:
@@ -104,19 +127,23 @@ class Shrinking:
     seconds: float
 
 
+def script_modules(source: str) -> list[str]:
+    """The modules a script imports at its top and has its ranks import (`RANK_IMPORTS`), numpy and torch first."""
+    found = _RANK_IMPORTS.search(source)
+    return list(dict.fromkeys(["numpy", "torch", *(ast.literal_eval(found.group(1)) if found else ()),
+                               *(m for m in _TOP_IMPORTS.findall(source) if m != "__future__")]))
+
+
 class TrialServer:
-    """A fork server for one script's trials (`_SERVER`), in the script's folder, with the script's environment."""
+    """A fork server for scripts' trials and traced runs (`_SERVER`), with the scripts' environment: it imports the
+    first script's libraries at once, another script's it lacks before that script's first run."""
 
     def __init__(self, script: Path, env: dict[str, str] | None, niceness: int = 0) -> None:
-        source = script.read_text()
-        found = _RANK_IMPORTS.search(source)
-        modules = ["numpy", "torch", *(ast.literal_eval(found.group(1)) if found else ()),
-                   *(m for m in _TOP_IMPORTS.findall(source) if m != "__future__")]
         self._folder = tempfile.TemporaryDirectory(prefix="difftest-trials-")
         server = Path(self._folder.name) / "server.py"
         server.write_text(_SERVER)
         command = ([] if not niceness else ["nice", "-n", str(niceness)]) + [sys.executable, str(server),
-                                                                            *dict.fromkeys(modules)]
+                                                                            *script_modules(script.read_text())]
         self._process = subprocess.Popen(command, cwd=script.parent.parent, env=env, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         ready = self._process.stdout.readline() if self._process.stdout else ""
@@ -124,16 +151,31 @@ class TrialServer:
             self.close()
             raise RuntimeError("the trial server did not start")
 
-    def run(self, script: Path, timeout_s: float) -> tuple[int, str]:
-        """The script's exit code and output, run as `python script` runs it."""
+    def run(self, script: Path, timeout_s: float, **request: object) -> tuple[int, str]:
+        """The script's exit code and output, run as `python script` runs it (`request`: what else `_SERVER` takes)."""
         assert self._process.stdin is not None and self._process.stdout is not None
         out = Path(self._folder.name) / "out.txt"
-        self._process.stdin.write(json.dumps({"script": str(script), "out": str(out), "seconds": timeout_s}) + "\n")
+        self._process.stdin.write(json.dumps({"script": str(script), "out": str(out), "seconds": timeout_s,
+                                              **request}) + "\n")
         self._process.stdin.flush()
         reply = self._process.stdout.readline()
         if not reply:
             raise RuntimeError("the trial server stopped")
         return int(json.loads(reply)["code"]), out.read_text(errors="replace").strip()
+
+    def trace(self, script: Path, timeout_s: float, niceness: int = 0) -> tuple[Checked, set[int]]:
+        """What `difftest.scripts.reduce.traced_check` gives of a fresh interpreter, from a fork of this one: the
+        script run from the folder above its own, its libraries imported once for every script this server runs."""
+        from difftest.scripts.check import Checked
+
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="difftest-trace-") as folder:
+            code, output = self.run(script, timeout_s, imports=script_modules(script.read_text()),
+                                    cwd=str(script.parent.parent), niceness=niceness, trace=folder)
+            lines = traced_lines(Path(folder))
+        if code == 124:
+            output = f"timed out after {timeout_s:.0f} s: {output}"
+        return Checked(code, time.perf_counter() - started, output), lines
 
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):

@@ -140,11 +140,15 @@ def _record(folder: Path, emitted: Emitted) -> None:
     (folder / STANDALONE_VERDICT_FILE).write_text(text)
 
 
-def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: float = 0.0) -> Emitted:
+def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: float = 0.0,
+           servers: TraceServers | None = None) -> Emitted:
     """Run a written script once, sealed and traced, and where it reproduces reduce it to what its case runs
-    (`difftest.scripts.reduce`, checked again); record what the script now in place printed."""
+    (`difftest.scripts.reduce`, checked again); record what the script now in place printed. With `servers`, a script
+    of the torch stack is traced in a fork of a server that imported its libraries once (`TraceServers`), and what
+    stands for it is a fresh interpreter's run all the same: the reduced script's check, else the whole one's."""
     import dataclasses
 
+    from difftest.scripts.check import check_script
     from difftest.scripts.reduce import traced_check
     from difftest.scripts.shrink import reduce_and_shrink
 
@@ -156,11 +160,17 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
         return reused
     env = sealed_environment(e.path.parent / ".sealed")
     try:
-        checked, executed = traced_check(e.path, timeout_s, env, niceness)
+        forked = servers.trace(e.path, timeout_s, niceness) if servers is not None else None
         reduction = None
-        if checked.reproduces:
-            reduction, checked = reduce_and_shrink(e.path, checked, executed, timeout_s, env, niceness,
-                                                   shrink_budget_s)
+        if forked is not None and forked[0].reproduces:
+            reduction, checked = reduce_and_shrink(e.path, *forked, timeout_s, env, niceness, shrink_budget_s)
+            if not reduction.kept:  # no fresh run of the script in place yet
+                checked = check_script(e.path, timeout_s, env=env, niceness=niceness)
+        else:  # a fork's agreement, failure or silence is told by a fresh run, as a maintainer would see it
+            checked, executed = traced_check(e.path, timeout_s, env, niceness)
+            if checked.reproduces:
+                reduction, checked = reduce_and_shrink(e.path, checked, executed, timeout_s, env, niceness,
+                                                       shrink_budget_s)
     except Exception as exc:  # checking one script failed in difftest's own code: that finding says so, the run goes on
         done = dataclasses.replace(e, defect=True, why_not=f"{OUR_DEFECT}{type(exc).__name__}: {exc}")
         _record(e.path.parent, done)
@@ -170,6 +180,58 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
     if checked.exit_code in (0, 1):  # an answer (not a timeout, not a script that could not run) is worth keeping
         _keep_check(done, key)
     return done
+
+
+# the libraries a script's traced run may import in a shared fork server: the torch stack's, which start no thread
+# on import (a fork after TensorFlow's import is not safe), and the standard library
+FORKABLE = ("numpy", "torch", "torchrec", "fbgemm_gpu")
+
+
+class TraceServers:
+    """Fork servers (`difftest.scripts.shrink.TrialServer`) shared by a run's checks, one per check running at once,
+    sealed as a check is: a script's traced run costs what it computes, not the seconds its libraries' import takes
+    (TorchRec's: 3 of a TorchRec script's 6 s), which each server pays once for every script it runs."""
+
+    def __init__(self) -> None:
+        import tempfile
+        import threading
+
+        self._idle: list[Any] = []
+        self._lock = threading.Lock()
+        self._folder = tempfile.TemporaryDirectory(prefix="difftest-trace-servers-")
+        self._env = sealed_environment(Path(self._folder.name))
+        self._broken = False
+
+    def trace(self, script: Path, timeout_s: float, niceness: int) -> tuple[Checked, set[int]] | None:
+        """The script's traced run in a fork, or None where its libraries are not all forkable (or no server runs)."""
+        import sys
+
+        from difftest.scripts.shrink import TrialServer, script_modules
+
+        modules = script_modules(script.read_text())
+        if self._broken or not all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names
+                                   for m in modules):
+            return None
+        with self._lock:
+            server = self._idle.pop() if self._idle else None
+        try:
+            server = server or TrialServer(script, self._env)
+            traced = server.trace(script, timeout_s, niceness)
+        except RuntimeError:  # it did not start, or stopped: fresh runs from here on
+            self._broken = True
+            if server is not None:
+                server.close()
+            return None
+        with self._lock:
+            self._idle.append(server)
+        return traced
+
+    def close(self) -> None:
+        with self._lock:
+            for server in self._idle:
+                server.close()
+            self._idle.clear()
+        self._folder.cleanup()
 
 
 # what checking a finding's script gave, kept beside it: a rerun that writes the same script, on the same data and
@@ -237,13 +299,15 @@ def _keep_check(done: Emitted, key: str) -> None:
     done.path.with_name(CHECK_RECORD).write_text(json.dumps(record))
 
 
-def _check_all(emitted: list[Emitted], timeout_s: float, shrink_budget_s: float = 0.0) -> list[Emitted]:
+def _check_all(emitted: list[Emitted], timeout_s: float, shrink_budget_s: float = 0.0,
+               servers: TraceServers | None = None) -> list[Emitted]:
     """Run every written script once, as many at a time as the machine has cores (a script is mostly its libraries'
-    import and a rank or two: it waits more than it computes)."""
+    import and a rank or two: it waits more than it computes); several share `servers` for their traced runs."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=machine_ranks()) as pool:
-        return list(pool.map(lambda e: _check(e, timeout_s, shrink_budget_s=shrink_budget_s), emitted))
+        return list(pool.map(lambda e: _check(e, timeout_s, shrink_budget_s=shrink_budget_s, servers=servers),
+                             emitted))
 
 
 class StandaloneScripts:
@@ -264,6 +328,7 @@ class StandaloneScripts:
         self._run_dir, self._findings, self._tolerance = run_dir, findings, tolerance
         self._check_timeout_s, self._shrink_budget_s = check_timeout_s, shrink_budget_s
         self._background = ThreadPoolExecutor(max_workers=machine_ranks())
+        self._servers = TraceServers() if check_timeout_s > 0 else None
         self._written: dict[str, Emitted] = {}
         self._checks: dict[str, Future[Emitted]] = {}
 
@@ -274,7 +339,8 @@ class StandaloneScripts:
         self._written[finding.id] = written = self._emit(finding, m)
         if self._check_timeout_s > 0 and written.path is not None:
             self._checks[finding.id] = self._background.submit(_check, written, self._check_timeout_s,
-                                                               BACKGROUND_NICENESS, self._shrink_budget_s)
+                                                               BACKGROUND_NICENESS, self._shrink_budget_s,
+                                                               self._servers)
 
     def finish(self, minimised: list[Minimisation]) -> list[Emitted]:
         """Every finding's script, in the order of the findings, once each has been written and run."""
@@ -286,10 +352,14 @@ class StandaloneScripts:
         unstarted = [e for e in self._written.values() if e.finding_id not in self._checks
                      or self._checks[e.finding_id].cancel()]
         self._background.shutdown(wait=False)
-        checked = _check_all(unstarted, self._check_timeout_s, self._shrink_budget_s) if self._check_timeout_s > 0 \
-            else unstarted
-        done = {e.finding_id: e for e in checked}
-        return [done[f.id] if f.id in done else self._checks[f.id].result() for f in self._findings]
+        try:
+            checked = _check_all(unstarted, self._check_timeout_s, self._shrink_budget_s, self._servers) \
+                if self._check_timeout_s > 0 else unstarted
+            done = {e.finding_id: e for e in checked}
+            return [done[f.id] if f.id in done else self._checks[f.id].result() for f in self._findings]
+        finally:
+            if self._servers is not None:
+                self._servers.close()
 
     def _emit(self, f: Finding, m: Minimisation | None) -> Emitted:
         from difftest.judging.analysis import envelope_spread

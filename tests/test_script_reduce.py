@@ -404,7 +404,7 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
     script.write_text(SCRIPT)
     servers = TraceServers()
     try:
-        forked = servers.trace(script, 60, niceness=0)
+        forked = servers.trace(script, 60)
         assert forked is not None
         fresh = traced_check(script, 60)
         assert forked[0].exit_code == fresh[0].exit_code == 1 and same_bug(fresh[0].output, forked[0].output)
@@ -412,7 +412,7 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
         other = folder.parent / "other" / "standalone.py"
         other.parent.mkdir()
         other.write_text("import tensorflow\n" + SCRIPT)
-        assert servers.trace(other, 60, niceness=0) is None  # not a library to fork after
+        assert servers.trace(other, 60) is None  # not a library to fork after
 
         # the bug shows only where numpy was imported before the script's own import: in the server's fork
         only_in_a_fork = folder.parent / "fork" / "standalone.py"
@@ -422,7 +422,7 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
                                            '    if not FORKED:\n        print("ok")\n        return 0\n'
                                            '    print("BUG PRESENT: yes")\n    return 1'))
         assert "if not FORKED" in only_in_a_fork.read_text()
-        assert servers.trace(only_in_a_fork, 60, niceness=0)[0].reproduces  # type: ignore[index]
+        assert servers.trace(only_in_a_fork, 60)[0].reproduces  # type: ignore[index]
         done = _check(Emitted("F1", "family", only_in_a_fork), 60, servers=servers)
         assert done.checked is not None and done.checked.exit_code == 0 and "ok" in done.checked.output
         assert done.reduction is not None and not done.reduction.kept

@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
 # Run as `python server.py MODULE...`: imports them, says it is ready, then for each request line (JSON: script, out,
 # seconds: its time limit; optionally imports: more modules to import first, once; cwd: the folder to run it from;
-# niceness: a lower priority for it; trace: a folder to trace it into, `trace_into`) forks a child that runs the
-# script as `python script` would and answers with its exit code. Only the standard library: it runs sealed, where
+# trace: a folder to trace it into, `trace_into`) forks a child that runs the script as `python script` would and
+# answers with its exit code. Only the standard library: it runs sealed, where
 # difftest does not import.
 _SERVER = TRACE_FUNCTIONS + '''
 import importlib, json, runpy, signal, time, traceback
@@ -78,8 +78,6 @@ for line in sys.stdin:
         os.dup2(out, 2)
         if request.get("cwd"):
             os.chdir(request["cwd"])
-        if request.get("niceness"):
-            os.nice(request["niceness"])
         if request.get("trace"):
             trace_into(request["script"], request["trace"])
         sys.argv = [request["script"]]
@@ -163,7 +161,7 @@ class TrialServer:
             raise RuntimeError("the trial server stopped")
         return int(json.loads(reply)["code"]), out.read_text(errors="replace").strip()
 
-    def trace(self, script: Path, timeout_s: float, niceness: int = 0) -> tuple[Checked, set[int]]:
+    def trace(self, script: Path, timeout_s: float) -> tuple[Checked, set[int]]:
         """What `difftest.scripts.reduce.traced_check` gives of a fresh interpreter, from a fork of this one: the
         script run from the folder above its own, its libraries imported once for every script this server runs."""
         from difftest.scripts.check import Checked
@@ -171,7 +169,7 @@ class TrialServer:
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="difftest-trace-") as folder:
             code, output = self.run(script, timeout_s, imports=script_modules(script.read_text()),
-                                    cwd=str(script.parent.parent), niceness=niceness, trace=folder)
+                                    cwd=str(script.parent.parent), trace=folder)
             lines = traced_lines(Path(folder))
         if code == 124:
             output = f"timed out after {timeout_s:.0f} s: {output}"

@@ -160,7 +160,7 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
         return reused
     env = sealed_environment(e.path.parent / ".sealed")
     try:
-        forked = servers.trace(e.path, timeout_s, niceness) if servers is not None else None
+        forked = servers.trace(e.path, timeout_s) if servers is not None else None
         reduction = None
         if forked is not None and forked[0].reproduces:
             reduction, checked = reduce_and_shrink(e.path, *forked, timeout_s, env, niceness, shrink_budget_s)
@@ -192,17 +192,18 @@ class TraceServers:
     sealed as a check is: a script's traced run costs what it computes, not the seconds its libraries' import takes
     (TorchRec's: 3 of a TorchRec script's 6 s), which each server pays once for every script it runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, niceness: int = 0) -> None:
         import tempfile
         import threading
 
+        self._niceness = niceness  # the servers', so their imports too: those of a run's scripts yield to its trials
         self._idle: list[Any] = []
         self._lock = threading.Lock()
         self._folder = tempfile.TemporaryDirectory(prefix="difftest-trace-servers-")
         self._env = sealed_environment(Path(self._folder.name))
         self._broken = False
 
-    def trace(self, script: Path, timeout_s: float, niceness: int) -> tuple[Checked, set[int]] | None:
+    def trace(self, script: Path, timeout_s: float) -> tuple[Checked, set[int]] | None:
         """The script's traced run in a fork, or None where its libraries are not all forkable (or no server runs)."""
         import sys
 
@@ -215,8 +216,8 @@ class TraceServers:
         with self._lock:
             server = self._idle.pop() if self._idle else None
         try:
-            server = server or TrialServer(script, self._env)
-            traced = server.trace(script, timeout_s, niceness)
+            server = server or TrialServer(script, self._env, self._niceness)
+            traced = server.trace(script, timeout_s)
         except RuntimeError:  # it did not start, or stopped: fresh runs from here on
             self._broken = True
             if server is not None:
@@ -328,7 +329,8 @@ class StandaloneScripts:
         self._run_dir, self._findings, self._tolerance = run_dir, findings, tolerance
         self._check_timeout_s, self._shrink_budget_s = check_timeout_s, shrink_budget_s
         self._background = ThreadPoolExecutor(max_workers=machine_ranks())
-        self._servers = TraceServers() if check_timeout_s > 0 else None
+        # at the background checks' priority: what the servers run after the minimiser is done has the cores alone
+        self._servers = TraceServers(BACKGROUND_NICENESS) if check_timeout_s > 0 else None
         self._written: dict[str, Emitted] = {}
         self._checks: dict[str, Future[Emitted]] = {}
 

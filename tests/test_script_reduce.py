@@ -417,7 +417,8 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
         # the bug shows only where numpy was imported before the script's own import: in the server's fork
         only_in_a_fork = folder.parent / "fork" / "standalone.py"
         only_in_a_fork.parent.mkdir()
-        only_in_a_fork.write_text(SCRIPT.replace("import json\n", "import json\nFORKED = 'numpy' in sys.modules\nimport numpy\n")
+        forked_line = "import json\nFORKED = 'numpy' in sys.modules\nimport numpy\n"
+        only_in_a_fork.write_text(SCRIPT.replace("import json\n", forked_line)
                                   .replace('    print("BUG PRESENT: yes")\n    return 1',
                                            '    if not FORKED:\n        print("ok")\n        return 0\n'
                                            '    print("BUG PRESENT: yes")\n    return 1'))
@@ -426,10 +427,21 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
         done = _check(Emitted("F1", "family", only_in_a_fork), 60, servers=servers)
         assert done.checked is not None and done.checked.exit_code == 0 and "ok" in done.checked.output
         assert done.reduction is not None and not done.reduction.kept
+        assert done.reduction.why_not.startswith("the reduced script did not show the same bug")
         assert only_in_a_fork.read_text() == only_in_a_fork.with_name("standalone.full.py").read_text()
         # and where the fork and a fresh run agree, the reduced script is kept, its fresh check standing for it
         done = _check(Emitted("F2", "family", script), 60, servers=servers)
         assert done.checked is not None and done.checked.reproduces and done.reduction is not None
         assert done.reduction.kept and "never_called" not in script.read_text()
+        # a server that stops ends forking for the run: its scripts then run fresh, as they do without servers
+        assert len(servers._idle) == 1
+        servers._idle[0]._process.kill()
+        again = folder.parent / "again" / "standalone.py"
+        again.parent.mkdir()
+        again.write_text(SCRIPT)
+        assert servers.trace(again, 60) is None and servers.trace(again, 60) is None
+        done = _check(Emitted("F3", "family", again), 60, servers=servers)
+        assert done.checked is not None and done.checked.reproduces and not done.defect
+        assert done.reduction is not None and done.reduction.kept
     finally:
         servers.close()

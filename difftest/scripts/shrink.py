@@ -12,7 +12,8 @@ definition (the docstring, imports, constants).
 
 Trials run in a fork server that has imported the script's libraries once (`_SERVER`): a trial costs what its ranks
 compute, a fraction of a second on the findings' small cases, not the seconds TorchRec's import takes; the script is
-run in a forked child exactly as `python standalone.py` would run it (as `__main__`, its own folder beside its data).
+run in a forked child as `__main__`, its own folder beside its data, as `python standalone.py` would run it but in the
+state the server left (what it imported, its `sys.path`): one fresh check decides what is kept.
 """
 
 from __future__ import annotations
@@ -64,8 +65,15 @@ def load(names):
         except Exception:  # a release without it: the script says what it does then
             pass
 
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # what a library prints on import goes where its warnings go, never into the replies
+
+def answer(message):
+    replies.write(json.dumps(message) + "\\n")
+    replies.flush()
+
 load(sys.argv[1:])  # what every trial would import again: once here
-print(json.dumps({"ready": True}), flush=True)
+answer({"ready": True})
 for line in sys.stdin:
     request = json.loads(line)
     load(request.get("imports", ()))
@@ -107,7 +115,7 @@ for line in sys.stdin:
             code = 124
             break
         time.sleep(0.01)
-    print(json.dumps({"code": code}), flush=True)
+    answer({"code": code})
 '''
 
 _RANK_IMPORTS = re.compile(r"^RANK_IMPORTS = (\(.*\))$", re.MULTILINE)
@@ -150,7 +158,7 @@ class TrialServer:
             raise RuntimeError("the trial server did not start")
 
     def run(self, script: Path, timeout_s: float, **request: object) -> tuple[int, str]:
-        """The script's exit code and output, run as `python script` runs it (`request`: what else `_SERVER` takes)."""
+        """The script's exit code and output, run in a fork as `__main__` (`request`: what else `_SERVER` takes)."""
         assert self._process.stdin is not None and self._process.stdout is not None
         out = Path(self._folder.name) / "out.txt"
         self._process.stdin.write(json.dumps({"script": str(script), "out": str(out), "seconds": timeout_s,

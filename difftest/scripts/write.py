@@ -142,13 +142,14 @@ def _record(folder: Path, emitted: Emitted) -> None:
 
 def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: float = 0.0,
            servers: TraceServers | None = None) -> Emitted:
-    """Run a written script once, sealed and traced, and where it reproduces reduce it to what its case runs
-    (`difftest.scripts.reduce`, checked again); record what the script now in place printed. With `servers`, a script
-    of the torch stack is traced in a fork of a server that imported its libraries once (`TraceServers`), and what
-    stands for it is a fresh interpreter's run all the same: the reduced script's check, else the whole one's."""
+    """Run a written script traced, and where it reproduces reduce it to what its case runs (`difftest.scripts.reduce`,
+    the reduced script checked fresh); record what the script now in place printed. With `servers`, a script of the
+    torch stack is traced in a fork of a server that imported its libraries once (`TraceServers`); what stands for it
+    is a fresh interpreter's run all the same: the reduced script's check where the reduction is kept, else the whole
+    script traced fresh (and reduced from that run where it reproduces), as without servers. A fork that does not
+    show the bug (an agreement, a failure, a timeout) costs its run before the fresh one."""
     import dataclasses
 
-    from difftest.scripts.check import check_script
     from difftest.scripts.reduce import traced_check
     from difftest.scripts.shrink import reduce_and_shrink
 
@@ -164,9 +165,7 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
         reduction = None
         if forked is not None and forked[0].reproduces:
             reduction, checked = reduce_and_shrink(e.path, *forked, timeout_s, env, niceness, shrink_budget_s)
-            if not reduction.kept:  # no fresh run of the script in place yet
-                checked = check_script(e.path, timeout_s, env=env, niceness=niceness)
-        else:  # a fork's agreement, failure or silence is told by a fresh run, as a maintainer would see it
+        if reduction is None or not reduction.kept:  # no fresh run of the script in place yet
             checked, executed = traced_check(e.path, timeout_s, env, niceness)
             if checked.reproduces:
                 reduction, checked = reduce_and_shrink(e.path, checked, executed, timeout_s, env, niceness,
@@ -188,51 +187,70 @@ FORKABLE = ("numpy", "torch", "torchrec", "fbgemm_gpu")
 
 
 class TraceServers:
-    """Fork servers (`difftest.scripts.shrink.TrialServer`) shared by a run's checks, one per check running at once,
-    sealed as a check is: a script's traced run costs what it computes, not the seconds its libraries' import takes
-    (TorchRec's: 3 of a TorchRec script's 6 s), which each server pays once for every script it runs."""
+    """Fork servers (`difftest.scripts.shrink.TrialServer`) shared by a run's checks, at most one per check running
+    at once and never more than `MOST_TRACE_SERVERS` (each holds its libraries in memory), sealed as a check is: a
+    script's traced run costs what it computes, not the seconds its libraries' import takes (TorchRec's: 3 of a
+    TorchRec script's 6 s), which each server pays once for every script it runs."""
 
     def __init__(self, niceness: int = 0) -> None:
         import tempfile
         import threading
 
+        from difftest.scripts.shrink import TrialServer
+
         self._niceness = niceness  # the servers', so their imports too: those of a run's scripts yield to its trials
-        self._idle: list[Any] = []
+        self._idle: list[TrialServer] = []
+        self._started = 0
         self._lock = threading.Lock()
         self._folder = tempfile.TemporaryDirectory(prefix="difftest-trace-servers-")
         self._env = sealed_environment(Path(self._folder.name))
-        self._broken = False
+        # one server failing (not starting, stopping, answering garbled) ends forking for the run: the scripts then
+        # run fresh, as they would without servers, rather than each finding its own broken server
+        self._stopped = False
 
     def trace(self, script: Path, timeout_s: float) -> tuple[Checked, set[int]] | None:
-        """The script's traced run in a fork, or None where its libraries are not all forkable (or no server runs)."""
+        """The script's traced run in a fork, or None where its libraries are not all forkable, every server is busy
+        or none runs."""
         import sys
 
         from difftest.scripts.shrink import TrialServer, script_modules
 
-        modules = script_modules(script.read_text())
-        if self._broken or not all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names
-                                   for m in modules):
+        script = script.resolve()  # the fork runs it from the folder above its own
+        if not all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names
+                   for m in script_modules(script.read_text())):
             return None
         with self._lock:
+            if self._stopped or (not self._idle and self._started >= MOST_TRACE_SERVERS):
+                return None
             server = self._idle.pop() if self._idle else None
+            self._started += server is None
         try:
             server = server or TrialServer(script, self._env, self._niceness)
             traced = server.trace(script, timeout_s)
-        except RuntimeError:  # it did not start, or stopped: fresh runs from here on
-            self._broken = True
+        except Exception:  # it did not start, stopped or answered garbled: fresh runs from here on
+            with self._lock:
+                self._stopped = True
             if server is not None:
                 server.close()
             return None
         with self._lock:
-            self._idle.append(server)
+            if not self._stopped:
+                self._idle.append(server)
+                return traced
+        server.close()  # the run closed the servers while this one ran
         return traced
 
     def close(self) -> None:
         with self._lock:
-            for server in self._idle:
-                server.close()
-            self._idle.clear()
+            self._stopped = True
+            idle, self._idle = self._idle, []
+        for server in idle:
+            server.close()
         self._folder.cleanup()
+
+
+# servers at most, whatever the cores: each holds torch (and TorchRec) in memory until the run's scripts are done
+MOST_TRACE_SERVERS = 4
 
 
 # what checking a finding's script gave, kept beside it: a rerun that writes the same script, on the same data and

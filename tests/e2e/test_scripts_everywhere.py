@@ -46,7 +46,8 @@ def _known_to_hang(kind: str, setting: str) -> bool:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.timeout(1200)  # a sweep, ~240 scripts written and ~20 run: past the default 600 s on a slow hour of a 2-core host
+# a sweep, ~240 scripts written and ~20 run: past the default 600 s on a slow hour of a 2-core host
+@pytest.mark.timeout(1200)
 def test_every_emitter_writes_a_script_on_every_kind_on_a_seed_not_the_default_jobs(tmp_path: Path, seed: int) -> None:
     import generators  # noqa: F401 -- registers the kinds
     import settings  # noqa: F401 -- registers the settings
@@ -98,8 +99,8 @@ def test_every_emitter_writes_a_script_on_every_kind_on_a_seed_not_the_default_j
     # kinds every emitting family but the Keras ones runs, every disagreement and failure, and one agreement per family
     # (the DLRM's where it has one)
     checked_kinds = ("dlrm", "transformer")
-    candidates = sorted((checked_kinds.index(kind), model, setting, verdict) for _, model, setting, verdict, *_ in emitted
-                        if (kind := model.rsplit("-s", 1)[0]) in checked_kinds)
+    candidates = sorted((checked_kinds.index(kind), model, setting, verdict) for _, model, setting, verdict, *_
+                        in emitted if (kind := model.rsplit("-s", 1)[0]) in checked_kinds)
     to_check = {(model, setting) for _, model, setting, verdict in candidates if verdict != "ok"}
     agreement_of: dict[str, tuple[str, str]] = {}
     for _, model, setting, verdict in candidates:

@@ -140,6 +140,10 @@ def script_modules(source: str) -> list[str]:
                                *(m for m in _TOP_IMPORTS.findall(source) if m != "__future__")]))
 
 
+# seconds a server may take to import libraries (TorchRec: 3-10 s on a loaded 2-core host) before it answers
+IMPORTS_S = 300.0
+
+
 class TrialServer:
     """A fork server for scripts' trials and traced runs (`_SERVER`), with the scripts' environment: it imports the
     first script's libraries at once, another script's it lacks before that script's first run."""
@@ -152,10 +156,22 @@ class TrialServer:
                                                                             *script_modules(script.read_text())]
         self._process = subprocess.Popen(command, cwd=script.parent.parent, env=env, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        ready = self._process.stdout.readline() if self._process.stdout else ""
-        if '"ready"' not in ready:
+        if '"ready"' not in self._reply(0.0):
             self.close()
             raise RuntimeError("the trial server did not start")
+
+    def _reply(self, timeout_s: float) -> str:
+        """The server's next line, within `timeout_s` and what importing libraries may take; "" where it stopped or
+        did not answer in time (then it is killed)."""
+        import select
+
+        assert self._process.stdout is not None
+        # one line a request, read whole: nothing waits in the pipe's reader between requests
+        answered, _, _ = select.select([self._process.stdout], [], [], timeout_s + IMPORTS_S)
+        if not answered:
+            self._process.kill()
+            return ""
+        return self._process.stdout.readline()
 
     def run(self, script: Path, timeout_s: float, **request: object) -> tuple[int, str]:
         """The script's exit code and output, run in a fork as `__main__` (`request`: what else `_SERVER` takes)."""
@@ -164,9 +180,9 @@ class TrialServer:
         self._process.stdin.write(json.dumps({"script": str(script), "out": str(out), "seconds": timeout_s,
                                               **request}) + "\n")
         self._process.stdin.flush()
-        reply = self._process.stdout.readline()
+        reply = self._reply(timeout_s)
         if not reply:
-            raise RuntimeError("the trial server stopped")
+            raise RuntimeError("the trial server stopped or did not answer")
         return int(json.loads(reply)["code"]), out.read_text(errors="replace").strip()
 
     def trace(self, script: Path, timeout_s: float) -> tuple[Checked, set[int]]:

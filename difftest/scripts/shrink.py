@@ -119,7 +119,6 @@ for line in sys.stdin:
 '''
 
 _RANK_IMPORTS = re.compile(r"^RANK_IMPORTS = (\(.*\))$", re.MULTILINE)
-_TOP_IMPORTS = re.compile(r"^(?:import|from) ([\w.]+)", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -134,10 +133,14 @@ class Shrinking:
 
 
 def script_modules(source: str) -> list[str]:
-    """The modules a script imports at its top and has its ranks import (`RANK_IMPORTS`), numpy and torch first."""
+    """The modules a script imports at its top (its statements', not its docstring's words) and has its ranks import
+    (`RANK_IMPORTS`), numpy and torch first."""
     found = _RANK_IMPORTS.search(source)
-    return list(dict.fromkeys(["numpy", "torch", *(ast.literal_eval(found.group(1)) if found else ()),
-                               *(m for m in _TOP_IMPORTS.findall(source) if m != "__future__")]))
+    body = parse(source).body
+    top = [alias.name for node in body if isinstance(node, ast.Import) for alias in node.names]
+    top += [node.module for node in body
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module != "__future__"]
+    return list(dict.fromkeys(["numpy", "torch", *(ast.literal_eval(found.group(1)) if found else ()), *top]))
 
 
 # seconds a server may take to import libraries (TorchRec: 3-10 s on a loaded 2-core host) before it answers

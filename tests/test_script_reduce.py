@@ -433,6 +433,14 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
         done = _check(Emitted("F2", "family", script), 60, servers=servers)
         assert done.checked is not None and done.checked.reproduces and done.reduction is not None
         assert done.reduction.kept and "never_called" not in script.read_text()
+        # a script whose every line ran has nothing to remove: its fresh check stands for it, not the fork's run
+        whole = folder.parent / "whole" / "standalone.py"
+        whole.parent.mkdir()
+        whole.write_text(f'import sys\n\n{SHARED_MARKER}: start the ranks, judge, report ---\n'
+                         'print("BUG PRESENT: yes")\nsys.exit(1)\n')
+        done = _check(Emitted("F4", "family", whole), 60, servers=servers)
+        assert done.reduction is not None and done.reduction.why_not == "nothing it does not run", done.reduction
+        assert done.checked is not None and done.checked.reproduces and done.checked.seconds > 0.01
         # a server that stops ends forking for the run: its scripts then run fresh, as they do without servers
         assert len(servers._idle) == 1
         servers._idle[0]._process.kill()

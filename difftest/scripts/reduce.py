@@ -71,6 +71,10 @@ runpy.run_path(script, run_name="__main__")
 '''
 
 
+# why a reduction is not kept where the reduced script, checked fresh, did not show the bug the whole one showed
+NOT_THE_SAME_BUG = "the reduced script did not show the same bug"
+
+
 def traced_lines(folder: Path) -> set[int]:
     """The lines `trace_into(script, folder)` recorded, over every process."""
     return {int(n) for dump in folder.glob("*.lines") for n in dump.read_text().split()}
@@ -448,5 +452,5 @@ def reduce_script(path: Path, traced: Checked, executed: set[int], timeout_s: fl
     path.write_text(reduced)
     checked = check_script(path, timeout_s, env=env, niceness=niceness)
     if checked.exit_code != 1 or not same_bug(traced.output, checked.output):
-        return refused(f"the reduced script did not show the same bug (exit {checked.exit_code})")
+        return refused(f"{NOT_THE_SAME_BUG} (exit {checked.exit_code})")
     return Reduction(before, reduced.count("\n"), time.perf_counter() - started, True), checked

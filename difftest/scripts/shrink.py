@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftest.scripts.reduce import (
+    NOT_THE_SAME_BUG,
     SHARED_MARKER,
     TRACE_FUNCTIONS,
     Reduction,
@@ -44,6 +45,7 @@ from difftest.scripts.reduce import (
     traced_lines,
 )
 from difftest.scripts.syntax import parse
+from difftest.storage.paths import absolute
 
 if TYPE_CHECKING:
     from difftest.scripts.check import Checked
@@ -78,6 +80,8 @@ for line in sys.stdin:
     request = json.loads(line)
     load(request.get("imports", ()))
     started = time.perf_counter()
+    sys.stdout.flush()  # what a library printed on import goes to the server's stderr now, not into a child's output
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         os.setsid()  # its ranks in its own group: a timeout kills them all
@@ -166,11 +170,13 @@ class TrialServer:
     def _reply(self, timeout_s: float) -> str:
         """The server's next line, within `timeout_s` and what importing libraries may take; "" where it stopped or
         did not answer in time (then it is killed)."""
-        import select
+        import selectors
 
         assert self._process.stdout is not None
         # one line a request, read whole: nothing waits in the pipe's reader between requests
-        answered, _, _ = select.select([self._process.stdout], [], [], timeout_s + IMPORTS_S)
+        with selectors.DefaultSelector() as waiting:
+            waiting.register(self._process.stdout, selectors.EVENT_READ)
+            answered = waiting.select(timeout_s + IMPORTS_S)
         if not answered:
             self._process.kill()
             return ""
@@ -180,6 +186,7 @@ class TrialServer:
         """The script's exit code and output, run in a fork as `__main__` (`request`: what else `_SERVER` takes)."""
         assert self._process.stdin is not None and self._process.stdout is not None
         out = Path(self._folder.name) / "out.txt"
+        script = absolute(script)  # the fork runs it from the server's folder, or the one the request names
         self._process.stdin.write(json.dumps({"script": str(script), "out": str(out), "seconds": timeout_s,
                                               **request}) + "\n")
         self._process.stdin.flush()
@@ -425,7 +432,7 @@ def reduce_and_shrink(path: Path, traced: Checked, executed: set[int], timeout_s
         if final.exit_code == 1 and same_bug(traced.output, final.output):
             return Reduction(before, candidate.count("\n"), time.perf_counter() - started, True, "", trials,
                              kept if candidate != reduced else 0, trials_failed), final
-        why_not = f"the reduced script did not show the same bug (exit {final.exit_code})"
+        why_not = f"{NOT_THE_SAME_BUG} (exit {final.exit_code})"
     path.write_text(source)
     return Reduction(before, before, time.perf_counter() - started, False, why_not or "nothing it does not need",
                      trials, kept, trials_failed), traced

@@ -16,6 +16,7 @@ from difftest.runner.scheduler import machine_ranks
 from difftest.scripts.check import AGREEING_LINE, Checked, own_lines, sealed_environment
 from difftest.scripts.emit import write_script
 from difftest.scripts.reduce import FULL_FILE
+from difftest.storage.paths import absolute
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -145,12 +146,14 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
     """Run a written script traced, and where it reproduces reduce it to what its case runs (`difftest.scripts.reduce`,
     the reduced script checked fresh); record what the script now in place printed. With `servers`, a script of the
     torch stack is traced in a fork of a server that imported its libraries once (`TraceServers`); what stands for it
-    is a fresh interpreter's run all the same: the reduced script's check where the reduction is kept, else the whole
-    script traced fresh (and reduced from that run where it reproduces), as without servers. A fork that does not
-    show the bug (an agreement, a failure, a timeout) costs its run before the fresh one."""
+    is a fresh interpreter's run all the same: the reduced script's check where the reduction is kept; where the
+    reduced script did not show the bug, the whole script traced fresh (and reduced from that run where it
+    reproduces), as without servers; where nothing could be removed, the whole script's fresh check. A fork that does
+    not show the bug (an agreement, a failure, a timeout) costs its run before the fresh one."""
     import dataclasses
 
-    from difftest.scripts.reduce import traced_check
+    from difftest.scripts.check import check_script
+    from difftest.scripts.reduce import NOT_THE_SAME_BUG, traced_check
     from difftest.scripts.shrink import reduce_and_shrink
 
     if e.path is None:
@@ -165,7 +168,10 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
         reduction = None
         if forked is not None and forked[0].reproduces:
             reduction, checked = reduce_and_shrink(e.path, *forked, timeout_s, env, niceness, shrink_budget_s)
-        if reduction is None or not reduction.kept:  # no fresh run of the script in place yet
+        if reduction is not None and not reduction.kept and not reduction.why_not.startswith(NOT_THE_SAME_BUG):
+            # nothing to remove, or a reduction that could not be made: a fresh run of the whole script decides
+            checked = check_script(e.path, timeout_s, env=env, niceness=niceness)
+        elif reduction is None or not reduction.kept:  # the fork's path was not a fresh run's: trace one
             checked, executed = traced_check(e.path, timeout_s, env, niceness)
             if checked.reproduces:
                 reduction, checked = reduce_and_shrink(e.path, checked, executed, timeout_s, env, niceness,
@@ -215,9 +221,12 @@ class TraceServers:
 
         from difftest.scripts.shrink import TrialServer, script_modules
 
-        script = script.resolve()  # the fork runs it from the folder above its own
-        if not all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names
-                   for m in script_modules(script.read_text())):
+        script = absolute(script)  # the fork runs it from the folder above its own
+        try:
+            modules = script_modules(script.read_text())
+        except SyntaxError:  # a fresh run says how it fails
+            return None
+        if not all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names for m in modules):
             return None
         with self._lock:
             if self._stopped or (not self._idle and self._started >= MOST_TRACE_SERVERS):

@@ -122,7 +122,6 @@ for line in sys.stdin:
     answer({"code": code})
 '''
 
-_RANK_IMPORTS = re.compile(r"^RANK_IMPORTS = (\(.*\))$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -139,12 +138,13 @@ class Shrinking:
 def script_modules(source: str) -> list[str]:
     """The modules a script imports at its top (its statements', not its docstring's words) and has its ranks import
     (`RANK_IMPORTS`), numpy and torch first."""
-    found = _RANK_IMPORTS.search(source)
-    body = parse(source).body
+    body = parse(source).body  # parsed once, under its lock; literal_eval of a node parses nothing (cpython#106905)
+    ranks = next((ast.literal_eval(node.value) for node in body if isinstance(node, ast.Assign)
+                  and [getattr(t, "id", "") for t in node.targets] == ["RANK_IMPORTS"]), ())
     top = [alias.name for node in body if isinstance(node, ast.Import) for alias in node.names]
     top += [node.module for node in body
             if isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module != "__future__"]
-    return list(dict.fromkeys(["numpy", "torch", *(ast.literal_eval(found.group(1)) if found else ()), *top]))
+    return list(dict.fromkeys(["numpy", "torch", *ranks, *top]))
 
 
 # seconds a server may take to import libraries (TorchRec: 3-10 s on a loaded 2-core host) before it answers

@@ -453,3 +453,24 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
         assert done.reduction is not None and done.reduction.kept
     finally:
         servers.close()
+
+
+def test_the_engine_parses_python_only_under_one_lock() -> None:
+    """Scripts are written, checked and reduced in threads, and CPython 3.11 cannot build two parses' syntax trees at
+    once (python/cpython#106905: "AST constructor recursion depth mismatch", which ended a finding's check in CI):
+    every parse of source text in the engine goes through `difftest.scripts.syntax` (`parse`, `literal`), which holds
+    one lock. `ast.literal_eval` of a node already parsed parses nothing and is allowed."""
+    import ast
+
+    engine = Path(__file__).resolve().parents[1] / "difftest"
+    unlocked = []
+    for path in sorted(engine.rglob("*.py")):
+        if path.name == "syntax.py" and path.parent.name == "scripts":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "ast"
+                    and node.func.attr in ("parse", "literal_eval")
+                    and not (node.func.attr == "literal_eval" and node.args and isinstance(node.args[0], ast.Attribute))):
+                unlocked.append(f"{path.relative_to(engine.parent)}:{node.lineno}")
+    assert not unlocked, unlocked

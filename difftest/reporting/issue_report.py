@@ -107,14 +107,15 @@ INLINE_LINES = 120
 
 def script_libraries(script: Path) -> tuple[str, ...] | None:
     """The distributions a standalone script prints the releases of (its `LIBRARIES`): what its finding involves."""
-    import ast
     import re
+
+    from difftest.scripts.syntax import literal
 
     if not script.is_file():
         return None
     found = re.search(r"^LIBRARIES = (\(.*\))$", script.read_text(encoding="utf-8"), re.MULTILINE)
     try:
-        return tuple(ast.literal_eval(found[1])) if found else None
+        return tuple(literal(found[1])) if found else None
     except (ValueError, SyntaxError):
         return None
 

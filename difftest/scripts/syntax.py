@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import threading
+from typing import Any
 
 _ONE_AT_A_TIME = threading.Lock()
 
@@ -16,3 +17,9 @@ _ONE_AT_A_TIME = threading.Lock()
 def parse(source: str) -> ast.Module:
     with _ONE_AT_A_TIME:
         return ast.parse(source)
+
+
+def literal(source: str) -> Any:
+    """`ast.literal_eval` of Python source text, which parses it: one parse at a time, as `parse`."""
+    with _ONE_AT_A_TIME:
+        return ast.literal_eval(source)

@@ -21,9 +21,14 @@ CLIP_NORM: float
 
 
 def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
-    """The model as the setting shards it: every table fused with SGD at the case's learning rate (a frozen one at
-    0, TorchRec's way to keep a fused table still), then DistributedModelParallel under the case's plan, each shard
-    holding the model's initial weights (TorchRec initialises shards afresh)."""
+    """The model as the setting shards it (`sharded_with_fused_sgd`)."""
+    return sharded_with_fused_sgd(module, group, device, setting)
+
+
+def sharded_with_fused_sgd(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
+    """Every table of `module` fused with SGD at the case's learning rate (a frozen one at 0, TorchRec's way to keep
+    a fused table still), then DistributedModelParallel under the case's plan, each shard holding the model's initial
+    weights (TorchRec initialises shards afresh)."""
     import torch
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder

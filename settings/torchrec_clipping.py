@@ -90,7 +90,8 @@ class TorchRecClipping(TorchRecSharding):
                    f"{MAX_NORM:g} by TorchRec's GradientClippingOptimizer before each step")
         made = training_script(
             case, f"TorchRec DistributedModelParallel over the whole model, {clipped}", self.world_size,
-            (*plan_functions(self.sharding, tables, self.plan_seed, self.world_size), _is_table, script.distribute, script.sgd_on_share, script.full_parameters),
+            (*plan_functions(self.sharding, tables, self.plan_seed, self.world_size), _is_table, script.sharded_with_fused_sgd,
+             script.distribute, script.sgd_on_share, script.full_parameters),
             {"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
              "lr": case.lr}, libraries=("fbgemm-gpu",))
         return dataclasses.replace(

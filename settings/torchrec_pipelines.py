@@ -15,6 +15,7 @@ loop's result.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -69,12 +70,43 @@ class TrainPipelineSharding(TorchRecSharding):
         return super().run(ctx, model, inputs)
 
     def standalone(self, case: Any) -> Any:
-        raise Unsupported("the train-pipeline family writes no standalone script (its batch model and pipeline are "
-                          "not copied out yet); repro.py reproduces the case through difftest")
+        """The whole model inside the batch model the pipeline drives, its tables fused with SGD and sharded under the
+        case's plan, trained by the case's pipeline class against the plain loop on the unsharded model in one process
+        (settings/_torchrec_pipeline_script.py): every parameter after the steps."""
+        import dataclasses
+
+        from difftest import refuse_changed_hooks
+        from settings import _torchrec_pipeline_script as script
+        from settings._torchrec_clip_script import sharded_with_fused_sgd
+        from settings._torchrec_plan import SHARDING_TYPES, _local_pieces, plan_functions
+        from settings._training_script import training_script
+        from settings.torchrec_optimizers import _is_table
+
+        refuse_changed_hooks(self, TrainPipelineSharding, "sharded_module", "load_initial_state", "full_state",
+                             "trainer", "table_optimizer", "dense_optimizer", "dense_step", "initial_state", "sharder",
+                             "_plan")
+        tables = case.generator.embedding_tables(case.spec)
+        if tables is None:
+            raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")
+        module = case.generator.build(case.spec, case.init_state, "cpu", case.model_dir)
+        arity = len(model_inputs(case.generator, case.spec.kind)(module, case.inputs["train"].slice(0, 1), "cpu"))
+        made = training_script(
+            case, f"TorchRec DistributedModelParallel over the whole model inside the batch model a train pipeline "
+                  f"drives, every table {self.sharding}, fused with SGD, trained by {PIPELINES[self.pipeline]}",
+            self.world_size,
+            (*plan_functions(self.sharding, tables, self.plan_seed, self.world_size), _is_table, _local_pieces,
+             sharded_with_fused_sgd, NoDenseParameters, pipeline_batch, batch_model, script.distribute,
+             script.sgd_on_share, script.full_parameters),
+            {"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
+             "lr": case.lr, "pipeline": PIPELINES[self.pipeline], "inputs": arity}, libraries=("fbgemm-gpu",))
+        return dataclasses.replace(made, preamble=(
+            *made.preamble, "import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}", f"INPUTS = {INPUTS!r}",
+            f"WRAPPED = {WRAPPED!r}"))
 
     def sharded_module(self, model: Any, module: Any, inputs: Any) -> Any:
-        arity = len(model_inputs(model)(module, inputs.train.slice(0, 1), "cpu"))
-        wrapped = batch_model(module, model, arity)
+        arity = len(model_inputs(model.generator, model.spec.kind)(module, inputs.train.slice(0, 1), "cpu"))
+        wrapped = batch_model(module, model.generator.predict, lambda prediction, labels: model.loss(
+            prediction, types.SimpleNamespace(labels=labels.cpu().numpy())), arity)
         if self.pipeline != "base":  # the others rewrite the sharded modules' forward, found by tracing the model
             refuse_untraceable(wrapped)
         return wrapped
@@ -95,7 +127,8 @@ class TrainPipelineSharding(TorchRecSharding):
 
         def train_step(share: Any) -> float:
             if "pipeline" not in running:  # one iterator for every step: the pipeline fills itself a batch ahead
-                running["batches"] = (pipeline_batch(model_inputs(model)(inner, share, ctx.device), share.labels)
+                inputs_of = model_inputs(model.generator, model.spec.kind)
+                running["batches"] = (pipeline_batch(inputs_of(inner, share, ctx.device), torch.from_numpy(share.labels))
                                       for _ in range(ctx.steps))
                 cls = getattr(train_pipelines, PIPELINES[self.pipeline])
                 running["pipeline"] = cls(dmp, optimizer if optimizer is not None else NoDenseParameters(),
@@ -136,12 +169,12 @@ def refuse_untraceable(wrapped: Any) -> None:
                           f"the unsharded model does not trace ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
 
 
-def model_inputs(model: Any) -> Callable[..., tuple[Any, ...]]:
+def model_inputs(generator: Any, kind: str) -> Callable[..., tuple[Any, ...]]:
     """The kind's `model_inputs(module, batch, device)`: the model's arguments (dense tensor, KeyedJaggedTensors) of a
     batch, which a pipeline batch carries as fields."""
-    found = getattr(model.generator, "model_inputs", None)
+    found = getattr(generator, "model_inputs", None)
     if found is None:
-        raise Unsupported(f"model kind {model.spec.kind!r} does not hand out its inputs as tensors and "
+        raise Unsupported(f"model kind {kind!r} does not hand out its inputs as tensors and "
                           "KeyedJaggedTensors (model_inputs), which a train pipeline's batch carries")
     return found  # type: ignore[no-any-return]
 
@@ -160,9 +193,9 @@ INPUTS = ("dense", "sparse", "weighted")  # a pipeline batch's fields, in the mo
 
 
 def pipeline_batch(inputs: tuple[Any, ...], labels: Any) -> Any:
-    """The model's inputs and the labels as a batch a pipeline moves: `to(device)` and `record_stream` over every
-    tensor and KeyedJaggedTensor (torchrec's `Pipelineable`), each input a field the pipeline's tracer can follow."""
-    import torch
+    """The model's inputs and the labels (a tensor) as a batch a pipeline moves: `to(device)` and `record_stream` over
+    every tensor and KeyedJaggedTensor (torchrec's `Pipelineable`), each input a field the pipeline's tracer can
+    follow."""
     from torchrec.streamable import Pipelineable
 
     class Batch(Pipelineable):
@@ -178,19 +211,19 @@ def pipeline_batch(inputs: tuple[Any, ...], labels: Any) -> Any:
             for value in self.fields.values():
                 value.record_stream(stream)
 
-    return Batch({**dict(zip(INPUTS, inputs)), "labels": torch.from_numpy(labels)})
+    return Batch({**dict(zip(INPUTS, inputs)), "labels": labels})
 
 
-def batch_model(module: Any, model: Any, arity: int) -> Any:
-    """`module` inside a module that takes a pipeline batch and returns (loss, loss), as TorchRec's training modules
-    do; the loss is a leaf module of its own, which the pipeline's tracer does not enter."""
-    import types
-
+def batch_model(module: Any, predict: Callable[[Any, tuple[Any, ...]], Any], loss: Callable[[Any, Any], Any],
+                arity: int) -> Any:
+    """`module` inside a module that takes a pipeline batch (its first `arity` inputs) and returns (loss, loss), as
+    TorchRec's training modules do: `predict(module, inputs)`, then `loss(prediction, labels)` in a leaf module of its
+    own, which the pipeline's tracer does not enter."""
     import torch
 
     class Loss(torch.nn.Module):
         def forward(self, prediction: Any, labels: Any) -> Any:
-            return model.loss(prediction, types.SimpleNamespace(labels=labels.cpu().numpy()))
+            return loss(prediction, labels)
 
     class BatchModel(torch.nn.Module):
         def __init__(self) -> None:
@@ -200,8 +233,8 @@ def batch_model(module: Any, model: Any, arity: int) -> Any:
 
         def forward(self, batch: Any) -> tuple[Any, Any]:
             inputs = tuple(getattr(batch, name) for name in INPUTS[:arity])
-            loss = self.loss(model.generator.predict(getattr(self, WRAPPED), inputs), batch.labels)
-            return loss, loss.detach()
+            value = self.loss(predict(getattr(self, WRAPPED), inputs), batch.labels)
+            return value, value.detach()
 
     return BatchModel()
 

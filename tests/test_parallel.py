@@ -378,6 +378,27 @@ def test_torchrec_train_pipelines_train_as_the_plain_loop_a_batch_ahead(tmp_path
     assert "pipelined modules: 1" in messages[("torchrec-dlrm-s0-i0", settings[0])]
     assert verdicts[("dlrm-s0-i0", settings[0])] == "unsupported"
     assert "does not trace" in messages[("dlrm-s0-i0", settings[0])]
+    # its script: the whole model in the batch model, trained two steps by the pipeline on the ranks against the plain
+    # loop in one process; it agrees (exit 0, the tables compared too), and a pipeline whose dense optimizer steps
+    # twice as far disagrees (exit 1)
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.check import check_script
+    from difftest.scripts.write import emit
+
+    emitted = emit(run_dir, "P0", "a train-pipeline finding", "inconsistent", run_dir / "models" / "torchrec-dlrm-s0-i0",
+                   settings[0], "param_after_step2/over_arch.model.0.weight",
+                   envelope_spread(run_dir, "torchrec-dlrm-s0-i0", settings[0]), Tolerance(), check_timeout_s=120)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert emitted.checked.exit_code == 0, emitted.checked.output[-3000:]
+    text = emitted.path.read_text()
+    assert "TrainPipelineSparseDist" in text and ".progress(" in text and "import difftest" not in text
+    assert "param_after_step2/sparse_arch.embedding_bag_collection.embedding_bags." in text
+    dense = 'torch.optim.SGD(dense, lr=case["lr"])'
+    assert text.count(dense) == 1
+    emitted.path.write_text(text.replace(dense, 'torch.optim.SGD(dense, lr=2 * case["lr"])'))
+    planted = check_script(emitted.path, timeout_s=120)
+    assert planted.exit_code == 1 and "BUG PRESENT" in planted.output, planted.output[-3000:]
     assert verdicts[("dlrm-s0-i0", settings[1])] == "ok"  # the base pipeline traces nothing
     assert verdicts[("torchrec-dlrm-s0-i0", settings[2])] == "unsupported"
     assert "device stream" in messages[("torchrec-dlrm-s0-i0", settings[2])]

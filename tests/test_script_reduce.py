@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import textwrap
 from pathlib import Path
+from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 
@@ -361,6 +363,38 @@ def test_trials_remove_what_the_verdict_does_not_need_and_keep_what_changes_it(t
     assert shrunk.endswith(original[marker:])
     assert result.kept == 4 and result.lines_after == result.lines_before - 5, result
     assert same_bug(checked.output, traced_check(script, 60)[0].output)
+
+
+def test_with_a_shrink_budget_a_scripts_trace_and_trials_share_one_lent_server(tmp_path: Path) -> None:
+    """A run's check traces a script and shrinks it by trials in one server lent by `TraceServers` (the libraries'
+    import paid once, not once for the trace and again for the trials), returns it, and the next script's check
+    borrows the same server: two scripts shrunk, one server started; the trials' result is the one a server of
+    their own gives."""
+    from difftest.scripts.shrink import TrialServer
+    from difftest.scripts.write import Emitted, TraceServers, _check
+
+    started: list[Path] = []
+    start = TrialServer.__init__
+
+    def counted(self: TrialServer, script: Path, *args: Any, **kwargs: Any) -> None:
+        started.append(script)
+        start(self, script, *args, **kwargs)
+
+    servers = TraceServers()
+    try:
+        with patch.object(TrialServer, "__init__", counted):
+            for number in (1, 2):
+                script = tmp_path / f"finding{number}" / "standalone.py"
+                script.parent.mkdir()
+                script.write_text(SHRINKABLE)
+                done = _check(Emitted(f"F{number}", "family", script), 60, shrink_budget_s=120, servers=servers)
+                assert done.checked is not None and done.checked.reproduces and not done.defect, done
+                assert done.reduction is not None and done.reduction.kept, done.reduction
+                assert done.reduction.kept_edits == 4 and not done.reduction.trials_failed, done.reduction
+                assert "padding" not in script.read_text() and "x = x + 1" in script.read_text()
+                assert len(started) == 1 and len(servers._idle) == 1, (started, servers._idle)
+    finally:
+        servers.close()
 
 
 def test_an_edit_that_leaves_a_name_undefined_is_never_run() -> None:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -340,9 +340,11 @@ def undefined_names(source: str) -> set[str]:
 
 
 def shrink(path: Path, original_output: str, budget_s: float, timeout_s: float, env: dict[str, str] | None = None,
-           niceness: int = 0, server: Callable[[Path], TrialServer] | None = None) -> Shrinking:
+           niceness: int = 0, server: TrialServer | None = None) -> Shrinking:
     """Shrink the (reproducing) script at `path` in place by trials within `budget_s` seconds; it keeps every edit
-    that showed the same bug as `original_output`, so the script at `path` reproduces whenever this returns."""
+    that showed the same bug as `original_output`, so the script at `path` reproduces whenever this returns. The trials
+    run in `server` where one is lent (another script's, which imports this one's libraries before its first trial;
+    it stays open), else in a server of their own."""
     started = time.perf_counter()
     source = path.read_text()
     before = source.count("\n")
@@ -350,12 +352,14 @@ def shrink(path: Path, original_output: str, budget_s: float, timeout_s: float, 
     tried: set[str] = set()
     undefined = undefined_names(source)
     trials = kept = 0
-    trial_server = (server or (lambda p: TrialServer(p, env, niceness)))(path)
+    trial_server = server or TrialServer(path, env, niceness)
+    # from the folder above the script's, as a server of its own runs them, whichever script's server this is
+    where = {"cwd": str(absolute(path).parent.parent)}
     try:
         # the script as it is, first: the trials' yardstick of time, and proof that a forked run shows the bug
         trial.write_text(source)
         baseline = time.perf_counter()
-        code, output = trial_server.run(trial, timeout_s)
+        code, output = trial_server.run(trial, timeout_s, imports=script_modules(source), **where)
         if code != 1 or not same_bug(original_output, output):
             raise RuntimeError(f"the script, run in the trial server, did not show the same bug (exit {code})")
         # an edit that makes the ranks wait for each other forever (a collective removed on one path) costs this
@@ -388,24 +392,26 @@ def shrink(path: Path, original_output: str, budget_s: float, timeout_s: float, 
                     continue
                 trial.write_text(reduced)
                 trials += 1
-                code, output = trial_server.run(trial, timeout_s)
+                code, output = trial_server.run(trial, timeout_s, **where)
                 if code == 1 and same_bug(original_output, output):
                     source, kept, improved = reduced, kept + 1, True
                     path.write_text(source)
                     pending = candidates(source)  # the rest of this pass, on the smaller script
     finally:
-        trial_server.close()
+        if server is None:
+            trial_server.close()
         trial.unlink(missing_ok=True)
     return Shrinking(before, source.count("\n"), trials, kept, time.perf_counter() - started)
 
 
 def reduce_and_shrink(path: Path, traced: Checked, executed: set[int], timeout_s: float,
                       env: dict[str, str] | None = None, niceness: int = 0,
-                      budget_s: float = 0.0) -> tuple[Reduction, Checked]:
+                      budget_s: float = 0.0, server: TrialServer | None = None) -> tuple[Reduction, Checked]:
     """The script at `path` (its traced check `traced` reproduced) reduced to what ran (`reduce_script`, checked
     alone where there are no trials), then shrunk by trials within `budget_s` (their first run proves the reduction
-    in a fork); what stays is kept only if one fresh, sealed check shows the same bug and exits 1, else the whole
-    script is. Returns the reduction and the check that stands for the script now at `path`."""
+    in a fork; in `server` where one is lent); what stays is kept only if one fresh, sealed check shows the same bug
+    and exits 1, else the whole script is. Returns the reduction and the check that stands for the script now at
+    `path`."""
     from difftest.scripts.check import check_script
     from difftest.scripts.reduce import reduced_by_trace
 
@@ -416,7 +422,7 @@ def reduce_and_shrink(path: Path, traced: Checked, executed: set[int], timeout_s
     before = source.count("\n")
     path.write_text(reduced)
     try:
-        shrunk = shrink(path, traced.output, budget_s, timeout_s, env, niceness)
+        shrunk = shrink(path, traced.output, budget_s, timeout_s, env, niceness, server)
         trials, kept = shrunk.trials, shrunk.kept
     except Exception as exc:  # the trials failing are ours to fix; `path` holds the last script that showed the bug
         trials_failed = f"a defect of difftest's: {type(exc).__name__}: {exc}"

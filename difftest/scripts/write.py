@@ -4,6 +4,7 @@ minimal case and run once where difftest does not import, or why it has none; `f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -19,12 +20,14 @@ from difftest.scripts.reduce import FULL_FILE
 from difftest.storage.paths import absolute
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from concurrent.futures import Future
 
     from difftest.contracts.tolerance import Tolerance
     from difftest.findings.minimise import Minimisation
     from difftest.findings.triage import Finding
     from difftest.scripts.reduce import Reduction
+    from difftest.scripts.shrink import TrialServer
 
 
 @dataclass(frozen=True)
@@ -149,12 +152,9 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
     is a fresh interpreter's run all the same: the reduced script's check where the reduction is kept; where the
     reduced script did not show the bug, the whole script traced fresh (and reduced from that run where it
     reproduces), as without servers; where nothing could be removed, the whole script's fresh check. A fork that does
-    not show the bug (an agreement, a failure, a timeout) costs its run before the fresh one."""
+    not show the bug (an agreement, a failure, a timeout) costs its run before the fresh one. With a shrink budget,
+    the traced run and the trials run in one lent server: the libraries' import is paid once for all of them."""
     import dataclasses
-
-    from difftest.scripts.check import check_script
-    from difftest.scripts.reduce import NOT_THE_SAME_BUG, traced_check
-    from difftest.scripts.shrink import reduce_and_shrink
 
     if e.path is None:
         return e
@@ -164,18 +164,12 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
         return reused
     env = sealed_environment(e.path.parent / ".sealed")
     try:
-        forked = servers.trace(e.path, timeout_s) if servers is not None else None
-        reduction = None
-        if forked is not None and forked[0].reproduces:
-            reduction, checked = reduce_and_shrink(e.path, *forked, timeout_s, env, niceness, shrink_budget_s)
-        if reduction is not None and not reduction.kept and not reduction.why_not.startswith(NOT_THE_SAME_BUG):
-            # nothing to remove, or a reduction that could not be made: a fresh run of the whole script decides
-            checked = check_script(e.path, timeout_s, env=env, niceness=niceness)
-        elif reduction is None or not reduction.kept:  # the fork's path was not a fresh run's: trace one
-            checked, executed = traced_check(e.path, timeout_s, env, niceness)
-            if checked.reproduces:
-                reduction, checked = reduce_and_shrink(e.path, checked, executed, timeout_s, env, niceness,
-                                                       shrink_budget_s)
+        if servers is not None and shrink_budget_s > 0:
+            with servers.lease(e.path) as server:  # traced and shrunk in one server that imported the libraries once
+                checked, reduction = _traced_and_reduced(e.path, timeout_s, env, niceness, shrink_budget_s, servers,
+                                                         server)
+        else:
+            checked, reduction = _traced_and_reduced(e.path, timeout_s, env, niceness, shrink_budget_s, servers)
     except Exception as exc:  # checking one script failed in difftest's own code: that finding says so, the run goes on
         done = dataclasses.replace(e, defect=True, why_not=f"{OUR_DEFECT}{type(exc).__name__}: {exc}")
         _record(e.path.parent, done)
@@ -185,6 +179,30 @@ def _check(e: Emitted, timeout_s: float, niceness: int = 0, shrink_budget_s: flo
     if checked.exit_code in (0, 1):  # an answer (not a timeout, not a script that could not run) is worth keeping
         _keep_check(done, key)
     return done
+
+
+def _traced_and_reduced(path: Path, timeout_s: float, env: dict[str, str], niceness: int, shrink_budget_s: float,
+                        servers: TraceServers | None, lent: TrialServer | None = None) -> tuple[Checked, Reduction | None]:
+    """`_check`'s runs: the traced one (in a fork where `servers` has one, of `lent` where the script holds one), the
+    reduction and its fresh check; the check that stands for the script at `path` and the reduction, if any."""
+    from difftest.scripts.check import check_script
+    from difftest.scripts.reduce import NOT_THE_SAME_BUG, traced_check
+    from difftest.scripts.shrink import reduce_and_shrink
+
+    forked = servers.trace(path, timeout_s, lent) if servers is not None else None
+    lent = None if servers is None or servers.stopped else lent  # a server that failed is not lent to the trials
+    reduction = None
+    if forked is not None and forked[0].reproduces:
+        reduction, checked = reduce_and_shrink(path, *forked, timeout_s, env, niceness, shrink_budget_s, lent)
+    if reduction is not None and not reduction.kept and not reduction.why_not.startswith(NOT_THE_SAME_BUG):
+        # nothing to remove, or a reduction that could not be made: a fresh run of the whole script decides
+        checked = check_script(path, timeout_s, env=env, niceness=niceness)
+    elif reduction is None or not reduction.kept:  # the fork's path was not a fresh run's: trace one
+        checked, executed = traced_check(path, timeout_s, env, niceness)
+        if checked.reproduces:
+            reduction, checked = reduce_and_shrink(path, checked, executed, timeout_s, env, niceness, shrink_budget_s,
+                                                   lent)
+    return checked, reduction
 
 
 # the libraries a script's traced run may import in a shared fork server: the torch stack's, which start no thread
@@ -202,8 +220,6 @@ class TraceServers:
         import tempfile
         import threading
 
-        from difftest.scripts.shrink import TrialServer
-
         self._niceness = niceness  # the servers', so their imports too: those of a run's scripts yield to its trials
         self._idle: list[TrialServer] = []
         self._started = 0
@@ -214,9 +230,28 @@ class TraceServers:
         # run fresh, as they would without servers, rather than each finding its own broken server
         self._stopped = False
 
-    def trace(self, script: Path, timeout_s: float) -> tuple[Checked, set[int]] | None:
-        """The script's traced run in a fork, or None where its libraries are not all forkable, every server is busy
-        or none runs."""
+    def trace(self, script: Path, timeout_s: float, lent: TrialServer | None = None) -> tuple[Checked, set[int]] | None:
+        """The script's traced run in a fork (of `lent`, a server this script holds, else of one lent for the run), or
+        None where its libraries are not all forkable, every server is busy, none runs or the server failed (then
+        stopped, as every server is: `stopped`)."""
+        try:
+            if lent is not None:
+                return lent.trace(script, timeout_s)
+            with self.lease(script) as server:
+                return None if server is None else server.trace(script, timeout_s)
+        except Exception:  # the server did not answer or answered garbled: a fresh run instead
+            self._stop(lent)
+            return None
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @contextlib.contextmanager
+    def lease(self, script: Path) -> Iterator[TrialServer | None]:
+        """A server for the script's runs while the block runs (an idle one, or one started for it), or None where its
+        libraries are not all forkable, every server is busy or none runs. A server that fails to start, or an
+        exception out of the block, stops forking for the run: the scripts then run fresh, as without servers."""
         import sys
 
         from difftest.scripts.shrink import TrialServer, script_modules
@@ -225,29 +260,37 @@ class TraceServers:
         try:
             modules = script_modules(script.read_text())
         except SyntaxError:  # a fresh run says how it fails
-            return None
-        if not all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names for m in modules):
-            return None
+            modules = ["a script that does not parse"]
+        forkable = all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names for m in modules)
         with self._lock:
-            if self._stopped or (not self._idle and self._started >= MOST_TRACE_SERVERS):
-                return None
-            server = self._idle.pop() if self._idle else None
-            self._started += server is None
+            lent = forkable and not self._stopped and (bool(self._idle) or self._started < MOST_TRACE_SERVERS)
+            server = self._idle.pop() if lent and self._idle else None  # else one is started below
+            self._started += lent and server is None
+        if not lent:
+            yield None
+            return
         try:
             server = server or TrialServer(script, self._env, self._niceness)
-            traced = server.trace(script, timeout_s)
-        except Exception:  # it did not start, stopped or answered garbled: fresh runs from here on
-            with self._lock:
-                self._stopped = True
-            if server is not None:
-                server.close()
-            return None
+        except Exception:  # it did not start: fresh runs from here on
+            self._stop(None)
+            yield None
+            return
+        try:
+            yield server
+        except BaseException:
+            self._stop(server)
+            raise
         with self._lock:
             if not self._stopped:
                 self._idle.append(server)
-                return traced
-        server.close()  # the run closed the servers while this one ran
-        return traced
+                return
+        server.close()  # the run closed the servers while this one was lent
+
+    def _stop(self, server: TrialServer | None) -> None:
+        with self._lock:
+            self._stopped = True
+        if server is not None:
+            server.close()
 
     def close(self) -> None:
         with self._lock:

@@ -492,8 +492,9 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
 def test_the_engine_parses_python_only_under_one_lock() -> None:
     """Scripts are written, checked and reduced in threads, and CPython 3.11 cannot build two parses' syntax trees at
     once (python/cpython#106905: "AST constructor recursion depth mismatch", which ended a finding's check in CI):
-    every parse of source text in the engine goes through `difftest.scripts.syntax` (`parse`, `literal`), which holds
-    one lock. `ast.literal_eval` of a node already parsed parses nothing and is allowed."""
+    every parse of source text in the engine goes through `difftest.scripts.syntax` (`parse`, `literal`, `source_of`:
+    `inspect.getsource` of a class parses its module), which holds one lock. `ast.literal_eval` of a node already
+    parsed parses nothing and is allowed."""
     import ast
 
     engine = Path(__file__).resolve().parents[1] / "difftest"
@@ -506,5 +507,9 @@ def test_the_engine_parses_python_only_under_one_lock() -> None:
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "ast"
                     and node.func.attr in ("parse", "literal_eval")
                     and not (node.func.attr == "literal_eval" and node.args and isinstance(node.args[0], ast.Attribute))):
+                unlocked.append(f"{path.relative_to(engine.parent)}:{node.lineno}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "inspect"
+                    and node.func.attr in ("getsource", "getsourcelines", "findsource")):
                 unlocked.append(f"{path.relative_to(engine.parent)}:{node.lineno}")
     assert not unlocked, unlocked

@@ -13,7 +13,6 @@ This module is what a setting's emitter needs; `difftest.scripts.write` writes a
 from __future__ import annotations
 
 import ast
-import inspect
 import re
 import textwrap
 from collections.abc import Callable, Iterable
@@ -30,7 +29,7 @@ from difftest.contracts.script import (
     Script,
     StandaloneCase,
 )
-from difftest.scripts.syntax import parse
+from difftest.scripts.syntax import parse, source_of
 
 MAX_LINES = 500  # a script a maintainer reads through (the library code is copied whole, never condensed; the longest,
 # a resume's of a converted Keras model from DDP to FSDP2, has 496 lines, a hybrid pipeline's on a whole DLRM-like
@@ -58,7 +57,7 @@ def _source(function: Callable[..., Any]) -> str:
     """The function as its module has it, less mypy's comments (the script is not type-checked) and the blank line
     after its local imports, of which those of torch and numpy go (the script imports them first): its length is a
     promise, and the code is unchanged."""
-    text = _TYPE_IGNORE.sub("", textwrap.dedent(inspect.getsource(function)))
+    text = _TYPE_IGNORE.sub("", textwrap.dedent(source_of(function)))
     return _IMPORTED_FIRST.sub("", _AFTER_LOCAL_IMPORTS.sub(r"\1", text)).rstrip() + "\n"
 
 

@@ -35,8 +35,8 @@ def sgd_on_share(module: Any, data: dict[str, Any], case: dict[str, Any], rank: 
                  dtype: Any) -> None:
     """`case["steps"]` steps on this rank's contiguous share of the training batch. In one process the plain loop
     (SGD over every parameter); on the ranks, the case's train pipeline, filled from one iterator of the same share
-    for every step (so it runs a batch ahead), the tables stepped inside the backward and the rest (a data-parallel
-    table too) by SGD."""
+    for every step the run took (so it runs a batch ahead, the last step compared too), the tables stepped inside the
+    backward and the rest (a data-parallel table too) by SGD."""
     import torch
 
     share = case["batch"] // world_size
@@ -58,10 +58,12 @@ def sgd_on_share(module: Any, data: dict[str, Any], case: dict[str, Any], rank: 
     inner = getattr(module.module, WRAPPED)  # the model itself, whose tables the batch's features are read for
     labels = torch.from_numpy(data["train.labels"][start:stop])
     batches = (pipeline_batch(model_inputs(inner, data, "train", start, stop, dtype), labels)
-               for _ in range(case["steps"]))
+               for _ in range(case["setting"]["batches"]))
     pipeline = getattr(train_pipelines, case["setting"]["pipeline"])(module, optimizer, torch.device(case["device"]))
     for _ in range(case["steps"]):
         pipeline.progress(batches)
+    # the next batch's input distribution may still be in flight: the pipeline lives until the parameters are read
+    module.train_pipeline = pipeline
 
 
 def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:

@@ -85,6 +85,9 @@ class TrainPipelineSharding(TorchRecSharding):
         refuse_changed_hooks(self, TrainPipelineSharding, "sharded_module", "load_initial_state", "full_state",
                              "trainer", "table_optimizer", "dense_optimizer", "dense_step", "initial_state", "sharder",
                              "_plan")
+        if self.pipeline == "prefetch":  # the script runs on the CPU, where the setting is refused (`run`)
+            raise Unsupported("PrefetchTrainPipelineSparseDist prefetches on a device stream, and the script runs on "
+                              "the CPU, where its forward asserts; repro.py reproduces the case through difftest")
         tables = case.generator.embedding_tables(case.spec)
         if tables is None:
             raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")
@@ -98,7 +101,9 @@ class TrainPipelineSharding(TorchRecSharding):
              sharded_with_fused_sgd, NoDenseParameters, pipeline_batch, batch_model, script.distribute,
              script.sgd_on_share, script.full_parameters),
             {"sharding": self.sharding, "plan_seed": self.plan_seed, "local_world_size": case.local_world_size,
-             "lr": case.lr, "pipeline": PIPELINES[self.pipeline], "inputs": arity}, libraries=("fbgemm-gpu",))
+             "lr": case.lr, "pipeline": PIPELINES[self.pipeline], "inputs": arity,
+             "batches": case.steps},  # as many as the run's pipeline was given: it ran a batch ahead at every step
+            libraries=("fbgemm-gpu",))
         return dataclasses.replace(made, preamble=(
             *made.preamble, "import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}", f"INPUTS = {INPUTS!r}",
             f"WRAPPED = {WRAPPED!r}"))

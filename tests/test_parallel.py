@@ -399,6 +399,14 @@ def test_torchrec_train_pipelines_train_as_the_plain_loop_a_batch_ahead(tmp_path
     emitted.path.write_text(text.replace(dense, 'torch.optim.SGD(dense, lr=2 * case["lr"])'))
     planted = check_script(emitted.path, timeout_s=120)
     assert planted.exit_code == 1 and "BUG PRESENT" in planted.output, planted.output[-3000:]
+    # a divergence at the first of the run's two steps: one step compared, the pipeline still given both batches (it
+    # ran a batch ahead there)
+    first = emit(run_dir, "P1", "a train-pipeline finding", "inconsistent", run_dir / "models" / "torchrec-dlrm-s0-i0",
+                 settings[0], "param_after_step1/over_arch.model.0.weight",
+                 envelope_spread(run_dir, "torchrec-dlrm-s0-i0", settings[0]), Tolerance(), check_timeout_s=120)
+    assert first.path is not None and first.checked is not None, first.why_not
+    assert first.checked.exit_code == 0, first.checked.output[-3000:]
+    assert "'steps': 1" in first.path.read_text() and "'batches': 2" in first.path.read_text()
     assert verdicts[("dlrm-s0-i0", settings[1])] == "ok"  # the base pipeline traces nothing
     assert verdicts[("torchrec-dlrm-s0-i0", settings[2])] == "unsupported"
     assert "device stream" in messages[("torchrec-dlrm-s0-i0", settings[2])]

@@ -393,6 +393,12 @@ def test_with_a_shrink_budget_a_scripts_trace_and_trials_share_one_lent_server(t
                 assert done.reduction.kept_edits == 4 and not done.reduction.trials_failed, done.reduction
                 assert "padding" not in script.read_text() and "x = x + 1" in script.read_text()
                 assert len(started) == 1 and len(servers._idle) == 1, (started, servers._idle)
+        # a server that dies while lent (a trial's failure is told in its finding, not raised) is not lent again
+        with servers.lease(script) as server:
+            assert server is not None
+            server._process.kill()
+            server._process.wait()
+        assert servers.stopped and not servers._idle
     finally:
         servers.close()
 

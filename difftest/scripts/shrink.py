@@ -209,6 +209,10 @@ class TrialServer:
             output = f"timed out after {timeout_s:.0f} s: {output}"
         return Checked(code, time.perf_counter() - started, output), lines
 
+    @property
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):
             if self._process.stdin:

@@ -259,8 +259,8 @@ class TraceServers:
         script = absolute(script)  # the fork runs it from the folder above its own
         try:
             modules = script_modules(script.read_text())
-        except SyntaxError:  # a fresh run says how it fails
-            modules = ["a script that does not parse"]
+        except (SyntaxError, ValueError, TypeError, OSError):  # a fresh run says how it fails
+            modules = ["a script whose imports cannot be read"]
         forkable = all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names for m in modules)
         with self._lock:
             lent = forkable and not self._stopped and (bool(self._idle) or self._started < MOST_TRACE_SERVERS)
@@ -280,6 +280,9 @@ class TraceServers:
         except BaseException:
             self._stop(server)
             raise
+        if not server.alive:  # it stopped answering in the block (a trial's failure, told in its finding)
+            self._stop(server)
+            return
         with self._lock:
             if not self._stopped:
                 self._idle.append(server)

@@ -123,7 +123,6 @@ for line in sys.stdin:
 '''
 
 
-
 @dataclass(frozen=True)
 class Shrinking:
     """What the trials came to."""

@@ -259,9 +259,9 @@ class TraceServers:
         script = absolute(script)  # the fork runs it from the folder above its own
         try:
             modules = script_modules(script.read_text())
-        except (SyntaxError, ValueError, TypeError, OSError):  # a fresh run says how it fails
-            modules = ["a script whose imports cannot be read"]
-        forkable = all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names for m in modules)
+            forkable = all(m.split(".")[0] in FORKABLE or m.split(".")[0] in sys.stdlib_module_names for m in modules)
+        except (SyntaxError, ValueError, TypeError, OSError):  # its imports cannot be read: a fresh run says how it fails
+            forkable = False
         with self._lock:
             lent = forkable and not self._stopped and (bool(self._idle) or self._started < MOST_TRACE_SERVERS)
             server = self._idle.pop() if lent and self._idle else None  # else one is started below

@@ -64,6 +64,12 @@ class FsdpTensorParallel(Setting):
         return across(self.world_size, SHARDED | {"all_reduce"})
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        return self.trained(ctx, model, inputs)
+
+    def trained(self, ctx: RunContext, model: Any, inputs: Any,
+                before_step: Callable[[Any], None] | None = None) -> Outputs | None:
+        """The model parallelized and trained as this setting does; `before_step(module)` runs between each step's
+        backward and its optimizer step (a composing setting's gradient clipping)."""
         fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device, before the mesh is made
         mesh = _mesh(ctx, self.data_parallel, self.tensor_parallel)
         tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
@@ -73,7 +79,7 @@ class FsdpTensorParallel(Setting):
         ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in layout["plan"].items())
         dp_index = mesh["dp"].get_local_rank()
         return tensor_parallel.train(ctx, model, inputs, module, data_shard=(dp_index, self.data_parallel),
-                                     outputs_whole=True)
+                                     outputs_whole=True, before_step=before_step)
 
     def layout(self, model: Any, module: Any, plan: dict[str, Any]) -> dict[str, Any]:
         """What `distribute` needs: the mesh's shape, the tensor-parallel plan (module name → ParallelStyle, or a
@@ -87,8 +93,14 @@ class FsdpTensorParallel(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, FsdpTensorParallel)
 
-        from difftest import Inputs, LoadedModel
         from settings._training_script import training_script
+
+        return training_script(case, *self.script_parts(case))
+
+    def script_parts(self, case: StandaloneCase) -> tuple[str, int, tuple[Any, ...], dict[str, Any]]:
+        """What `training_script` takes for this setting: the summary, the world size, the functions copied and the
+        layout `distribute` reads."""
+        from difftest import Inputs, LoadedModel
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         module = model.build("cpu")
@@ -96,11 +108,10 @@ class FsdpTensorParallel(Setting):
         own, fields = own_plan(case, model, module, self.tensor_parallel, self.sequence_parallel, False)
         plan = {} if own else tensor_parallel.derived_plan(model, module, Inputs(case.inputs["train"],
                                                                                   case.inputs["eval"]), "cpu")
-        return training_script(case, f"{self.describe()}: parallelize_module with "
-                               f"{own or 'column-/row-wise pairs (' + ', '.join(plan) + ')'}, then fully_shard",
-                               self.world_size, (fully_shard_for, make_contiguous, parallel_style,
-                                                 whole_outputs_and_gradients, stepping, distribute, full_parameters),
-                               {**self.layout(model, module, plan), **fields})
+        return (f"{self.describe()}: parallelize_module with "
+                f"{own or 'column-/row-wise pairs (' + ', '.join(plan) + ')'}, then fully_shard", self.world_size,
+                (fully_shard_for, make_contiguous, parallel_style, whole_outputs_and_gradients, stepping, distribute,
+                 full_parameters), {**self.layout(model, module, plan), **fields})
 
 
 def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> Any:

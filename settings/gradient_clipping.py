@@ -1,8 +1,10 @@
 """Gradient clipping: the global gradient norm computed over every parameter and the gradients scaled to `MAX_NORM`
-before each SGD step, in one process (the family's root) and under DDP, legacy FSDP and FSDP2, each as its users
-clip: `torch.nn.utils.clip_grad_norm_` over DDP's replicated gradients and over FSDP2's sharded DTensor gradients
-(the total norm a DTensor reduced across the shards), `FullyShardedDataParallel.clip_grad_norm_` for legacy FSDP (its
-documented way: the plain function would see only each rank's shard).
+before each SGD step, in one process (the family's root) and under DDP, legacy FSDP, FSDP2, tensor parallel and
+FSDP2 × tensor parallel, each as its users clip: `torch.nn.utils.clip_grad_norm_` over DDP's replicated gradients,
+over FSDP2's sharded DTensor gradients (the total norm a DTensor reduced across the shards) and over the DTensor
+gradients of a tensor-parallel plan (the `tp` settings' and the `fsdp2-tp` settings' training, the model's own plan
+where it has one), `FullyShardedDataParallel.clip_grad_norm_` for legacy FSDP (its documented way: the plain
+function would see only each rank's shard).
 
 `MAX_NORM` is small enough that every generated model's gradient norm exceeds it, so the clipping really scales
 (each case notes the norm it found). Besides what every training setting records, each step records the total norm
@@ -10,8 +12,8 @@ the clipping function returned (`train_step<i>/grad_norm`): a wrong norm and a w
 calibrated envelope of the single-process root with the same norm type.
 """
 
-# ruff: noqa: F821 -- `backward_on_share` calls the model's `model_loss` and reads `CLIP_NORM`, which a standalone
-# script defines before it
+# ruff: noqa: F821 -- `backward_on_share` calls the model's `model_loss`, reads `CLIP_NORM` and enters `stepping`, which
+# a standalone script defines before it
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 # what a standalone script defines before `backward_on_share` (declared so that this module checks)
 model_loss: Callable[..., Any]
+stepping: Callable[..., Any]
 CLIP_NORM: float
 
 MAX_NORM = 0.01
@@ -186,9 +189,11 @@ def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
 
 
 def backward_on_share(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> None:
-    """A standalone script's backward pass of samples start..stop, then the clipping (the single process's too)."""
-    model_loss(module, data, start, stop, dtype).backward()
-    clip(module, CLIP_NORM)
+    """A standalone script's backward pass of samples start..stop, then the clipping (the single process's too), inside
+    what the setting's steps run in (tensor parallel's implicit replication)."""
+    with stepping(module):
+        model_loss(module, data, start, stop, dtype).backward()
+        clip(module, CLIP_NORM)
 
 
 def clipped_training(ctx: RunContext, model: Any, inputs: Any, wrapped: Any, norm_type: float) -> Outputs | None:
@@ -211,6 +216,11 @@ def clipped_training(ctx: RunContext, model: Any, inputs: Any, wrapped: Any, nor
         return full if ctx.rank == 0 else None
 
     outputs = record_training(ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device), train_step, read)
+    return with_norms(ctx, outputs, norms)
+
+
+def with_norms(ctx: RunContext, outputs: Outputs | None, norms: list[float]) -> Outputs | None:
+    """`outputs` (rank 0's) with the total norm each step's clipping returned, which the case's notes also say."""
     ctx.notes["total norm before clipping"] = ", ".join(f"{n:.4g}" for n in norms) + f" (max_norm {MAX_NORM:g})"
     if outputs is not None:
         for step, total in enumerate(norms, 1):
@@ -218,7 +228,64 @@ def clipped_training(ctx: RunContext, model: Any, inputs: Any, wrapped: Any, nor
     return outputs
 
 
+@dataclass(frozen=True)
+class TensorParallelClipping(GradientClipping):
+    """`clip_grad_norm_` over tensor-parallel gradients: tensor parallel alone (every rank on the whole batch, as the
+    `tp` settings train) or FSDP2 over `world_size / 2` data-parallel groups × tensor parallel over 2 ranks (a 2-D
+    mesh, as the `fsdp2-tp` settings train), with the model's own plan where it has one (its norms and embeddings
+    in it with sequence parallel), else the column-/row-wise pairs."""
+
+    wrap: str = "tp"
+    sequence_parallel: bool = False
+    tier_axes: ClassVar[tuple[str, ...]] = ()  # one representative: the cheapest, 2 ranks
+
+    @property
+    def name(self) -> str:
+        return f"clip/{self.wrap}{'-sp' if self.sequence_parallel else ''}/norm{self.norm}/ws{self.world_size}"
+
+    def describe(self) -> str:
+        return (f"gradients clipped to {self.norm}-norm {MAX_NORM:g} before each SGD step, "
+                f"{self.parallel().describe()}")
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, SHARDED | {"all_reduce"})
+
+    def parallel(self) -> Any:
+        """The tensor-parallel setting whose training this one clips."""
+        from settings.fsdp_tp import FsdpTensorParallel
+        from settings.tensor_parallel import TensorParallel
+
+        if self.wrap == "tp":
+            return TensorParallel(self.world_size, self.sequence_parallel)
+        return FsdpTensorParallel(self.world_size // 2, 2, self.sequence_parallel)
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        norms: list[float] = []
+
+        def clip_before_step(module: Any) -> None:
+            if not any(p.requires_grad for p in module.parameters()):
+                raise Unsupported("every parameter is frozen: there is no gradient to clip")
+            norms.append(clip(module, NORMS[self.norm]))
+
+        return with_norms(ctx, self.parallel().trained(ctx, model, inputs, before_step=clip_before_step), norms)
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, TensorParallelClipping)
+
+        from settings._training_script import training_script
+
+        summary, world_size, functions, layout = self.parallel().script_parts(case)
+        script = training_script(case, f"{summary}; the gradients clipped to {self.norm}-norm {MAX_NORM:g} after each "
+                                 "backward (torch.nn.utils.clip_grad_norm_)", world_size,
+                                 (*functions, clip, backward_on_share), layout)
+        return dataclasses.replace(script, preamble=(*script.preamble, "", f"MAX_NORM = {MAX_NORM!r}",
+                                                     f"CLIP_NORM = float({self.norm!r})"))
+
+
 register_settings(
     [ClipReference(norm=norm) for norm in NORMS]
     + [GradientClipping(ws, wrap, norm) for norm in NORMS for wrap in WRAPS[1:] for ws in (2, 4)]
+    + [TensorParallelClipping(ws, "tp", norm, sp) for norm in NORMS for sp in (False, True) for ws in (2, 4)]
+    + [TensorParallelClipping(4, "fsdp2-tp", norm, sp) for norm in NORMS for sp in (False, True)]
 )

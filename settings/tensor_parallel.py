@@ -17,7 +17,7 @@ computed under `loss_parallel()`; it applies to those plans only (a derived plan
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -128,9 +128,15 @@ class TensorParallel(Setting):
         return across(self.world_size, SHARDED | {"all_reduce"})
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        return self.trained(ctx, model, inputs)
+
+    def trained(self, ctx: RunContext, model: Any, inputs: Any,
+                before_step: Callable[[Any], None] | None = None) -> Outputs | None:
+        """The model parallelized and trained as this setting does; `before_step(module)` runs between each step's
+        backward and its optimizer step (a composing setting's gradient clipping)."""
         module = build_for_training(model, ctx.device)
         self.parallelize(ctx, model, module, inputs, device_mesh(ctx, name="tp"))
-        return self.train(ctx, model, inputs, module, data_shard=(0, 1))
+        return self.train(ctx, model, inputs, module, data_shard=(0, 1), before_step=before_step)
 
     def parallelize(self, ctx: RunContext, model: Any, module: Any, inputs: Any, mesh: Any) -> None:
         """Apply this setting's plan over the 1-D tensor-parallel `mesh`, in place."""
@@ -141,10 +147,10 @@ class TensorParallel(Setting):
         ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in plan.items())
 
     def train(self, ctx: RunContext, model: Any, inputs: Any, module: Any, data_shard: tuple[int, int],
-              outputs_whole: bool = False) -> Outputs | None:
+              outputs_whole: bool = False, before_step: Callable[[Any], None] | None = None) -> Outputs | None:
         """Plain SGD on the share `data_shard` of the batch through a parallelized module (ranks of one
         tensor-parallel group share a data share); `outputs_whole`: the module already hands back whole outputs and
-        gradients (`whole_outputs_and_gradients`, registered by a `distribute`)."""
+        gradients (`whole_outputs_and_gradients`, registered by a `distribute`); `before_step` as `trained` says."""
         import contextlib
 
         import torch
@@ -168,6 +174,8 @@ class TensorParallel(Setting):
                 training[0] = False
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
+            if before_step is not None:
+                before_step(module)
             optimizer.step()
             return loss.item()
 
@@ -178,8 +186,14 @@ class TensorParallel(Setting):
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, TensorParallel, "style")
 
-        from difftest import Inputs, LoadedModel
         from settings._training_script import training_script
+
+        return training_script(case, *self.script_parts(case))
+
+    def script_parts(self, case: StandaloneCase) -> tuple[str, int, tuple[Any, ...], dict[str, Any]]:
+        """What `training_script` takes for this setting: the summary, the world size, the functions copied and the
+        layout `distribute` reads."""
+        from difftest import Inputs, LoadedModel
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         module = model.build("cpu")
@@ -188,11 +202,11 @@ class TensorParallel(Setting):
         described = own or ", ".join(f"{name}: {_describe(parallel_style(spec))}" for name, spec in plan.items())
         if self.loss_parallel:
             described += "; the cross-entropy on the vocabulary-sharded logits under loss_parallel()"
-        return training_script(case, f"Tensor parallel (parallelize_module; {described})", self.world_size,
-                               (parallel_style, keep_dtensor_activations, whole_outputs_and_gradients, stepping,
-                                distribute, full_parameters, *((backward_on_share,) if self.loss_parallel else ())),
-                               {"plan": plan, "data_parallel": 1, "loss_parallel": self.loss_parallel,
-                                "dtensor_activations": self.dtensor_activations, **fields})
+        return (f"Tensor parallel (parallelize_module; {described})", self.world_size,
+                (parallel_style, keep_dtensor_activations, whole_outputs_and_gradients, stepping, distribute,
+                 full_parameters, *((backward_on_share,) if self.loss_parallel else ())),
+                {"plan": plan, "data_parallel": 1, "loss_parallel": self.loss_parallel,
+                 "dtensor_activations": self.dtensor_activations, **fields})
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,7 @@ def test_gradient_clipping_clips_as_one_process_does_and_the_infinity_norm_on_an
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1))
-    run_sweep(run_dir, SweepOptions(settings="clip/*/ws2"))
+    run_sweep(run_dir, SweepOptions(settings="clip/ddp/*/ws2,clip/fsdp1/*/ws2,clip/fsdp2/*/ws2"))
     analysis = analyze(run_dir)
     verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
     assert all(verdicts[f"clip/{wrap}/norm2/ws2"] == "ok" for wrap in ("ddp", "fsdp1", "fsdp2")), verdicts
@@ -249,6 +249,37 @@ def test_gradient_clipping_clips_as_one_process_does_and_the_infinity_norm_on_an
                    {}, Tolerance(), check_timeout_s=180, message=str(found.example["message"]))
     assert emitted.checked is not None and emitted.checked.reproduces, emitted.checked
     assert "import difftest" not in emitted.path.read_text()  # type: ignore[union-attr]
+
+
+def test_clipping_tensor_parallel_gradients_agrees_where_the_plan_covers_every_parameter(tmp_path: Path) -> None:
+    """A transformer's own plan with sequence parallel puts every parameter in DTensor: clip_grad_norm_ under tensor
+    parallel and under FSDP2 × tensor parallel then clips as one process does (the total norm compared too). Without
+    sequence parallel its norms stay outside the plan, FSDP2 shards them on the data-parallel mesh alone, and
+    clipping fails on the two meshes (a library bug the manifest knows); that case's script shows it alone."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.scripts.write import emit
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",)))
+    run_sweep(run_dir, SweepOptions(settings="clip/tp-sp/norm2/ws2,clip/fsdp2-tp-sp/norm2/ws4,clip/fsdp2-tp/norm2/ws4"))
+    analysis = analyze(run_dir)
+    verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
+    assert verdicts["clip/tp-sp/norm2/ws2"] == verdicts["clip/fsdp2-tp-sp/norm2/ws4"] == "ok", verdicts
+    assert verdicts["clip/fsdp2-tp/norm2/ws4"] == "error", verdicts
+    compared = analysis.comparisons[analysis.comparisons["setting"].isin(["clip/tp-sp/norm2/ws2",
+                                                                          "clip/fsdp2-tp-sp/norm2/ws4"])]
+    assert set(compared[compared["tensor"] == "grad_norm"]["setting"]) == {"clip/tp-sp/norm2/ws2",
+                                                                           "clip/fsdp2-tp-sp/norm2/ws4"}
+    found = next(f for f in triage(run_dir, analysis) if f.status == "error")
+    assert found.known is not None and found.known.id == "clip-grad-norm-mixed-meshes"
+    emitted = emit(run_dir, "C2", found.title, "error", run_dir / "models" / "transformer-s0-i0",
+                   "clip/fsdp2-tp/norm2/ws4", "", {}, Tolerance(), check_timeout_s=180,
+                   message=str(found.example["message"]))
+    assert emitted.checked is not None and emitted.checked.reproduces, emitted.checked
+    assert "clip_grad_norm_" in emitted.path.read_text()  # type: ignore[union-attr]
 
 
 @pytest.mark.needs_tf

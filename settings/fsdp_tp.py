@@ -1,7 +1,10 @@
 """2-D parallelism, torchtitan's way: tensor parallel inside groups of `tp` ranks, FSDP2 across the `dp` groups, on
 one (dp, tp) device mesh. Every rank of a tensor-parallel group trains on the same share of the batch; the dp
 groups split the batch. The model's own tensor-parallel plan runs where it has one (a transformer), the derived
-column-/row-wise pairs elsewhere; FSDP2 then wraps per block (or per parameter-holding layer) and the root.
+column-/row-wise pairs elsewhere; FSDP2 then wraps per block (or per parameter-holding layer) and the root, with the
+`MixedPrecisionPolicy` of the FSDP2 family's `policy` (torchtitan's bf16 parameters reduced in fp32, and the two
+bf16 reductions). A reduced-precision variant is judged as the FSDP2 family judges its own: against FSDP2 on one
+rank with the same policy, by bf16's tolerance.
 """
 
 # ruff: noqa: F821 -- `distribute` calls a kind's own `model_tp_plan`, which a standalone script of its model defines
@@ -17,6 +20,7 @@ from difftest import (
     Outputs,
     RunContext,
     Setting,
+    Tolerance,
     across,
     refuse_changed_hooks,
     register_settings,
@@ -26,7 +30,7 @@ from settings._compat import fully_shard_for
 from settings._tp_apply import parallel_style, stepping, whole_outputs_and_gradients
 from settings._tp_plan import _describe, own_plan
 from settings._training import build_for_training, full_parameters, parameter_holders
-from settings.fsdp import make_contiguous
+from settings.fsdp import BF16_TOLERANCE, PRECISIONS, FullyShard, make_contiguous, mixed_precision
 from settings.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -43,6 +47,7 @@ class FsdpTensorParallel(Setting):
     data_parallel: int
     tensor_parallel: int
     sequence_parallel: bool = False
+    policy: str = "fp32"  # a key of the FSDP2 family's PRECISIONS: the compute dtype, then the gradient reduction's
     family: ClassVar[str] = "fsdp2-tp"
     tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel",)
 
@@ -53,11 +58,26 @@ class FsdpTensorParallel(Setting):
     @property
     def name(self) -> str:
         style = "sequence-parallel" if self.sequence_parallel else "colwise-rowwise"
-        return f"fsdp2-tp/dp{self.data_parallel}-tp{self.tensor_parallel}/{style}/ws{self.world_size}"
+        policy = f"/{self.policy}" if self.policy != "fp32" else ""
+        return f"fsdp2-tp/dp{self.data_parallel}-tp{self.tensor_parallel}/{style}{policy}/ws{self.world_size}"
 
     def describe(self) -> str:
+        param, reduce = PRECISIONS[self.policy]
+        policy = (f", {param or 'fp32'} compute, gradients reduced in {reduce or 'fp32'}" if self.policy != "fp32"
+                  else "")
         return (f"FSDP2 over {self.data_parallel} data-parallel groups × tensor parallel over {self.tensor_parallel} "
-                f"ranks{' with sequence parallel' if self.sequence_parallel else ''} (2-D mesh)")
+                f"ranks{' with sequence parallel' if self.sequence_parallel else ''} (2-D mesh){policy}")
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return "reference" if self.policy == "fp32" else FullyShard(1, "per-layer", True, self.policy).name
+
+    @property
+    def precision(self) -> str:  # type: ignore[override]
+        return "fp32" if self.policy == "fp32" else "bf16"
+
+    def tolerance(self, default: Tolerance) -> Tolerance:
+        return BF16_TOLERANCE if self.precision == "bf16" else default
 
     @property
     def collectives(self) -> frozenset[str]:
@@ -88,7 +108,8 @@ class FsdpTensorParallel(Setting):
         units = [name for name, unit in model.blocks(module) or parameter_holders(module)
                  if any(p.requires_grad for p in unit.parameters())]
         return {"mesh": [self.data_parallel, self.tensor_parallel], "plan": plan, "units": units,
-                "data_parallel": self.data_parallel}
+                "data_parallel": self.data_parallel, "dtypes": PRECISIONS[self.policy],
+                "blocks": model.blocks(module) is not None}
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, FsdpTensorParallel)
@@ -110,8 +131,8 @@ class FsdpTensorParallel(Setting):
                                                                                   case.inputs["eval"]), "cpu")
         return (f"{self.describe()}: parallelize_module with "
                 f"{own or 'column-/row-wise pairs (' + ', '.join(plan) + ')'}, then fully_shard", self.world_size,
-                (fully_shard_for, make_contiguous, parallel_style, whole_outputs_and_gradients, stepping, distribute,
-                 full_parameters), {**self.layout(model, module, plan), **fields})
+                (fully_shard_for, make_contiguous, mixed_precision, parallel_style, whole_outputs_and_gradients,
+                 stepping, distribute, full_parameters), {**self.layout(model, module, plan), **fields})
 
 
 def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> Any:
@@ -129,9 +150,11 @@ def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> A
     styles = model_tp_plan(module, *layout["own_plan"]) if "own_plan" in layout else layout["plan"]
     plan = {name: parallel_style(s) if isinstance(s, dict) else s for name, s in styles.items()}
     parallelize_module(module, mesh["tp"], plan)
+    dtypes = layout.get("dtypes", (None, None))
     for name in reversed(layout["units"]):
-        fully_shard(module.get_submodule(name), mesh=mesh["dp"])
-    fully_shard(module, mesh=mesh["dp"])
+        fully_shard(module.get_submodule(name), mesh=mesh["dp"],
+                    mp_policy=mixed_precision(dtypes, inner=layout.get("blocks", False)))
+    fully_shard(module, mesh=mesh["dp"], mp_policy=mixed_precision(dtypes, inner=False))
     whole_outputs_and_gradients(module)  # a sharded output handed back whole, as the tensor-parallel training does
     return module
 
@@ -149,4 +172,14 @@ def _mesh(ctx: RunContext, dp: int, tp: int) -> Any:
     return _MESHES[(dp, tp)]
 
 
+@dataclass(frozen=True)
+class MixedPrecisionFsdpTensorParallel(FsdpTensorParallel):
+    """FSDP2 × tensor parallel with a reduced-precision `MixedPrecisionPolicy`: a class of its own so that the default
+    tier keeps the fp32 pair and these run in the full tier."""
+
+    in_default_tier: ClassVar[bool] = False
+
+
 register_settings(FsdpTensorParallel(2, 2, sp) for sp in (False, True))
+register_settings(MixedPrecisionFsdpTensorParallel(2, 2, sp, policy) for policy in PRECISIONS if policy != "fp32"
+                  for sp in (False, True))

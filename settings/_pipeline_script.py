@@ -2,9 +2,10 @@
 beside the model's functions (`Generator.standalone_model`: `build_model`, `model_loss`, `model_parameters`, and its
 `chain`: `model_chain`, `prediction_loss`) and the pipeline module's (`stages_of`, `stage_examples`,
 `pipeline_schedule`, `ChainStage`; a hybrid's `pipeline_groups`, `wrap_stage`; a re-partitioning's `gather_state`,
-`load_state`, below), which the script defines before these. The steps are the setting's: evaluate once, then SGD
-under the schedule on the whole batch, or each replica on its share (`settings._training.record_training`); with
-momentum where the layout says so, and, for a re-partitioning, the stages cut anew after `move_after` steps."""
+`load_state`, below; a clipped pipeline's `clip_stages`), which the script defines before these. The steps are the
+setting's: evaluate once, then SGD under the schedule on the whole batch, or each replica on its share
+(`settings._training.record_training`); with momentum where the layout says so, the gradients clipped where it says
+`clipping`, and, for a re-partitioning, the stages cut anew after `move_after` steps."""
 
 # ruff: noqa: F821 -- the model's and the pipeline's functions are defined in the script, before these
 
@@ -29,6 +30,7 @@ stage_examples: Callable[..., dict[int, tuple]]
 pipeline_schedule: Callable[..., Any]
 pipeline_groups: Callable[..., dict[str, Any]]
 wrap_stage: Callable[..., Any]
+clip_stages: Callable[..., float]
 
 
 def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
@@ -42,6 +44,8 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
         optimizer.zero_grad()
         for i in range(count):
             (model_loss(module, data, i * size, (i + 1) * size, dtype) / count).backward()
+        if "clipping" in layout:  # a clipped pipeline's (only its script defines clip_stages)
+            clip_stages([module], layout["clipping"], None)
         optimizer.step()
     return parameters_after(model_parameters(module), case)
 
@@ -90,6 +94,8 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
             module, modules, wrapped, schedule, optimizer = place(layout["moved_starts"])
             load_state(held(), optimizer, handed)
         run("train")
+        if "clipping" in layout:  # across the pipeline's ranks, before the step
+            clip_stages(modules.values(), layout["clipping"], groups["pp"])
         if optimizer is not None:  # a step, and the gradients gone before the next
             optimizer.step()
             optimizer.zero_grad()

@@ -101,12 +101,35 @@ def _stage_parameters(chain: Any, modules: dict[int, Any], wrapped: dict[int, An
                     m.reshard()
 
 
+def clip_stages(stages: Any, clipping: dict[str, Any], group: Any) -> float:
+    """Clip the gradients of this rank's `stages` as torchtitan clips a pipeline's: the norm of the rank's own
+    gradients (`torch.nn.utils.get_total_norm`), reduced over the pipeline's ranks in `group` (the p-th powers summed,
+    the largest for the infinity norm; no group: one process holds the whole model), then every gradient scaled by it
+    (`torch.nn.utils.clip_grads_with_norm_`). `clipping`: the norm ("2", "inf") and the largest allowed. The total
+    norm before clipping."""
+    import torch
+    import torch.distributed as dist
+
+    norm_type = float(clipping["norm"])
+    parameters = [p for stage in stages for p in stage.parameters() if p.requires_grad and p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type)
+    if group is not None:
+        if norm_type == float("inf"):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, group=group)
+            total = total ** (1.0 / norm_type)
+    torch.nn.utils.clip_grads_with_norm_(parameters, clipping["max_norm"], total)
+    return float(total)
+
+
 def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_size: int, optimizer: str,
                     detail: str = "", steps: int | None = None) -> Script:
     """The script of a pipeline (`settings._pipeline_script`): the model's layer chain cut into stages as
     `layout_of(chain)` says (the keys `stages_of` and `pipeline_schedule` read; a hybrid's `data_parallel` and `inner`,
-    a re-partitioning's `momentum`, `move_after` and `moved_starts`), evaluated once, then the steps under the schedule,
-    compared with one process accumulating the same micro-batches' gradients."""
+    a re-partitioning's `momentum`, `move_after` and `moved_starts`, a clipped pipeline's `clipping`), evaluated once,
+    then the steps under the schedule, compared with one process accumulating the same micro-batches' gradients."""
     from difftest import ChainStage
     from settings._pipeline_script import gather_state, load_state, on_rank, single_process
     from settings._training_script import parameters_after, trained_parameters
@@ -131,7 +154,8 @@ def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_
         functions=(*model.functions, *model.chain, to_numpy, parameters_after, ChainStage, PipelineSchedule,
                    stages_of, stage_examples, pipeline_schedule,
                    *((make_contiguous, fully_shard_for, pipeline_groups, wrap_stage) if hybrid else ()),
-                   *((gather_state, load_state) if "move_after" in layout else ()), single_process, on_rank),
+                   *((gather_state, load_state) if "move_after" in layout else ()),
+                   *((clip_stages,) if "clipping" in layout else ()), single_process, on_rank),
         preamble=(*model.preamble, "import inspect"),
         tensors=tensors,
         data={**model.data, **case.inputs["eval"].to_arrays("eval")}, world_size=world_size)

@@ -30,7 +30,7 @@ from settings._compat import fully_shard_for
 from settings._tp_apply import parallel_style, stepping, whole_outputs_and_gradients
 from settings._tp_plan import _describe, own_plan
 from settings._training import build_for_training, full_parameters, parameter_holders
-from settings.fsdp import BF16_TOLERANCE, PRECISIONS, FullyShard, make_contiguous, mixed_precision
+from settings.fsdp import BF16_TOLERANCE, PRECISIONS, FullyShard, fsdp2_units, make_contiguous, mixed_precision
 from settings.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -104,9 +104,14 @@ class FsdpTensorParallel(Setting):
     def layout(self, model: Any, module: Any, plan: dict[str, Any]) -> dict[str, Any]:
         """What `distribute` needs: the mesh's shape, the tensor-parallel plan (module name → ParallelStyle, or a
         derived plan's spec for `parallel_style`) and FSDP2's units (a transformer's blocks, else every layer holding
-        a parameter, those with a trainable one)."""
-        units = [name for name, unit in model.blocks(module) or parameter_holders(module)
-                 if any(p.requires_grad for p in unit.parameters())]
+        a parameter, those with a trainable one; under a reduced-precision policy the FSDP2 family's units, frozen
+        layers included: a frozen layer left to the root would take its bf16 weights to the fp32 output of the unit
+        before it, and the one-rank run it is judged against cuts the model there too)."""
+        if self.policy == "fp32":
+            units = [name for name, unit in model.blocks(module) or parameter_holders(module)
+                     if any(p.requires_grad for p in unit.parameters())]
+        else:
+            units = [name for name, _ in fsdp2_units(model, module)]
         return {"mesh": [self.data_parallel, self.tensor_parallel], "plan": plan, "units": units,
                 "data_parallel": self.data_parallel, "dtypes": PRECISIONS[self.policy],
                 "blocks": model.blocks(module) is not None}

@@ -27,6 +27,7 @@ import numpy as np
 
 from difftest import (
     DATA_PARALLEL,
+    POINT_TO_POINT,
     SHARDED,
     Outputs,
     RunContext,
@@ -283,9 +284,73 @@ class TensorParallelClipping(GradientClipping):
                                                      f"CLIP_NORM = float({self.norm!r})"))
 
 
+@dataclass(frozen=True)
+class PipelineClipping(GradientClipping):
+    """Clipping across a pipeline's stages as torchtitan clips (`settings._pipeline_stages.clip_stages`): each rank
+    the norm of its own stages' gradients, reduced over the pipeline's ranks, then its gradients scaled by it; the
+    training of the `pipeline` setting of `schedule` over `world_size` ranks, each rank's micro-batch count."""
+
+    wrap: str = "pipeline"
+    schedule: str = "1f1b"
+    tier_axes: ClassVar[tuple[str, ...]] = ()  # one representative: the cheapest
+
+    @property
+    def name(self) -> str:
+        return f"clip/pipeline/{self.schedule}/norm{self.norm}/ws{self.world_size}"
+
+    def describe(self) -> str:
+        return (f"gradients clipped to {self.norm}-norm {MAX_NORM:g} across the stages (torchtitan's way) before each "
+                f"SGD step, {self.parallel().describe()}")
+
+    def parallel(self) -> Any:
+        """The pipeline setting whose training this one clips."""
+        from settings.pipeline import Pipeline
+
+        return Pipeline(self.schedule, self.world_size, self.world_size)
+
+    def available(self) -> str | None:
+        import torch
+
+        if not hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+            return f"torch {torch.__version__} has no torch.nn.utils.get_total_norm / clip_grads_with_norm_ (2.6 has)"
+        return self.parallel().available()
+
+    def judges(self, tensor_name: str) -> bool:
+        return bool(self.parallel().judges(tensor_name))
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.world_size, POINT_TO_POINT | {"all_reduce"})
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        from settings._pipeline_stages import clip_stages
+
+        norms: list[float] = []
+        clipping = {"norm": self.norm, "max_norm": MAX_NORM}
+        outputs = self.parallel().trained(
+            ctx, model, inputs, before_step=lambda stages, group: norms.append(clip_stages(stages.values(), clipping,
+                                                                                           group)))
+        return with_norms(ctx, outputs, norms)
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, PipelineClipping)
+
+        from settings._pipeline_stages import pipeline_script
+
+        pipeline = self.parallel()
+        return pipeline_script(case, pipeline.describe(),
+                               lambda chain: {**pipeline.layout(chain, case.seed),
+                                              "clipping": {"norm": self.norm, "max_norm": MAX_NORM}},
+                               self.world_size, f"plain SGD, the gradients clipped to {self.norm}-norm {MAX_NORM:g} "
+                               "across the stages before each step (torchtitan's way: each rank's norm reduced over "
+                               "the pipeline's ranks)")
+
+
 register_settings(
     [ClipReference(norm=norm) for norm in NORMS]
     + [GradientClipping(ws, wrap, norm) for norm in NORMS for wrap in WRAPS[1:] for ws in (2, 4)]
     + [TensorParallelClipping(ws, "tp", norm, sp) for norm in NORMS for sp in (False, True) for ws in (2, 4)]
     + [TensorParallelClipping(4, "fsdp2-tp", norm, sp) for norm in NORMS for sp in (False, True)]
+    + [PipelineClipping(ws, "pipeline", norm, schedule) for norm in NORMS
+       for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble") for ws in (2, 4)]
 )

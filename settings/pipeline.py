@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -189,6 +190,13 @@ class Pipeline(Setting):
         return across(self.world_size, POINT_TO_POINT | (DATA_PARALLEL | SHARDED if self.data_parallel > 1 else frozenset()))
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        return self.trained(ctx, model, inputs)
+
+    def trained(self, ctx: RunContext, model: Any, inputs: Any,
+                before_step: Callable[[dict[int, Any], Any], None] | None = None) -> Outputs | None:
+        """The model cut into stages and trained under the schedule as this setting does; `before_step(stages,
+        pp_group)` runs on each rank between each step's schedule and its optimizer step, with the rank's own stage
+        modules and the group of its pipeline (a composing setting's gradient clipping)."""
         import torch
 
         try:
@@ -239,6 +247,8 @@ class Pipeline(Setting):
                 optimizer.zero_grad()
             _, losses = run_schedule(batch, train=True)
             self.after_backward(ctx, modules)
+            if before_step is not None:
+                before_step(modules, groups["pp"])
             if optimizer is not None:
                 optimizer.step()
             return float(torch.stack([l.detach() for l in losses]).mean()) if holds_last else None

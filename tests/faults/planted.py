@@ -15,6 +15,7 @@ from difftest.contracts.registry import register_settings
 from difftest.contracts.setting import Outputs, RunContext, Setting
 from settings._torchrec_plan import _local_pieces
 from settings.conversion import Conversion
+from settings.gradient_clipping import MAX_NORM, PipelineClipping
 from settings.quant_tensorflow import TensorFlowQuantization
 from settings.quant_torchrec import QuantizedEmbeddings
 from settings.tensorflow import TensorFlowStrategy
@@ -434,6 +435,28 @@ class DeterminismModeProbe(Setting):
 
 
 register_settings([DeterminismModeProbe()])
+
+
+@dataclass(frozen=True)
+class StagesClipAlone(PipelineClipping):
+    """Each pipeline rank clips its stages' gradients by their own norm, never reduced over the pipeline (the mistake
+    torchtitan's pipeline clipping exists to avoid): the stages scale by different factors."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/stages_clip_alone/ws{self.world_size}"
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        from settings._pipeline_stages import clip_stages
+
+        clipping = {"norm": self.norm, "max_norm": MAX_NORM}
+        return self.parallel().trained(ctx, model, inputs,
+                                       before_step=lambda stages, _group: clip_stages(stages.values(), clipping, None))
+
+
+register_settings([StagesClipAlone(2)])
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,18 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
         own = keep_dtensor_activations(own)
     parallelize_module(module, mesh, own if own is not None else
                        {name: parallel_style(spec) for name, spec in setting["plan"].items()})
+    if "compiled" in setting:  # a compiled setting's: its units compiled once the plan is applied
+        compile_units(module, setting["compiled"])
     # a script only trains: a loss-parallel model hands its loss the logits sharded, as the setting's training does
     whole_outputs_and_gradients(module, keep_sharded=lambda: setting.get("loss_parallel", False))
     return module
+
+
+def compile_units(module: Any, names: list[str]) -> None:
+    """Each named submodule of a tensor-parallel module compiled in place (`nn.Module.compile`, Inductor), as
+    torchtitan compiles its blocks after applying the plan; "" names the whole module."""
+    for name in names:
+        module.get_submodule(name).compile()
 
 
 def backward_on_share(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> None:

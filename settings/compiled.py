@@ -27,9 +27,11 @@ from difftest import (
     register_settings,
 )
 from settings._compat import fully_shard_for
+from settings._tp_apply import compile_units
 from settings._training import build_for_training, gathered_parameters, train_data_parallel
 from settings.fsdp import make_contiguous
 from settings.gradient_clipping import full_parameters, wrapper_layout
+from settings.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from difftest import Script, StandaloneCase
@@ -164,6 +166,66 @@ class CompiledAutogradTraining(CompiledTraining):
         return outputs
 
 
+@dataclass(frozen=True)
+class CompiledTensorParallel(TensorParallel):
+    """Tensor parallel (the `tp` family's plan and training), then each block compiled (the whole module where the
+    kind has no blocks), as torchtitan compiles its blocks after the plan: Dynamo traces the DTensor parameters and
+    activations the plan leaves, Inductor compiles the local arithmetic. Judged against the compiled one-process run,
+    as the compiled family's distributed runs are."""
+
+    family: ClassVar[str] = "compile"
+    tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel",)
+    in_default_tier: ClassVar[bool] = False  # Inductor: 10-40 s a case on 2 cores
+
+    @property
+    def name(self) -> str:
+        return f"compile/tp{'-sp' if self.sequence_parallel else ''}/ws{self.world_size}"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return CompiledTraining(1, "single").name
+
+    def describe(self) -> str:
+        return f"torch.compile (Inductor) of each block after {super().describe()}"
+
+    def available(self) -> str | None:
+        return inductor_cannot_compile()
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        import torch
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()  # a rank runs many cases: no graph or guard of an earlier model is reused
+        counters.clear()
+        torch._inductor.config.compile_threads = 1  # one compile worker per rank: the ranks share the cores
+        outputs = super().run(ctx, model, inputs)
+        note_compilation(ctx)
+        return outputs
+
+    def parallelize(self, ctx: RunContext, model: Any, module: Any, inputs: Any, mesh: Any) -> None:
+        super().parallelize(ctx, model, module, inputs, mesh)
+        compile_units(module, self.compiled_units(model, module))
+
+    @staticmethod
+    def compiled_units(model: Any, module: Any) -> list[str]:
+        return [name for name, _ in model.blocks(module) or [("", module)]]
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, CompiledTensorParallel, "style", "trained", "parallelize")
+
+        from settings._training_script import training_script
+
+        return training_script(case, *self.script_parts(case))
+
+    def script_parts(self, case: StandaloneCase) -> tuple[str, int, tuple[Any, ...], dict[str, Any]]:
+        from difftest import LoadedModel
+
+        summary, world_size, functions, layout = super().script_parts(case)
+        model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
+        return (f"{summary}, then each block compiled (torch.compile, Inductor)", world_size,
+                (*functions, compile_units), {**layout, "compiled": self.compiled_units(model, model.build("cpu"))})
+
+
 def note_compilation(ctx: RunContext) -> None:
     """How many graphs Dynamo compiled in this process and which graph breaks it took, in the case's notes."""
     from torch._dynamo.utils import counters
@@ -224,4 +286,5 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
 register_settings([CompiledTraining(1, "single")]
                   + [CompiledTraining(ws, wrap) for wrap in ("ddp", "fsdp2") for ws in (2, 4)]
                   + [CompiledAutogradTraining(1, "single")]
-                  + [CompiledAutogradTraining(2, wrap) for wrap in ("ddp", "fsdp2")])
+                  + [CompiledAutogradTraining(2, wrap) for wrap in ("ddp", "fsdp2")]
+                  + [CompiledTensorParallel(2, sp) for sp in (False, True)])

@@ -82,9 +82,7 @@ class FullyShard(Setting):
 
     @property
     def precision(self) -> str:  # type: ignore[override]
-        """The arithmetic the envelope is calibrated for: bf16 wherever the policy rounds to it (parameters or
-        gradients)."""
-        return "fp32" if self.policy == "fp32" else "bf16"
+        return policy_precision(self.policy)
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return BF16_TOLERANCE if self.precision == "bf16" else default
@@ -124,6 +122,12 @@ class FullyShard(Setting):
 
     def sharded(self, ctx: RunContext, module: Any) -> None:
         """Called once the model is sharded, before training (a hook for planted faults)."""
+
+
+def policy_precision(policy: str) -> str:
+    """The arithmetic the envelope is calibrated for under a key of PRECISIONS: bf16 wherever the policy rounds to it
+    (parameters or gradients)."""
+    return "fp32" if policy == "fp32" else "bf16"
 
 
 def mixed_precision(dtypes: tuple[str | None, str | None], inner: bool) -> Any:

@@ -30,7 +30,15 @@ from settings._compat import fully_shard_for
 from settings._tp_apply import parallel_style, stepping, whole_outputs_and_gradients
 from settings._tp_plan import _describe, own_plan
 from settings._training import build_for_training, full_parameters, parameter_holders
-from settings.fsdp import BF16_TOLERANCE, PRECISIONS, FullyShard, fsdp2_units, make_contiguous, mixed_precision
+from settings.fsdp import (
+    BF16_TOLERANCE,
+    PRECISIONS,
+    FullyShard,
+    fsdp2_units,
+    make_contiguous,
+    mixed_precision,
+    policy_precision,
+)
 from settings.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -74,7 +82,7 @@ class FsdpTensorParallel(Setting):
 
     @property
     def precision(self) -> str:  # type: ignore[override]
-        return "fp32" if self.policy == "fp32" else "bf16"
+        return policy_precision(self.policy)
 
     def tolerance(self, default: Tolerance) -> Tolerance:
         return BF16_TOLERANCE if self.precision == "bf16" else default
@@ -117,7 +125,7 @@ class FsdpTensorParallel(Setting):
                 "blocks": model.blocks(module) is not None}
 
     def standalone(self, case: StandaloneCase) -> Script:
-        refuse_changed_hooks(self, FsdpTensorParallel)
+        refuse_changed_hooks(self, FsdpTensorParallel, "trained")
 
         from settings._training_script import training_script
 

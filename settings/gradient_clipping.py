@@ -1,10 +1,11 @@
 """Gradient clipping: the global gradient norm computed over every parameter and the gradients scaled to `MAX_NORM`
-before each SGD step, in one process (the family's root) and under DDP, legacy FSDP, FSDP2, tensor parallel and
-FSDP2 × tensor parallel, each as its users clip: `torch.nn.utils.clip_grad_norm_` over DDP's replicated gradients,
-over FSDP2's sharded DTensor gradients (the total norm a DTensor reduced across the shards) and over the DTensor
-gradients of a tensor-parallel plan (the `tp` settings' and the `fsdp2-tp` settings' training, the model's own plan
-where it has one), `FullyShardedDataParallel.clip_grad_norm_` for legacy FSDP (its documented way: the plain
-function would see only each rank's shard).
+before each SGD step, in one process (the family's root) and under DDP, legacy FSDP, FSDP2, tensor parallel,
+FSDP2 × tensor parallel and pipelines, each as its users clip: `torch.nn.utils.clip_grad_norm_` over DDP's replicated
+gradients, over FSDP2's sharded DTensor gradients (the total norm a DTensor reduced across the shards) and over the
+DTensor gradients of a tensor-parallel plan (the `tp` settings' and the `fsdp2-tp` settings' training, the model's own
+plan where it has one), `FullyShardedDataParallel.clip_grad_norm_` for legacy FSDP (its documented way: the plain
+function would see only each rank's shard), and a pipeline as torchtitan clips one (each rank's norm reduced over the
+pipeline's ranks).
 
 `MAX_NORM` is small enough that every generated model's gradient norm exceeds it, so the clipping really scales
 (each case notes the norm it found). Besides what every training setting records, each step records the total norm
@@ -106,8 +107,13 @@ class GradientClipping(Setting):
                                  f"{self.wrap}", self.world_size,
                                  (fully_shard_for, make_contiguous, distribute, clip, full_parameters,
                                   backward_on_share), self.layout(model, model.build("cpu")))
-        return dataclasses.replace(script, preamble=(*script.preamble, "", f"MAX_NORM = {MAX_NORM!r}",
-                                                     f"CLIP_NORM = float({self.norm!r})"))
+        return with_clip_constants(script, self.norm)
+
+
+def with_clip_constants(script: Script, norm: str) -> Script:
+    """`script` with what its `clip` and `backward_on_share` read: the largest norm allowed and the norm's order."""
+    return dataclasses.replace(script, preamble=(*script.preamble, "", f"MAX_NORM = {MAX_NORM!r}",
+                                                 f"CLIP_NORM = float({norm!r})"))
 
 
 @dataclass(frozen=True)
@@ -238,7 +244,9 @@ class TensorParallelClipping(GradientClipping):
 
     wrap: str = "tp"
     sequence_parallel: bool = False
-    tier_axes: ClassVar[tuple[str, ...]] = ()  # one representative: the cheapest, 2 ranks
+    # the default tier: tensor parallel on 2 ranks with and without sequence parallel (a derived plan without
+    # positions refuses sequence parallel; the other covers those kinds)
+    tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel",)
 
     @property
     def name(self) -> str:
@@ -262,33 +270,30 @@ class TensorParallelClipping(GradientClipping):
         return FsdpTensorParallel(self.world_size // 2, 2, self.sequence_parallel)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        if not any(p.requires_grad for p in model.build("cpu").parameters()):
+            raise Unsupported("every parameter is frozen: there is no gradient to clip")
         norms: list[float] = []
-
-        def clip_before_step(module: Any) -> None:
-            if not any(p.requires_grad for p in module.parameters()):
-                raise Unsupported("every parameter is frozen: there is no gradient to clip")
-            norms.append(clip(module, NORMS[self.norm]))
-
-        return with_norms(ctx, self.parallel().trained(ctx, model, inputs, before_step=clip_before_step), norms)
+        outputs = self.parallel().trained(ctx, model, inputs,
+                                          before_step=lambda module: norms.append(clip(module, NORMS[self.norm])))
+        return with_norms(ctx, outputs, norms)
 
     def standalone(self, case: StandaloneCase) -> Script:
-        refuse_changed_hooks(self, TensorParallelClipping)
+        refuse_changed_hooks(self, TensorParallelClipping, "parallel")
 
         from settings._training_script import training_script
 
         summary, world_size, functions, layout = self.parallel().script_parts(case)
-        script = training_script(case, f"{summary}; the gradients clipped to {self.norm}-norm {MAX_NORM:g} after each "
-                                 "backward (torch.nn.utils.clip_grad_norm_)", world_size,
-                                 (*functions, clip, backward_on_share), layout)
-        return dataclasses.replace(script, preamble=(*script.preamble, "", f"MAX_NORM = {MAX_NORM!r}",
-                                                     f"CLIP_NORM = float({self.norm!r})"))
+        return with_clip_constants(
+            training_script(case, f"{summary}; the gradients clipped to {self.norm}-norm {MAX_NORM:g} after each "
+                            "backward (torch.nn.utils.clip_grad_norm_)", world_size,
+                            (*functions, clip, backward_on_share), layout), self.norm)
 
 
 @dataclass(frozen=True)
 class PipelineClipping(GradientClipping):
     """Clipping across a pipeline's stages as torchtitan clips (`settings._pipeline_stages.clip_stages`): each rank
     the norm of its own stages' gradients, reduced over the pipeline's ranks, then its gradients scaled by it; the
-    training of the `pipeline` setting of `schedule` over `world_size` ranks, each rank's micro-batch count."""
+    training of the `pipeline` setting of `schedule` over `world_size` ranks, with as many micro-batches as ranks."""
 
     wrap: str = "pipeline"
     schedule: str = "1f1b"
@@ -311,7 +316,7 @@ class PipelineClipping(GradientClipping):
     def available(self) -> str | None:
         import torch
 
-        if not hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        if not all(hasattr(torch.nn.utils, f) for f in ("get_total_norm", "clip_grads_with_norm_")):
             return f"torch {torch.__version__} has no torch.nn.utils.get_total_norm / clip_grads_with_norm_ (2.6 has)"
         return self.parallel().available()
 
@@ -326,21 +331,22 @@ class PipelineClipping(GradientClipping):
         from settings._pipeline_stages import clip_stages
 
         norms: list[float] = []
-        clipping = {"norm": self.norm, "max_norm": MAX_NORM}
+        clipping = {"norm": self.norm, "max_norm": MAX_NORM, "device": ctx.device}
         outputs = self.parallel().trained(
             ctx, model, inputs, before_step=lambda stages, group: norms.append(clip_stages(stages.values(), clipping,
                                                                                            group)))
         return with_norms(ctx, outputs, norms)
 
     def standalone(self, case: StandaloneCase) -> Script:
-        refuse_changed_hooks(self, PipelineClipping)
+        refuse_changed_hooks(self, PipelineClipping, "parallel")
 
         from settings._pipeline_stages import pipeline_script
 
         pipeline = self.parallel()
         return pipeline_script(case, pipeline.describe(),
                                lambda chain: {**pipeline.layout(chain, case.seed),
-                                              "clipping": {"norm": self.norm, "max_norm": MAX_NORM}},
+                                              "clipping": {"norm": self.norm, "max_norm": MAX_NORM,
+                                                           "device": "cpu"}},
                                self.world_size, f"plain SGD, the gradients clipped to {self.norm}-norm {MAX_NORM:g} "
                                "across the stages before each step (torchtitan's way: each rank's norm reduced over "
                                "the pipeline's ranks)")

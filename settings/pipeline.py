@@ -283,7 +283,7 @@ class Pipeline(Setting):
                 **({} if self.evaluates else {"evaluates": False})}
 
     def standalone(self, case: StandaloneCase) -> Script:
-        refuse_changed_hooks(self, Pipeline, "after_backward")
+        refuse_changed_hooks(self, Pipeline, "after_backward", "trained")
         if type(self).scale_grads is not Pipeline.scale_grads:
             raise Unsupported("a changed scale_grads has no emitter")
         replicas = f", each of {self.data_parallel} pipelines on its share of the batch" if self.data_parallel > 1 else ""

@@ -184,7 +184,7 @@ class TensorParallel(Setting):
                                    lambda: gathered_parameters(ctx, model, module), data_shard=data_shard)
 
     def standalone(self, case: StandaloneCase) -> Script:
-        refuse_changed_hooks(self, TensorParallel, "style")
+        refuse_changed_hooks(self, TensorParallel, "style", "trained")
 
         from settings._training_script import training_script
 

@@ -451,7 +451,7 @@ class StagesClipAlone(PipelineClipping):
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         from settings._pipeline_stages import clip_stages
 
-        clipping = {"norm": self.norm, "max_norm": MAX_NORM}
+        clipping = {"norm": self.norm, "max_norm": MAX_NORM, "device": ctx.device}
         return self.parallel().trained(ctx, model, inputs,
                                        before_step=lambda stages, _group: clip_stages(stages.values(), clipping, None))
 

@@ -46,23 +46,30 @@ from settings._training import build_for_training, device_mesh, full_parameters,
 if TYPE_CHECKING:
     from difftest import Script, StandaloneCase
 
-# the end of DTensor's refusal of a view that splits a sharded dimension unevenly ("Cannot unflatten unevenly sharded
-# tensor: … Please redistribute the tensor before this operation.")
-REFUSED_VIEW = "Please redistribute the tensor before this operation"
+# DTensor's refusals by design, by their words: a view that would split a sharded dimension where the shards do not
+# fall ("Cannot unflatten unevenly sharded tensor: … Please redistribute the tensor before this operation.",
+# pytorch#149764 and #161950), a view that would remove or reshape a sharded dimension (`view` never redistributes:
+# "… which requires redistribution. Please redistribute the input first."), and a tensor's values read into Python,
+# which no tensor subclass supports (".tolist() is not supported for tensor subclasses": a converted graph's padding)
+REFUSED_BY_DESIGN = ("Please redistribute the tensor before this operation", "Please redistribute the input first",
+                     ".tolist() is not supported for tensor subclasses")
 
 
 @contextlib.contextmanager
 def views_refused_by_design(under: str) -> Iterator[None]:
-    """DTensor's refusal of a view that would split a sharded dimension where the shards do not fall (a fused
-    projection reshaped to (3, heads, width), an uneven width), by design since pytorch#149764 and #161950, becomes
-    `unsupported` in DTensor's words; `under`: what sharded the activation."""
+    """DTensor's refusals by design (`REFUSED_BY_DESIGN`: a view of a sharded activation that would need its shards
+    moved, or a subclass's values read into Python) become `unsupported` in DTensor's words; `under`: what sharded the
+    activation."""
     try:
         yield
     except RuntimeError as exc:
-        if REFUSED_VIEW not in str(exc):
+        lines = str(exc).splitlines() or [""]
+        refusal = next((line for line in lines if any(words in line for words in REFUSED_BY_DESIGN)), None)
+        if refusal is None:
             raise
-        raise Unsupported(f"DTensor refuses, by design, a view of a sharded activation {under}: "
-                          f"{str(exc).splitlines()[0]}") from None
+        # the refusal's own line, after the first where it is not the first (Dynamo's "when making fake tensor call")
+        said = lines[0] if refusal == lines[0] else f"{lines[0]} … {refusal.strip()}"
+        raise Unsupported(f"DTensor refuses, by design, an operation on a sharded activation {under}: {said}") from None
 
 
 @dataclass(frozen=True)

@@ -103,17 +103,20 @@ def _stage_parameters(chain: Any, modules: dict[int, Any], wrapped: dict[int, An
 
 def clip_stages(stages: Any, clipping: dict[str, Any], group: Any) -> float:
     """Clip the gradients of this rank's `stages` as torchtitan clips a pipeline's: the norm of the rank's own
-    gradients (`torch.nn.utils.get_total_norm`), reduced over the pipeline's ranks in `group` (the p-th powers summed,
-    the largest for the infinity norm; no group: one process holds the whole model), then every gradient scaled by it
-    (`torch.nn.utils.clip_grads_with_norm_`). `clipping`: the norm ("2", "inf"), the largest allowed and the device
-    the reduction runs on (a rank with no gradient has a CPU zero, which NCCL would not take). The total norm before
-    clipping."""
+    gradients (`torch.nn.utils.get_total_norm`; over FSDP2's sharded gradients a DTensor, made whole first), reduced
+    over the pipeline's ranks in `group` (the p-th powers summed, the largest for the infinity norm; no group: one
+    process holds the whole model), then every gradient scaled by it (`torch.nn.utils.clip_grads_with_norm_`).
+    `clipping`: the norm ("2", "inf"), the largest allowed and the device the reduction runs on (a rank with no
+    gradient has a CPU zero, which NCCL would not take). The total norm before clipping."""
     import torch
     import torch.distributed as dist
 
     norm_type = float(clipping["norm"])
     parameters = [p for stage in stages for p in stage.parameters() if p.requires_grad and p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type).to(clipping["device"])
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type)
+    if hasattr(total, "full_tensor"):  # FSDP2's sharded gradients: a DTensor, reduced over the stage's replicas
+        total = total.full_tensor()
+    total = total.to(clipping["device"])
     if group is not None:
         if norm_type == float("inf"):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)

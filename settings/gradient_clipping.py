@@ -1,6 +1,6 @@
 """Gradient clipping: the global gradient norm computed over every parameter and the gradients scaled to `MAX_NORM`
 before each SGD step, in one process (the family's root) and under DDP, legacy FSDP, FSDP2, tensor parallel,
-FSDP2 × tensor parallel and pipelines, each as its users clip: `torch.nn.utils.clip_grad_norm_` over DDP's replicated
+FSDP2 × tensor parallel and pipelines (alone, or replicated by DDP or FSDP2), each as its users clip: `torch.nn.utils.clip_grad_norm_` over DDP's replicated
 gradients, over FSDP2's sharded DTensor gradients (the total norm a DTensor reduced across the shards) and over the
 DTensor gradients of a tensor-parallel plan (the `tp` settings' and the `fsdp2-tp` settings' training, the model's own
 plan where it has one), `FullyShardedDataParallel.clip_grad_norm_` for legacy FSDP (its documented way: the plain
@@ -28,7 +28,6 @@ import numpy as np
 
 from difftest import (
     DATA_PARALLEL,
-    POINT_TO_POINT,
     SHARDED,
     Outputs,
     RunContext,
@@ -293,15 +292,23 @@ class TensorParallelClipping(GradientClipping):
 class PipelineClipping(GradientClipping):
     """Clipping across a pipeline's stages as torchtitan clips (`settings._pipeline_stages.clip_stages`): each rank
     the norm of its own stages' gradients, reduced over the pipeline's ranks, then its gradients scaled by it; the
-    training of the `pipeline` setting of `schedule` over `world_size` ranks, with as many micro-batches as ranks."""
+    training of the `pipeline` setting of `schedule` over `world_size` ranks, with as many micro-batches as pipeline
+    ranks; with `data_parallel` > 1, the hybrid's: that many pipelines side by side, `inner` (DDP or FSDP2) around
+    each stage, the norm of an FSDP2 stage's sharded gradients a DTensor reduced over its replicas first."""
 
     wrap: str = "pipeline"
     schedule: str = "1f1b"
+    data_parallel: int = 1
+    inner: str = ""
     tier_axes: ClassVar[tuple[str, ...]] = ()  # one representative: the cheapest
 
     @property
     def name(self) -> str:
-        return f"clip/pipeline/{self.schedule}/norm{self.norm}/ws{self.world_size}"
+        if self.data_parallel == 1:
+            return f"clip/pipeline/{self.schedule}/norm{self.norm}/ws{self.world_size}"
+        pipeline_ranks = self.world_size // self.data_parallel
+        return (f"clip/hybrid/{self.schedule}/dp{self.data_parallel}x{self.inner}/pp{pipeline_ranks}/norm{self.norm}/"
+                f"ws{self.world_size}")
 
     def describe(self) -> str:
         return (f"gradients clipped to {self.norm}-norm {MAX_NORM:g} across the stages (torchtitan's way) before each "
@@ -311,7 +318,9 @@ class PipelineClipping(GradientClipping):
         """The pipeline setting whose training this one clips."""
         from settings.pipeline import Pipeline
 
-        return Pipeline(self.schedule, self.world_size, self.world_size)
+        pipeline_ranks = self.world_size // self.data_parallel
+        return Pipeline(self.schedule, self.world_size, pipeline_ranks, data_parallel=self.data_parallel,
+                        inner=self.inner)
 
     def available(self) -> str | None:
         import torch
@@ -325,7 +334,7 @@ class PipelineClipping(GradientClipping):
 
     @property
     def collectives(self) -> frozenset[str]:
-        return across(self.world_size, POINT_TO_POINT | {"all_reduce"})
+        return self.parallel().collectives | across(self.world_size, {"all_reduce"})
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         from settings._pipeline_stages import clip_stages
@@ -344,12 +353,12 @@ class PipelineClipping(GradientClipping):
 
         pipeline = self.parallel()
         return pipeline_script(case, pipeline.describe(),
-                               lambda chain: {**pipeline.layout(chain, case.seed),
+                               lambda chain: {**pipeline.script_layout(chain, case.seed),
                                               "clipping": {"norm": self.norm, "max_norm": MAX_NORM,
                                                            "device": "cpu"}},
                                self.world_size, f"plain SGD, the gradients clipped to {self.norm}-norm {MAX_NORM:g} "
                                "across the stages before each step (torchtitan's way: each rank's norm reduced over "
-                               "the pipeline's ranks)")
+                               "the pipeline's ranks)", pipeline.replicas())
 
 
 register_settings(
@@ -359,4 +368,6 @@ register_settings(
     + [TensorParallelClipping(4, "fsdp2-tp", norm, sp) for norm in NORMS for sp in (False, True)]
     + [PipelineClipping(ws, "pipeline", norm, schedule) for norm in NORMS
        for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble") for ws in (2, 4)]
+    + [PipelineClipping(4, "pipeline", norm, schedule, data_parallel=2, inner=inner) for norm in NORMS
+       for schedule in ("1f1b", "interleaved-1f1b") for inner in ("ddp", "fsdp2")]
 )

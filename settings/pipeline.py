@@ -286,10 +286,17 @@ class Pipeline(Setting):
         refuse_changed_hooks(self, Pipeline, "after_backward", "trained")
         if type(self).scale_grads is not Pipeline.scale_grads:
             raise Unsupported("a changed scale_grads has no emitter")
-        replicas = f", each of {self.data_parallel} pipelines on its share of the batch" if self.data_parallel > 1 else ""
+        return pipeline_script(case, self.describe(), lambda chain: self.script_layout(chain, case.seed),
+                               self.world_size, "plain SGD", self.replicas())
+
+    def script_layout(self, chain: Any, seed: int) -> dict[str, Any]:
+        """What its script's `on_rank` reads (`settings._pipeline_script`): the layout, a hybrid's replicas too."""
         hybrid = {"data_parallel": self.data_parallel, "inner": self.inner} if self.data_parallel > 1 else {}
-        return pipeline_script(case, self.describe(), lambda chain: {**self.layout(chain, case.seed), **hybrid},
-                               self.world_size, "plain SGD", replicas)
+        return {**self.layout(chain, seed), **hybrid}
+
+    def replicas(self) -> str:
+        """A hybrid's pipelines, as its script's summary says them."""
+        return f", each of {self.data_parallel} pipelines on its share of the batch" if self.data_parallel > 1 else ""
 
     # whether the schedule's eval() runs before and after training (`PipelineTrainedOnly`: not)
     evaluates: ClassVar[bool] = True

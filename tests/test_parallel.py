@@ -286,9 +286,10 @@ def test_clipping_tensor_parallel_gradients_agrees_where_the_plan_covers_every_p
 
 def test_a_pipeline_clipped_across_its_stages_as_torchtitan_does_clips_as_one_process(tmp_path: Path) -> None:
     """Each rank's stage norm reduced over the pipeline (torchtitan's way), then every stage scaled by it: under 1F1B
-    and interleaved 1F1B, norms 2 and inf, the parameters and the total norm agree with one process clipping the whole
-    batch's gradients; ranks clipping by their own stages' norm (planted) do not. The agreeing case's script agrees
-    alone, and the planted mistake's mirror in it (no reduction over the pipeline) is caught."""
+    and interleaved 1F1B, norms 2 and inf, and two 1F1B pipelines of FSDP2 stages side by side, the parameters and the
+    total norm agree with one process clipping the whole batch's gradients; ranks clipping by their own stages' norm
+    (planted) do not. The FSDP2 hybrid's script agrees alone, and the planted mistake's mirror in it (no reduction
+    over the pipeline) is caught."""
     from difftest.contracts.spec import RunConfig
     from difftest.contracts.tolerance import Tolerance
     from difftest.generation.generate import generate
@@ -297,7 +298,8 @@ def test_a_pipeline_clipped_across_its_stages_as_torchtitan_does_clips_as_one_pr
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",), plugins=(PLANTED,)))
-    clipped = ("clip/pipeline/1f1b/norm2/ws2", "clip/pipeline/interleaved-1f1b/norminf/ws2")
+    clipped = ("clip/pipeline/1f1b/norm2/ws2", "clip/pipeline/interleaved-1f1b/norminf/ws2",
+               "clip/hybrid/1f1b/dp2xfsdp2/pp2/norm2/ws4")
     run_sweep(run_dir, SweepOptions(settings=",".join((*clipped, "faults/stages_clip_alone/ws2"))))
     analysis = analyze(run_dir)
     verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
@@ -305,9 +307,9 @@ def test_a_pipeline_clipped_across_its_stages_as_torchtitan_does_clips_as_one_pr
     assert verdicts["faults/stages_clip_alone/ws2"] == "inconsistent", verdicts
     norms = analysis.comparisons[analysis.comparisons["tensor"] == "grad_norm"]
     assert set(clipped) <= set(norms["setting"])
-    emitted = emit(run_dir, "P1", "agrees", "inconsistent", run_dir / "models" / "transformer-s0-i0", clipped[0],
+    emitted = emit(run_dir, "P1", "agrees", "inconsistent", run_dir / "models" / "transformer-s0-i0", clipped[2],
                    "param_after_step1/tok_embeddings.weight",
-                   envelope_spread(run_dir, "transformer-s0-i0", clipped[0]), Tolerance(), check_timeout_s=180)
+                   envelope_spread(run_dir, "transformer-s0-i0", clipped[2]), Tolerance(), check_timeout_s=180)
     assert emitted.checked is not None and emitted.checked.exit_code == 0, emitted.checked
     script = emitted.path.read_text()  # type: ignore[union-attr]
     planted = script.replace('clip_stages(modules.values(), layout["clipping"], groups["pp"])',

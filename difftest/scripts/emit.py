@@ -31,9 +31,9 @@ from difftest.contracts.script import (
 )
 from difftest.scripts.syntax import parse, source_of
 
-MAX_LINES = 500  # a script a maintainer reads through (the library code is copied whole, never condensed; the longest,
-# a resume's of a converted Keras model from DDP to FSDP2, has 496 lines, a hybrid pipeline's on a whole DLRM-like
-# model 483, a re-partitioned one's 467)
+MAX_LINES = 550  # a script a maintainer reads through (the library code is copied whole, never condensed; the longest,
+# a clipped hybrid pipeline's of FSDP2 stages on a transformer, has 532 lines before reduction, a resume's of a
+# converted Keras model from DDP to FSDP2 496)
 RUNTIME_IMPORTS = ("from __future__ import annotations", "",
                    "import contextlib, logging, os, re, socket, sys, tempfile, traceback, warnings",
                    "from importlib import metadata", "from pathlib import Path", "from typing import Any", "",

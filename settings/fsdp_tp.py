@@ -56,6 +56,7 @@ class FsdpTensorParallel(Setting):
     tensor_parallel: int
     sequence_parallel: bool = False
     policy: str = "fp32"  # a key of the FSDP2 family's PRECISIONS: the compute dtype, then the gradient reduction's
+    reshard: str = "always"  # each unit's reshard_after_forward: a key of RESHARD_POLICIES (torchtitan's names)
     family: ClassVar[str] = "fsdp2-tp"
     tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel",)
 
@@ -67,14 +68,17 @@ class FsdpTensorParallel(Setting):
     def name(self) -> str:
         style = "sequence-parallel" if self.sequence_parallel else "colwise-rowwise"
         policy = f"/{self.policy}" if self.policy != "fp32" else ""
-        return f"fsdp2-tp/dp{self.data_parallel}-tp{self.tensor_parallel}/{style}{policy}/ws{self.world_size}"
+        reshard = f"/reshard-{self.reshard}" if self.reshard != "always" else ""
+        return (f"fsdp2-tp/dp{self.data_parallel}-tp{self.tensor_parallel}/{style}{policy}{reshard}/"
+                f"ws{self.world_size}")
 
     def describe(self) -> str:
         param, reduce = PRECISIONS[self.policy]
         policy = (f", {param or 'fp32'} compute, gradients reduced in {reduce or 'fp32'}" if self.policy != "fp32"
                   else "")
+        reshard = f", {RESHARD_POLICIES[self.reshard]}" if self.reshard != "always" else ""
         return (f"FSDP2 over {self.data_parallel} data-parallel groups × tensor parallel over {self.tensor_parallel} "
-                f"ranks{' with sequence parallel' if self.sequence_parallel else ''} (2-D mesh){policy}")
+                f"ranks{' with sequence parallel' if self.sequence_parallel else ''} (2-D mesh){policy}{reshard}")
 
     @property
     def reference(self) -> str:  # type: ignore[override]
@@ -122,7 +126,7 @@ class FsdpTensorParallel(Setting):
             units = [name for name, _ in fsdp2_units(model, module)]
         return {"mesh": [self.data_parallel, self.tensor_parallel], "plan": plan, "units": units,
                 "data_parallel": self.data_parallel, "dtypes": PRECISIONS[self.policy],
-                "blocks": model.blocks(module) is not None}
+                "blocks": model.blocks(module) is not None, "reshard": self.reshard}
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, FsdpTensorParallel, "trained")
@@ -163,11 +167,15 @@ def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> A
     styles = model_tp_plan(module, *layout["own_plan"]) if "own_plan" in layout else layout["plan"]
     plan = {name: parallel_style(s) if isinstance(s, dict) else s for name, s in styles.items()}
     parallelize_module(module, mesh["tp"], plan)
-    dtypes = layout.get("dtypes", (None, None))
-    for name in reversed(layout["units"]):
-        fully_shard(module.get_submodule(name), mesh=mesh["dp"],
+    dtypes, reshard = layout.get("dtypes", (None, None)), layout.get("reshard", "always")
+    for index in reversed(range(len(layout["units"]))):
+        # torchtitan's "default" keeps the last unit gathered (its backward comes right after the forward), and the
+        # root, which it leaves to fully_shard's default (kept)
+        keep = reshard == "never" or (reshard == "default" and index == len(layout["units"]) - 1)
+        fully_shard(module.get_submodule(layout["units"][index]), mesh=mesh["dp"], reshard_after_forward=not keep,
                     mp_policy=mixed_precision(dtypes, inner=layout.get("blocks", False)))
-    fully_shard(module, mesh=mesh["dp"], mp_policy=mixed_precision(dtypes, inner=False))
+    fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard == "always",
+                mp_policy=mixed_precision(dtypes, inner=False))
     whole_outputs_and_gradients(module)  # a sharded output handed back whole, as the tensor-parallel training does
     return module
 
@@ -193,6 +201,22 @@ class MixedPrecisionFsdpTensorParallel(FsdpTensorParallel):
     in_default_tier: ClassVar[bool] = False
 
 
+@dataclass(frozen=True)
+class ReshardFsdpTensorParallel(FsdpTensorParallel):
+    """FSDP2 × tensor parallel whose units keep their gathered parameters after forward (torchtitan's
+    `reshard_after_forward_policy` "never", or its "default": every unit but the last and the root resharded), in the
+    full tier."""
+
+    in_default_tier: ClassVar[bool] = False
+
+
+# torchtitan's reshard_after_forward policies (`--parallelism.fsdp_reshard_after_forward`), as the settings say them
+RESHARD_POLICIES = {"always": "every unit resharded after forward",
+                    "default": "every unit but the last and the root resharded after forward (torchtitan's default)",
+                    "never": "no unit resharded after forward"}
+
 register_settings(FsdpTensorParallel(2, 2, sp) for sp in (False, True))
+register_settings(ReshardFsdpTensorParallel(2, 2, sp, reshard=reshard) for reshard in ("default", "never")
+                  for sp in (False, True))
 register_settings(MixedPrecisionFsdpTensorParallel(2, 2, sp, policy) for policy in PRECISIONS if policy != "fp32"
                   for sp in (False, True))

@@ -36,7 +36,8 @@ clip_stages: Callable[..., float]
 def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
     """The reference (`accumulate`): each step accumulates the gradients of every pipeline's micro-batches."""
     layout = case["setting"]
-    module, count = build_model(data, case, dtype), layout["microbatches"] * layout.get("data_parallel", 1)
+    count = layout["microbatches"] * layout.get("data_parallel", 1) * layout.get("accumulate", 1)
+    module = build_model(data, case, dtype)
     optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=case["lr"],
                                 momentum=layout.get("momentum", 0.0))
     size = case["batch"] // count
@@ -55,17 +56,21 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     layout, fed = case["setting"], {"split": "train"}
     dp = layout.get("data_parallel", 1)
     replica, pp_rank = divmod(rank, pp := world_size // dp)
-    share = case["batch"] // dp
+    share, accumulate = case["batch"] // dp, layout.get("accumulate", 1)  # schedule steps per optimizer step
     groups = pipeline_groups("cpu", dp, pp) if dp > 1 else {"pp": torch.distributed.group.WORLD}
+
+    def loss_fn(output: Any, target: Any) -> Any:  # divided as gradient accumulation divides it
+        return prediction_loss(output, target) / layout.get("loss_divisor", 1)
 
     def place(starts: list[int]) -> tuple[Any, dict[int, Any], dict[int, Any], Any, Any]:  # the model cut at `starts`
         module, fed["split"] = build_model(data, case, torch.float32), "train"
         bounds = [*starts, len(units := model_chain(module, data, fed, torch.float32))]
         every = [ChainStage(units[a:b]) for a, b in zip(bounds, bounds[1:])]
         modules = {s: every[s] for s in stages_of(pp_rank, pp, layout)}
-        examples = stage_examples(every, share // layout["microbatches"], replica * share)
+        examples = stage_examples(every, share // (layout["microbatches"] * accumulate), replica * share)
         wrapped = {s: wrap_stage(m, layout["inner"], groups, "cpu") for s, m in modules.items()} if dp > 1 else modules
-        schedule = pipeline_schedule(wrapped, layout, groups["pp"], "cpu", examples, prediction_loss)
+        schedule = pipeline_schedule(wrapped, layout, groups["pp"], "cpu", examples, loss_fn,
+                                     layout.get("scale_grads", True))
         trainable = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
         return module, modules, wrapped, schedule, torch.optim.SGD(
             trainable, lr=case["lr"], momentum=layout.get("momentum", 0.0)) if trainable else None
@@ -78,11 +83,12 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
         size = len(data[f"{split}.labels"]) // dp
         fed["split"], positions = split, torch.arange(replica * size, (replica + 1) * size)
         target = torch.from_numpy(data[f"{split}.labels"][replica * size:(replica + 1) * size])
-        if split == "eval":
-            with torch.no_grad():
-                schedule.eval(positions, target=target)
-        else:
-            schedule.step(positions, target=target, losses=[])
+        for chunk, rows in zip(positions.chunk(accumulate), target.chunk(accumulate)):  # a schedule step each
+            if split == "eval":
+                with torch.no_grad():
+                    schedule.eval(chunk, target=rows)
+            else:
+                schedule.step(chunk, target=rows, losses=[])
 
     module, modules, wrapped, schedule, optimizer = place(layout["starts"])
     evaluates = layout.get("evaluates", True)  # a setting trained without the schedule's eval() has it False

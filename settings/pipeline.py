@@ -148,6 +148,9 @@ class Pipeline(Setting):
     split: str = "balanced"  # or "random"
     data_parallel: int = 1  # pipelines side by side (hybrid); the world is data_parallel x pipeline ranks
     inner: str = ""  # hybrid only: "ddp" or "fsdp2" around each stage
+    accumulate: int = 1  # schedule steps whose gradients one optimizer step takes (gradient accumulation)
+    # torchtitan's way: the schedule's scale_grads off, the loss divided by micro-batches × accumulated steps instead
+    loss_scaled: bool = False
     family: ClassVar[str] = "pipeline"
     size_parameters: ClassVar[frozenset[str]] = frozenset({"world_size", "microbatches", "steps"})
     tier_axes: ClassVar[tuple[str, ...]] = ("schedule", "split", "inner")
@@ -158,7 +161,9 @@ class Pipeline(Setting):
         shape = f"ws{self.world_size}" if self.data_parallel == 1 else \
             f"dp{self.data_parallel}x{self.inner}/pp{self.pipeline_ranks}"
         prefix = "pipeline" if self.data_parallel == 1 else "hybrid"
-        return f"{prefix}/{self.schedule}/{shape}/stages{stages}/mb{self.microbatches}/{self.split}"
+        accumulate = (f"/accumulate{self.accumulate}{'/loss-scaled' if self.loss_scaled else ''}"
+                      if self.accumulate > 1 else "")
+        return f"{prefix}/{self.schedule}/{shape}/stages{stages}/mb{self.microbatches}/{self.split}{accumulate}"
 
     @property
     def pipeline_ranks(self) -> int:
@@ -175,12 +180,15 @@ class Pipeline(Setting):
 
     @property
     def reference(self) -> str:  # type: ignore[override]
-        return f"accumulate/mb{self.microbatches * self.data_parallel}"
+        return f"accumulate/mb{self.microbatches * self.data_parallel * self.accumulate}"
 
     def describe(self) -> str:
         replicas = f", {self.data_parallel} replicas with {self.inner} in each stage" if self.data_parallel > 1 else ""
+        accumulate = (f", the gradients of {self.accumulate} schedule steps accumulated before each optimizer step "
+                      f"(the loss divided by {self.loss_divisor}{', scale_grads off' if self.loss_scaled else ''})"
+                      if self.accumulate > 1 else "")
         return (f"{SCHEDULES[self.schedule][0]} over {self.pipeline_ranks} ranks, {self.microbatches} "
-                f"micro-batches, {self.split} split{replicas}")
+                f"micro-batches, {self.split} split{replicas}{accumulate}")
 
     def judges(self, tensor_name: str) -> bool:
         return "/pooled." not in tensor_name  # a pipeline returns the prediction, not the embedding stage's outputs
@@ -213,16 +221,18 @@ class Pipeline(Setting):
 
         bounds = [*layout["starts"], len(chain.units)]
         modules = {s: ChainStage(chain.units[bounds[s]:bounds[s + 1]]) for s in mine}
-        examples = chain_examples(chain, inputs.train.shard(dp_index, self.data_parallel), self.microbatches, bounds)
+        examples = chain_examples(chain, inputs.train.shard(dp_index, self.data_parallel),
+                                  self.microbatches * self.accumulate, bounds)
         # read before wrapping: afterwards canonical() all-gathers FSDP2's shards, a collective only rank 0 would join
         canonical_names = set(chain.canonical())
         wrapped = {s: wrap_stage(m, self.inner, groups, ctx.device) for s, m in modules.items()}
         device = torch.device(ctx.device)
 
-        def loss_fn(output: Any, target: Any) -> Any:
-            return model.loss(output, Batch(labels=target.detach().cpu().numpy()))
+        def loss_fn(output: Any, target: Any) -> Any:  # divided as gradient accumulation divides it
+            return model.loss(output, Batch(labels=target.detach().cpu().numpy())) / self.loss_divisor
 
-        schedule = pipeline_schedule(wrapped, layout, groups["pp"], ctx.device, examples, loss_fn, self.scale_grads)
+        schedule = pipeline_schedule(wrapped, layout, groups["pp"], ctx.device, examples, loss_fn,
+                                     self.scale_grads and not self.loss_scaled)
         holds_last = layout["stages"] - 1 in mine
         trainable = [p for m in modules.values() for p in m.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(trainable, lr=ctx.lr) if trainable else None
@@ -238,20 +248,22 @@ class Pipeline(Setting):
                 output = schedule.eval(positions, target=target)
             return output, losses
 
-        def evaluate(batch: Batch) -> dict | None:
-            output, _ = run_schedule(batch, train=False)
-            return {chain.output_name: output} if holds_last else None
+        def evaluate(batch: Batch) -> dict | None:  # in the training's micro-batches, the shapes the stages expect
+            outputs = [run_schedule(batch.shard(chunk, self.accumulate), train=False)[0]
+                       for chunk in range(self.accumulate)]
+            return {chain.output_name: torch.cat(outputs)} if holds_last else None
 
         def train_step(batch: Batch) -> float | None:
             if optimizer is not None:
                 optimizer.zero_grad()
-            _, losses = run_schedule(batch, train=True)
+            losses = [loss for chunk in range(self.accumulate)  # each schedule step on its share of the batch
+                      for loss in run_schedule(batch.shard(chunk, self.accumulate), train=True)[1]]
             self.after_backward(ctx, modules)
             if before_step is not None:
                 before_step(modules, groups["pp"])
             if optimizer is not None:
                 optimizer.step()
-            return float(torch.stack([l.detach() for l in losses]).mean()) if holds_last else None
+            return float(torch.stack([l.detach() for l in losses]).mean() * self.loss_divisor) if holds_last else None
 
         def full_parameters() -> dict | None:
             local = _stage_parameters(chain, modules, wrapped, self.inner)
@@ -280,7 +292,9 @@ class Pipeline(Setting):
             starts = random_split(len(chain.units), stages, zlib.crc32(f"{seed}/{self.name}".encode()))
         return {"schedule_class": class_name, "stages": stages, "starts": starts, "per_rank": per_rank,
                 "placement": placement, "microbatches": self.microbatches,
-                **({} if self.evaluates else {"evaluates": False})}
+                **({} if self.evaluates else {"evaluates": False}),
+                **({"accumulate": self.accumulate, "loss_divisor": self.loss_divisor,
+                    "scale_grads": not self.loss_scaled} if self.accumulate > 1 else {})}
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, Pipeline, "after_backward", "trained")
@@ -288,6 +302,12 @@ class Pipeline(Setting):
             raise Unsupported("a changed scale_grads has no emitter")
         return pipeline_script(case, self.describe(), lambda chain: self.script_layout(chain, case.seed),
                                self.world_size, "plain SGD", self.replicas())
+
+    @property
+    def loss_divisor(self) -> int:
+        """What each micro-batch's loss is divided by: the accumulated steps, and the micro-batches where the schedule
+        does not divide the gradients by them itself."""
+        return self.accumulate * (self.microbatches if self.loss_scaled else 1)
 
     def script_layout(self, chain: Any, seed: int) -> dict[str, Any]:
         """What its script's `on_rank` reads (`settings._pipeline_script`): the layout, a hybrid's replicas too."""
@@ -328,6 +348,16 @@ class PipelineTrainedOnly(Pipeline):
         return super().judges(tensor_name) and not tensor_name.startswith("eval_")
 
 
+@dataclass(frozen=True)
+class PipelineAccumulation(Pipeline):
+    """Gradient accumulation under a schedule: `accumulate` schedule steps, each on its share of the batch with the
+    loss divided by `accumulate`, before each optimizer step, the schedule's `scale_grads` left at its default
+    (on); or, `loss_scaled`, as torchtitan accumulates: `scale_grads` off and the loss divided by the micro-batches
+    too. Judged against one process accumulating the same micro-batches; in the full tier."""
+
+    in_default_tier: ClassVar[bool] = False
+
+
 _GROUPS: dict[tuple[int, int], dict[str, Any]] = {}
 register_world_reset(_GROUPS.clear)  # the groups die with the case's world
 
@@ -361,6 +391,12 @@ HYBRID += [PipelineTrainedOnly(schedule, 4, mb, "balanced", data_parallel=2, inn
            for inner in ("ddp", "fsdp2") for schedule in V_SCHEDULES for mb in _microbatch_counts(schedule, 2)]
 HYBRID += [Pipeline("interleaved-zero-bubble", 4, mb, "balanced", data_parallel=2, inner=inner)
            for inner in ("ddp", "fsdp2") for mb in _microbatch_counts("interleaved-zero-bubble", 2)]
-PIPELINES = _pipeline_settings() + _pipeline_settings(PipelineTrainedOnly, V_SCHEDULES) + HYBRID
-register_settings([Accumulation(mb) for mb in sorted({s.microbatches * s.data_parallel for s in PIPELINES})])
+# gradient accumulation over two schedule steps, alone and in the hybrid
+ACCUMULATING = [PipelineAccumulation(schedule, 2, 2, "balanced", accumulate=2, loss_scaled=scaled)
+                for schedule in ("gpipe", "1f1b", "interleaved-1f1b") for scaled in (False, True)]
+ACCUMULATING += [PipelineAccumulation("1f1b", 4, 2, "balanced", data_parallel=2, inner=inner, accumulate=2)
+                 for inner in ("ddp", "fsdp2")]
+PIPELINES = _pipeline_settings() + _pipeline_settings(PipelineTrainedOnly, V_SCHEDULES) + HYBRID + ACCUMULATING
+register_settings([Accumulation(mb) for mb in sorted({s.microbatches * s.data_parallel * s.accumulate
+                                                      for s in PIPELINES})])
 register_settings(PIPELINES)

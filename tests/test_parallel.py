@@ -320,6 +320,27 @@ def test_a_pipeline_clipped_across_its_stages_as_torchtitan_does_clips_as_one_pr
     assert done.returncode == 1 and "BUG PRESENT" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
+def test_accumulating_schedule_steps_with_the_default_scaling_divides_earlier_gradients_again(tmp_path: Path) -> None:
+    """Two 1F1B schedule steps accumulated before each optimizer step: with the schedule's default scale_grads the
+    first step's gradients are divided by the micro-batch count twice (a library bug the manifest knows), while
+    torchtitan's way (scale_grads off, the loss divided by micro-batches × steps) trains as one process does. The
+    difference is the schedule's own scaling, not the harness's accumulation."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",)))
+    default, scaled = ("pipeline/1f1b/ws2/stages2/mb2/balanced/accumulate2",
+                       "pipeline/1f1b/ws2/stages2/mb2/balanced/accumulate2/loss-scaled")
+    run_sweep(run_dir, SweepOptions(settings=f"{default},{scaled}"))
+    analysis = analyze(run_dir)
+    verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
+    assert verdicts[scaled] == "ok" and verdicts[default] == "inconsistent", verdicts
+    found = [f for f in triage(run_dir, analysis) if f.status == "inconsistent"]
+    assert [f.known.id if f.known else None for f in found] == ["pipelining-scale-grads-accumulated-steps"]
+
+
 @pytest.mark.needs_tf
 def test_a_model_run_in_dtensor_end_to_end_trains_as_one_process_and_an_empty_shard_fails_as_the_manifest_says(
         tmp_path: Path) -> None:

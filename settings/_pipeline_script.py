@@ -83,6 +83,8 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
         size = len(data[f"{split}.labels"]) // dp
         fed["split"], positions = split, torch.arange(replica * size, (replica + 1) * size)
         target = torch.from_numpy(data[f"{split}.labels"][replica * size:(replica + 1) * size])
+        if size % (accumulate * layout["microbatches"]):  # the setting refuses it before any script is written
+            raise ValueError(f"{size} samples do not split into {accumulate} x {layout['microbatches']} micro-batches")
         for chunk, rows in zip(positions.chunk(accumulate), target.chunk(accumulate)):  # a schedule step each
             if split == "eval":
                 with torch.no_grad():

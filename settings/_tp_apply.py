@@ -3,7 +3,7 @@ are): the plan's styles over a 1-D mesh (`distribute`), DTensor outputs and grad
 needs plain tensors, loss parallel's backward."""
 
 # ruff: noqa: F821 -- `distribute` and `backward_on_share` call a kind's own `model_tp_plan` and `model_loss`, which a
-# standalone script of its model defines
+# standalone script of its model defines, and `checkpointed`, which a checkpointed setting's script copies
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 # a kind's own plan, which a standalone script of its model defines (declared here so that this module checks on its own)
 model_tp_plan: Callable[..., dict[str, Any]]
 model_loss: Callable[..., Any]
+checkpointed: Callable[..., Any]  # an activation-checkpointed setting's script copies it (settings.activation_checkpointing)
 
 
 def parallel_style(spec: dict[str, Any]) -> Any:
@@ -76,6 +77,8 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
         own = keep_dtensor_activations(own)
     parallelize_module(module, mesh, own if own is not None else
                        {name: parallel_style(spec) for name, spec in setting["plan"].items()})
+    if "checkpointed" in setting:  # an activation-checkpointed setting's: its blocks wrapped once the plan is applied
+        checkpointed(module, setting["checkpointed"], setting["checkpoint_mode"])
     if "compiled" in setting:  # a compiled setting's: its units compiled once the plan is applied
         compile_units(module, setting["compiled"])
     # a script only trains: a loss-parallel model hands its loss the logits sharded, as the setting's training does

@@ -58,10 +58,12 @@ def sgd_step(model: Any, module: Any, optimizer: Any, batch: Batch, device: str,
 
 def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
     """Every tensor `read(wrapped)` names, whole: a DTensor (FSDP2, tensor parallel) all-gathered, so every rank must
-    call it. A standalone script of a setting whose parameters are whole or DTensors copies this one."""
+    call it; under the name the plain model gives it (without checkpoint_wrapper's `_checkpoint_wrapped_module.`). A
+    standalone script of a setting whose parameters are whole or DTensors copies this one."""
     from torch.distributed.tensor import DTensor
 
-    return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in read(wrapped).items()}
+    return {name.replace("_checkpoint_wrapped_module.", ""): t.full_tensor() if isinstance(t, DTensor) else t
+            for name, t in read(wrapped).items()}
 
 
 def canonical_parameters(model: Any, module: Any) -> dict[str, np.ndarray]:

@@ -32,7 +32,8 @@ from difftest import (
     traits_of,
 )
 from settings._compat import fully_shard_for
-from settings._training import build_for_training, sgd_step
+from settings._training import build_for_training, full_parameters, sgd_step
+from settings.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from difftest import ModelSpec, Script, StandaloneCase
@@ -190,16 +191,53 @@ def distribute(module: Any, group: Any, device: str, layout: dict[str, Any]) -> 
     return module
 
 
-def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
-    """Every tensor `read(wrapped)` names, whole (a DTensor all-gathered: every rank calls it), under its name without
-    the checkpoint wrapper's `_checkpoint_wrapped_module.` (the name the plain model gives it)."""
-    from torch.distributed.tensor import DTensor
+@dataclass(frozen=True)
+class CheckpointedTensorParallel(TensorParallel):
+    """Tensor parallel (the `tp` family's plan and training), then each block checkpointed, as torchtitan applies
+    activation checkpointing after the plan: the recomputation in backward runs on the DTensor parameters and
+    activations the plan leaves. Non-reentrant and selective (torchtitan's modes); in the full tier."""
 
-    return {name.replace("_checkpoint_wrapped_module.", ""): t.full_tensor() if isinstance(t, DTensor) else t
-            for name, t in read(wrapped).items()}
+    mode: str = "non-reentrant"
+    family: ClassVar[str] = "ac"
+    tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel", "mode")
+    in_default_tier: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return f"ac/tp{'-sp' if self.sequence_parallel else ''}/{self.mode}/ws{self.world_size}"
+
+    def describe(self) -> str:
+        return f"activation checkpointing ({self.mode}) of every transformer block after {super().describe()}"
+
+    def supports(self, spec: ModelSpec) -> str | None:
+        return ActivationCheckpointing(self.world_size, "single", self.mode).supports(spec) or super().supports(spec)
+
+    def parallelize(self, ctx: RunContext, model: Any, module: Any, inputs: Any, mesh: Any) -> None:
+        super().parallelize(ctx, model, module, inputs, mesh)
+        checkpointed(module, self.blocks(model, module), self.mode)
+        ctx.notes["checkpointed blocks"] = str(sum(name.endswith("_checkpoint_wrapped_module")
+                                                   for name, _ in module.named_modules()))
+
+    @staticmethod
+    def blocks(model: Any, module: Any) -> list[str]:
+        return ActivationCheckpointing(1).layout(model, module)["blocks"]
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, CheckpointedTensorParallel, "style", "trained", "parallelize")
+
+        from difftest import LoadedModel
+        from settings._training_script import training_script
+
+        summary, world_size, functions, layout = self.script_parts(case)
+        model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
+        return training_script(case, f"{summary}, then each block checkpointed (checkpoint_wrapper, {self.mode})",
+                               world_size, (*functions, selective_policy, checkpointed),
+                               {**layout, "checkpointed": self.blocks(model, model.build("cpu")),
+                                "checkpoint_mode": self.mode})
 
 
 register_settings(
     [ActivationCheckpointing(1, "single", mode) for mode in MODES]
     + [ActivationCheckpointing(ws, wrap, mode) for wrap in ("ddp", "fsdp2") for mode in MODES for ws in (2, 4)]
+    + [CheckpointedTensorParallel(2, sp, mode=mode) for sp in (False, True) for mode in ("non-reentrant", "selective")]
 )

@@ -56,7 +56,7 @@ class FsdpTensorParallel(Setting):
     tensor_parallel: int
     sequence_parallel: bool = False
     policy: str = "fp32"  # a key of the FSDP2 family's PRECISIONS: the compute dtype, then the gradient reduction's
-    reshard: str = "always"  # each unit's reshard_after_forward: a key of RESHARD_POLICIES (torchtitan's names)
+    reshard: str = "always"  # each unit's reshard_after_forward: a key of RESHARD_POLICIES
     family: ClassVar[str] = "fsdp2-tp"
     tier_axes: ClassVar[tuple[str, ...]] = ("sequence_parallel",)
 
@@ -169,13 +169,12 @@ def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> A
     parallelize_module(module, mesh["tp"], plan)
     dtypes, reshard = layout.get("dtypes", (None, None)), layout.get("reshard", "always")
     for index in reversed(range(len(layout["units"]))):
-        # torchtitan's "default" keeps the last unit gathered (its backward comes right after the forward), and the
-        # root, which it leaves to fully_shard's default (kept)
-        keep = reshard == "never" or (reshard == "default" and index == len(layout["units"]) - 1)
+        # the last unit's backward comes right after the forward: "all-but-last" keeps it gathered
+        keep = reshard == "never" or (reshard == "all-but-last" and index == len(layout["units"]) - 1)
         fully_shard(module.get_submodule(layout["units"][index]), mesh=mesh["dp"], reshard_after_forward=not keep,
                     mp_policy=mixed_precision(dtypes, inner=layout.get("blocks", False)))
-    fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard == "always",
-                mp_policy=mixed_precision(dtypes, inner=False))
+    # the root as torchtitan wraps it, with fully_shard's default (it keeps the root gathered)
+    fully_shard(module, mesh=mesh["dp"], mp_policy=mixed_precision(dtypes, inner=False))
     whole_outputs_and_gradients(module)  # a sharded output handed back whole, as the tensor-parallel training does
     return module
 
@@ -204,19 +203,19 @@ class MixedPrecisionFsdpTensorParallel(FsdpTensorParallel):
 @dataclass(frozen=True)
 class ReshardFsdpTensorParallel(FsdpTensorParallel):
     """FSDP2 × tensor parallel whose units keep their gathered parameters after forward (torchtitan's
-    `reshard_after_forward_policy` "never", or its "default": every unit but the last and the root resharded), in the
-    full tier."""
+    `reshard_after_forward_policy` "never"), or all but the last block resharded; in the full tier."""
 
     in_default_tier: ClassVar[bool] = False
 
 
-# torchtitan's reshard_after_forward policies (`--parallelism.fsdp_reshard_after_forward`), as the settings say them
+# each unit's reshard_after_forward (the root keeps fully_shard's default, as torchtitan leaves it): every unit, as
+# torchtitan's "always" and its default without pipelines; none, as its "never"; all but the last block
 RESHARD_POLICIES = {"always": "every unit resharded after forward",
-                    "default": "every unit but the last and the root resharded after forward (torchtitan's default)",
+                    "all-but-last": "every unit but the last resharded after forward",
                     "never": "no unit resharded after forward"}
 
 register_settings(FsdpTensorParallel(2, 2, sp) for sp in (False, True))
-register_settings(ReshardFsdpTensorParallel(2, 2, sp, reshard=reshard) for reshard in ("default", "never")
+register_settings(ReshardFsdpTensorParallel(2, 2, sp, reshard=reshard) for reshard in ("all-but-last", "never")
                   for sp in (False, True))
 register_settings(MixedPrecisionFsdpTensorParallel(2, 2, sp, policy) for policy in PRECISIONS if policy != "fp32"
                   for sp in (False, True))

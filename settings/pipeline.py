@@ -165,6 +165,10 @@ class Pipeline(Setting):
                       if self.accumulate > 1 else "")
         return f"{prefix}/{self.schedule}/{shape}/stages{stages}/mb{self.microbatches}/{self.split}{accumulate}"
 
+    def __post_init__(self) -> None:
+        if self.loss_scaled and self.accumulate == 1:  # the name says neither: it would pass for the plain pipeline
+            raise ValueError(f"{type(self).__name__}: loss_scaled needs accumulate > 1")
+
     @property
     def pipeline_ranks(self) -> int:
         return self.world_size // self.data_parallel
@@ -394,8 +398,8 @@ HYBRID += [Pipeline("interleaved-zero-bubble", 4, mb, "balanced", data_parallel=
 # gradient accumulation over two schedule steps, alone and in the hybrid
 ACCUMULATING = [PipelineAccumulation(schedule, 2, 2, "balanced", accumulate=2, loss_scaled=scaled)
                 for schedule in ("gpipe", "1f1b", "interleaved-1f1b") for scaled in (False, True)]
-ACCUMULATING += [PipelineAccumulation("1f1b", 4, 2, "balanced", data_parallel=2, inner=inner, accumulate=2)
-                 for inner in ("ddp", "fsdp2")]
+ACCUMULATING += [PipelineAccumulation("1f1b", 4, 2, "balanced", data_parallel=2, inner=inner, accumulate=2,
+                                      loss_scaled=scaled) for inner in ("ddp", "fsdp2") for scaled in (False, True)]
 PIPELINES = _pipeline_settings() + _pipeline_settings(PipelineTrainedOnly, V_SCHEDULES) + HYBRID + ACCUMULATING
 register_settings([Accumulation(mb) for mb in sorted({s.microbatches * s.data_parallel * s.accumulate
                                                       for s in PIPELINES})])

@@ -193,17 +193,11 @@ def _mesh(ctx: RunContext, dp: int, tp: int) -> Any:
 
 
 @dataclass(frozen=True)
-class MixedPrecisionFsdpTensorParallel(FsdpTensorParallel):
-    """FSDP2 × tensor parallel with a reduced-precision `MixedPrecisionPolicy`: a class of its own so that the default
-    tier keeps the fp32 pair and these run in the full tier."""
-
-    in_default_tier: ClassVar[bool] = False
-
-
-@dataclass(frozen=True)
-class ReshardFsdpTensorParallel(FsdpTensorParallel):
-    """FSDP2 × tensor parallel whose units keep their gathered parameters after forward (torchtitan's
-    `reshard_after_forward_policy` "never"), or all but the last block resharded; in the full tier."""
+class FullTierFsdpTensorParallel(FsdpTensorParallel):
+    """FSDP2 × tensor parallel with a policy besides the defaults: a reduced-precision `MixedPrecisionPolicy`, or
+    units keeping their gathered parameters after forward (torchtitan's `reshard_after_forward_policy` "never", or
+    all but the last block resharded). A class of its own so that the default tier keeps the fp32 resharding pair and
+    these run in the full tier."""
 
     in_default_tier: ClassVar[bool] = False
 
@@ -215,7 +209,7 @@ RESHARD_POLICIES = {"always": "every unit resharded after forward",
                     "never": "no unit resharded after forward"}
 
 register_settings(FsdpTensorParallel(2, 2, sp) for sp in (False, True))
-register_settings(ReshardFsdpTensorParallel(2, 2, sp, reshard=reshard) for reshard in ("all-but-last", "never")
+register_settings(FullTierFsdpTensorParallel(2, 2, sp, reshard=reshard) for reshard in ("all-but-last", "never")
                   for sp in (False, True))
-register_settings(MixedPrecisionFsdpTensorParallel(2, 2, sp, policy) for policy in PRECISIONS if policy != "fp32"
+register_settings(FullTierFsdpTensorParallel(2, 2, sp, policy) for policy in PRECISIONS if policy != "fp32"
                   for sp in (False, True))

@@ -306,9 +306,8 @@ class PipelineClipping(GradientClipping):
     def name(self) -> str:
         if self.data_parallel == 1:
             return f"clip/pipeline/{self.schedule}/norm{self.norm}/ws{self.world_size}"
-        pipeline_ranks = self.world_size // self.data_parallel
-        return (f"clip/hybrid/{self.schedule}/dp{self.data_parallel}x{self.inner}/pp{pipeline_ranks}/norm{self.norm}/"
-                f"ws{self.world_size}")
+        return (f"clip/hybrid/{self.schedule}/dp{self.data_parallel}x{self.inner}/pp{self.parallel().pipeline_ranks}/"
+                f"norm{self.norm}/ws{self.world_size}")
 
     def describe(self) -> str:
         return (f"gradients clipped to {self.norm}-norm {MAX_NORM:g} across the stages (torchtitan's way) before each "
@@ -318,9 +317,8 @@ class PipelineClipping(GradientClipping):
         """The pipeline setting whose training this one clips."""
         from settings.pipeline import Pipeline
 
-        pipeline_ranks = self.world_size // self.data_parallel
-        return Pipeline(self.schedule, self.world_size, pipeline_ranks, data_parallel=self.data_parallel,
-                        inner=self.inner)
+        return Pipeline(self.schedule, self.world_size, self.world_size // self.data_parallel,
+                        data_parallel=self.data_parallel, inner=self.inner)
 
     def available(self) -> str | None:
         import torch
@@ -353,7 +351,7 @@ class PipelineClipping(GradientClipping):
 
         pipeline = self.parallel()
         return pipeline_script(case, pipeline.describe(),
-                               lambda chain: {**pipeline.script_layout(chain, case.seed),
+                               lambda chain: {**pipeline.layout(chain, case.seed),
                                               "clipping": {"norm": self.norm, "max_norm": MAX_NORM,
                                                            "device": "cpu"}},
                                self.world_size, f"plain SGD, the gradients clipped to {self.norm}-norm {MAX_NORM:g} "

@@ -184,7 +184,12 @@ class Pipeline(Setting):
 
     @property
     def reference(self) -> str:  # type: ignore[override]
-        return f"accumulate/mb{self.microbatches * self.data_parallel * self.accumulate}"
+        return f"accumulate/mb{self.accumulated_microbatches}"
+
+    @property
+    def accumulated_microbatches(self) -> int:
+        """The micro-batches one optimizer step takes: every pipeline's, over every accumulated schedule step."""
+        return self.microbatches * self.data_parallel * self.accumulate
 
     def describe(self) -> str:
         replicas = f", {self.data_parallel} replicas with {self.inner} in each stage" if self.data_parallel > 1 else ""
@@ -297,6 +302,7 @@ class Pipeline(Setting):
         return {"schedule_class": class_name, "stages": stages, "starts": starts, "per_rank": per_rank,
                 "placement": placement, "microbatches": self.microbatches,
                 **({} if self.evaluates else {"evaluates": False}),
+                **({"data_parallel": self.data_parallel, "inner": self.inner} if self.data_parallel > 1 else {}),
                 **({"accumulate": self.accumulate, "loss_divisor": self.loss_divisor,
                     "scale_grads": not self.loss_scaled} if self.accumulate > 1 else {})}
 
@@ -304,7 +310,7 @@ class Pipeline(Setting):
         refuse_changed_hooks(self, Pipeline, "after_backward", "trained")
         if type(self).scale_grads is not Pipeline.scale_grads:
             raise Unsupported("a changed scale_grads has no emitter")
-        return pipeline_script(case, self.describe(), lambda chain: self.script_layout(chain, case.seed),
+        return pipeline_script(case, self.describe(), lambda chain: self.layout(chain, case.seed),
                                self.world_size, "plain SGD", self.replicas())
 
     @property
@@ -312,11 +318,6 @@ class Pipeline(Setting):
         """What each micro-batch's loss is divided by: the accumulated steps, and the micro-batches where the schedule
         does not divide the gradients by them itself."""
         return self.accumulate * (self.microbatches if self.loss_scaled else 1)
-
-    def script_layout(self, chain: Any, seed: int) -> dict[str, Any]:
-        """What its script's `on_rank` reads (`settings._pipeline_script`): the layout, a hybrid's replicas too."""
-        hybrid = {"data_parallel": self.data_parallel, "inner": self.inner} if self.data_parallel > 1 else {}
-        return {**self.layout(chain, seed), **hybrid}
 
     def replicas(self) -> str:
         """A hybrid's pipelines, as its script's summary says them."""
@@ -401,6 +402,5 @@ ACCUMULATING = [PipelineAccumulation(schedule, 2, 2, "balanced", accumulate=2, l
 ACCUMULATING += [PipelineAccumulation("1f1b", 4, 2, "balanced", data_parallel=2, inner=inner, accumulate=2,
                                       loss_scaled=scaled) for inner in ("ddp", "fsdp2") for scaled in (False, True)]
 PIPELINES = _pipeline_settings() + _pipeline_settings(PipelineTrainedOnly, V_SCHEDULES) + HYBRID + ACCUMULATING
-register_settings([Accumulation(mb) for mb in sorted({s.microbatches * s.data_parallel * s.accumulate
-                                                      for s in PIPELINES})])
+register_settings([Accumulation(mb) for mb in sorted({s.accumulated_microbatches for s in PIPELINES})])
 register_settings(PIPELINES)

@@ -172,16 +172,28 @@ def resume_script(case: StandaloneCase, described: str, phases: tuple[Phase, ...
         tensors=tensors, data=model.data, world_size=max(p["world_size"] for p in ran))
 
 
-# each resume case starts two fresh process groups (~10 s on 2 cores): a few that cover the promises
-SINGLE, DDP2, FSDP2, FSDP4 = Placement("single"), Placement("ddp", 2), Placement("fsdp2", 2), Placement("fsdp2", 4)
+@dataclass(frozen=True)
+class FullTierResume(Resume):
+    """A resume whose promise the default tier's ones already hold in part (the same placement again, a world size
+    that divides every dimension): a class of its own so that these run in the full tier."""
+
+    in_default_tier: ClassVar[bool] = False
+
+
+# each resume case starts two fresh process groups (2-5 s each on 2 cores): the default tier takes the fast-forward
+# and the one that changes strategy and world size at once, onto shards of uneven size (3 ranks)
+SINGLE, DDP2 = Placement("single"), Placement("ddp", 2)
+FSDP2, FSDP3, FSDP4 = Placement("fsdp2", 2), Placement("fsdp2", 3), Placement("fsdp2", 4)
 
 register_settings(
     [Uninterrupted(p) for p in (SINGLE, DDP2, FSDP2)]
     + [
-        Resume(SINGLE, SINGLE, 3),
         Resume(SINGLE, SINGLE, 3, "fast-forward"),
-        Resume(DDP2, DDP2, 3),
-        Resume(FSDP2, FSDP4, 3),  # DCP reshards 2 -> 4
-        Resume(DDP2, FSDP2, 3),  # replicated -> sharded
+        Resume(DDP2, FSDP3, 3),  # replicated -> sharded unevenly over another world size
+        FullTierResume(SINGLE, SINGLE, 3),
+        FullTierResume(DDP2, DDP2, 3),
+        FullTierResume(FSDP2, FSDP4, 3),  # DCP reshards 2 -> 4
+        FullTierResume(DDP2, FSDP2, 3),  # replicated -> sharded
+        FullTierResume(FSDP2, FSDP3, 3),  # evenly -> unevenly sharded
     ]
 )

@@ -82,10 +82,11 @@ def test_the_tracer_sees_what_ran_and_the_reduction_keeps_only_that_before_the_s
 
     reduced = reduce_source(SCRIPT, executed)
     compile(reduced, "reduced", "exec")
-    for gone in ("never_called", "helper(1)", '"big"', "UNUSED", "import json", "Doubles x", '"a"',
-                 "else:\n        value", "Kept whole"):  # every docstring but the script's own goes
+    # every docstring but the script's own goes, and so does the guard that always held (`elif … == "b"`)
+    for gone in ("never_called", "helper(1)", '"big"', "UNUSED", "import json", "Doubles x", '"a"', 'case["kind"]',
+                 "else:", "Kept whole"):
         assert gone not in reduced, (gone, reduced)
-    for kept in ('"""What the script shows."""', 'if case["kind"] == "b":', "value = helper(2)", 'print("small")',
+    for kept in ('"""What the script shows."""', "\n    value = helper(2)\n", '\n    print("small")\n',
                  'print("never")', "import os, sys"):  # the shared part's code is never pruned
         assert kept in reduced, (kept, reduced)
     # and it runs, printing what the full script printed
@@ -120,6 +121,53 @@ def test_an_else_taken_replaces_its_if_and_a_block_left_empty_keeps_a_pass() -> 
     assert "for _" not in reduced and "x = 1" not in reduced  # a loop that never iterated goes
     assert "def h(flag):\n    pass\n" in reduced  # its one statement never ran: a pass holds the block
     compile(reduced, "reduced", "exec")
+
+
+def test_a_guard_that_always_held_a_try_that_caught_nothing_and_a_function_only_what_went_named_go() -> None:
+    """What ran of a script, less the `if` whose `else` never ran (its test always held), the `try` none of whose
+    handlers ran, and a local function that only a statement that never ran named; a walrus in a test keeps it."""
+    source = textwrap.dedent('''\
+        def f(n):
+            def later(x):
+                return x
+
+            if n > 0:
+                m = n
+            else:
+                m = 0
+            try:
+                m += 1
+            except ValueError:
+                m = -1
+            else:
+                m += 2
+            if (k := m) > 0:
+                m = k
+            else:
+                m = later(m)
+            return m
+
+        print(f(3))
+        ''')
+    never = ("return x", "m = 0", "m = -1", "m = later(m)")
+    executed = _lines(source, "def f", "if n > 0", "m = n", "try:", "m += 1", "m += 2", "if (k", "m = k", "return m",
+                      "print(f(3))")
+    executed -= _lines(source, *never)
+    reduced = reduce_source(source, executed)
+    assert reduced == textwrap.dedent('''\
+        def f(n):
+            m = n
+            m += 1
+            m += 2
+            if (k := m) > 0:
+                m = k
+            return m
+
+        print(f(3))
+        '''), reduced
+    namespace: dict[str, Any] = {"print": lambda value: None}
+    exec(compile(reduced, "reduced", "exec"), namespace)
+    assert namespace["f"](3) == 6
 
 
 def test_a_definition_named_on_the_line_that_failed_stays_though_it_never_ran() -> None:
@@ -390,8 +438,11 @@ def test_with_a_shrink_budget_a_scripts_trace_and_trials_share_one_lent_server(t
                 done = _check(Emitted(f"F{number}", "family", script), 60, shrink_budget_s=120, servers=servers)
                 assert done.checked is not None and done.checked.reproduces and not done.defect, done
                 assert done.reduction is not None and done.reduction.kept, done.reduction
-                assert done.reduction.kept_edits == 4 and not done.reduction.trials_failed, done.reduction
-                assert "padding" not in script.read_text() and "x = x + 1" in script.read_text()
+                # the trace took the unused padding and the guard that always held, the trials the chatter and the
+                # `with`
+                assert done.reduction.kept_edits == 2 and not done.reduction.trials_failed, done.reduction
+                assert "padding" not in script.read_text() and "x > 0" not in script.read_text()
+                assert "x = x + 1" in script.read_text() and "with open" not in script.read_text()
                 assert len(started) == 1 and len(servers._idle) == 1, (started, servers._idle)
         # a server that dies while lent (a trial's failure is told in its finding, not raised) is not lent again
         with servers.lease(script) as server:

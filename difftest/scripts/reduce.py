@@ -2,13 +2,16 @@
 
 An emitter copies whole library-calling functions (never a second implementation), so a script carries every branch
 those functions have for other models, plans and schedules. The script is run once with a line tracer (its ranks
-included: they are forks of it); what no process executed is what this case does not need. Removed, on the syntax
-tree's statements and with the source's own text and comments kept: functions never called, statements never
-reached, the branch of an `if` never taken; then, repeatedly, the definitions, constants and imports nothing refers to
-any more. The part every script shares (start the ranks, judge, report) is never touched. The reduced script is kept
-only if, run as a maintainer runs it (sealed: no difftest importable), it prints the same verdict lines — the same
-tensors off with the same values at their worst elements, to the digits printed, or the same failure line — and
-exits 1; else the full script stays. The full script is kept beside it either way (`standalone.full.py`).
+included: they are forks of it), lines and the arcs between them; what no process executed is what this case does not
+need. Removed, on the syntax tree's statements and with the source's own text and comments kept: functions never called,
+statements never reached, the branch of an `if` never taken, the `if` whose test always held (its body takes its place,
+unless it holds a `raise`, `return`, `break` or `continue`: such a guard decides what another release does), the `try`
+none of whose handlers ran; then, repeatedly, the definitions, constants and imports nothing refers to any more, and the
+local functions and side-effect-free assignments nothing reads. The part every script shares (start the ranks, judge,
+report) is never touched. The reduced script is kept only if, run as a maintainer runs it (sealed: no difftest
+importable), it prints the same verdict lines — the same tensors off with the same values at their worst elements, to
+the digits printed, or the same failure line — and exits 1; else the full script stays. The full script is kept beside
+it either way (`standalone.full.py`).
 """
 
 from __future__ import annotations
@@ -32,26 +35,36 @@ SHARED_MARKER = "# --- the rest is what every difftest script shares"
 FULL_FILE = "standalone.full.py"
 
 # Defines `trace_into(script, out)`: from then on each line of `script` the first time this process or a process forked
-# from it executes it is appended to out/<pid>.lines at once, unbuffered (a rank killed by a signal has written every
-# line it ran). Only the standard library: it runs where the script runs, sealed as a check is (`_TRACER`, and the
-# fork server of `difftest.scripts.shrink`).
+# from it executes it, and each arc (a line, then the next its frame ran: `a:b`, or `a:0` where the frame returned
+# or raised), is appended to out/<pid>.lines at once, unbuffered (a rank killed by a signal has written every line it
+# ran). Only the standard library: it runs where the script runs, sealed as a check is (`_TRACER`, and the fork
+# server of `difftest.scripts.shrink`).
 TRACE_FUNCTIONS = '''
 import os, sys, threading
 
 def trace_into(script, out):
-    seen, files = set(), {}
+    seen, files, last = set(), {}, {}
 
-    def record(line):
+    def record(token):
         pid = os.getpid()
         if pid not in files:  # a fork: what the parent saw is in the parent's file
             files.clear()
             files[pid] = os.open(os.path.join(out, f"{pid}.lines"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.write(files[pid], f"{line} ".encode())
+        os.write(files[pid], f"{token} ".encode())
+
+    def once(token):
+        if (os.getpid(), token) not in seen:
+            seen.add((os.getpid(), token))
+            record(token)
 
     def local(frame, event, arg):
-        if event == "line" and (os.getpid(), frame.f_lineno) not in seen:
-            seen.add((os.getpid(), frame.f_lineno))
-            record(frame.f_lineno)
+        if event == "line":
+            once(frame.f_lineno)
+            if id(frame) in last:
+                once(f"{last[id(frame)]}:{frame.f_lineno}")
+            last[id(frame)] = frame.f_lineno
+        elif event == "return" and id(frame) in last:
+            once(f"{last.pop(id(frame))}:0")
         return local
 
     def tracer(frame, event, arg):
@@ -75,9 +88,20 @@ runpy.run_path(script, run_name="__main__")
 NOT_THE_SAME_BUG = "the reduced script did not show the same bug"
 
 
-def traced_lines(folder: Path) -> set[int]:
-    """The lines `trace_into(script, folder)` recorded, over every process."""
-    return {int(n) for dump in folder.glob("*.lines") for n in dump.read_text().split()}
+class Executed(set[int]):
+    """The lines of a script some process ran, with the arcs between them (`arcs`: a line, then the next one its frame
+    ran, 0 where the frame returned or raised)."""
+
+    def __init__(self, lines: Iterable[int] = (), arcs: Iterable[tuple[int, int]] = ()) -> None:
+        super().__init__(lines)
+        self.arcs: frozenset[tuple[int, int]] = frozenset(arcs)
+
+
+def traced_lines(folder: Path) -> Executed:
+    """The lines and arcs `trace_into(script, folder)` recorded, over every process."""
+    tokens = [token for dump in folder.glob("*.lines") for token in dump.read_text().split()]
+    arcs = [tuple(map(int, token.split(":"))) for token in tokens if ":" in token]
+    return Executed((int(t) for t in tokens if ":" not in t), ((a, b) for a, b in arcs))
 
 
 @dataclass(frozen=True)
@@ -166,13 +190,11 @@ def _indent(line: str) -> str:
 def _reduce_body(body: list[ast.stmt], executed: set[int], edits: _Edits) -> None:
     """Delete what never ran in one block of statements (a block left empty keeps a `pass`)."""
     doomed: list[ast.stmt] = []
+    uncalled: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
     for node in body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             if not _body_ran(node.body, executed):
-                # a local function never called, unless what runs beside it names it (a hook registered, to run
-                # after the failure): then it stays whole, as a top-level one does (`prune_unexecuted`)
-                if node.name not in _names_read(s for s in body if s is not node):
-                    doomed.append(node)
+                uncalled.append(node)
             else:
                 _reduce_body(node.body, executed, edits)
             continue
@@ -188,13 +210,33 @@ def _reduce_body(body: list[ast.stmt], executed: set[int], edits: _Edits) -> Non
         if isinstance(node, ast.If) and not node.orelse and not _body_ran(node.body, executed):
             doomed.append(node)  # its test never held
             continue
+        if isinstance(node, ast.If) and not node.orelse and _always_held(node, executed):
+            edits.delete(node.lineno, node.body[0].lineno - 1)  # the guard goes, its body takes its place
+            _dedent(edits, node.body)
+            _reduce_body(node.body, executed, edits)
+            continue
         if isinstance(node, ast.If):
             _reduce_if(node, executed, edits)
-        elif isinstance(node, ast.ClassDef | ast.With | ast.For | ast.While | ast.Try):
+            continue
+        if isinstance(node, ast.Try) and not node.finalbody and not any(_body_ran(h.body, executed)
+                                                                         for h in node.handlers):
+            _unwrap_try(node, edits)  # no handler ever ran: nothing it guards against happened in this case
+        if isinstance(node, ast.ClassDef | ast.With | ast.For | ast.While | ast.Try):
             for block in ("body", "orelse", "finalbody"):
                 inner = getattr(node, block, None)
                 if inner and _body_ran(inner, executed):
                     _reduce_body(inner, executed, edits)
+    # a local function never called, unless what stays beside it names it (a hook registered, to run after the
+    # failure): then it stays whole, as a top-level one does (`prune_unexecuted`); one named only by what goes, goes
+    staying = [n for n in body if n not in doomed and n not in uncalled]
+    while uncalled:
+        named = _names_read(staying)
+        if not (kept := [f for f in uncalled if f.name in named]):
+            break
+        staying += kept
+        uncalled = [f for f in uncalled if f not in kept]
+    doomed += uncalled
+    doomed.sort(key=lambda n: n.lineno)
     if doomed and len(doomed) == len([n for n in body if not _is_docstring(n)]):
         keep = doomed.pop(0)  # the block needs a statement: the first one becomes `pass`
         first, last = _span(keep)
@@ -237,10 +279,52 @@ def _reduce_if(node: ast.If, executed: set[int], edits: _Edits) -> None:
     if node.orelse and not orelse_ran:
         else_line = _else_line(node, edits)
         edits.delete(else_line, node.orelse[-1].end_lineno or node.orelse[-1].lineno)
+        if body_ran and _falls_through(node.body) and not any(isinstance(n, ast.NamedExpr) for n in ast.walk(node.test)):
+            # its test held every time (the `else` never ran): the guard goes, its body takes its place
+            edits.delete(node.lineno, node.body[0].lineno - 1)
+            _dedent(edits, node.body)
     elif node.orelse and elif_chain:
         _reduce_if(node.orelse[0], executed, edits)  # type: ignore[arg-type]
     elif node.orelse:
         _reduce_body(node.orelse, executed, edits)
+
+
+def _always_held(node: ast.If, executed: set[int]) -> bool:
+    """Whether an `if`'s test held every time it was evaluated, by the traced arcs: every step out of its test's lines
+    went into its body (none past it, to a loop's head, or out of the frame), and it has no walrus whose name the body
+    would lose."""
+    arcs: frozenset[tuple[int, int]] = getattr(executed, "arcs", frozenset())
+    test = range(node.lineno, node.body[0].lineno)
+    first = range(node.body[0].lineno, (node.body[0].end_lineno or node.body[0].lineno) + 1)
+    out = {b for a, b in arcs if a in test and b not in test}
+    return bool(out) and out <= set(first) and not any(isinstance(n, ast.NamedExpr) for n in ast.walk(node.test)) \
+        and _falls_through(node.body)
+
+
+def _falls_through(body: list[ast.stmt]) -> bool:
+    """Whether a block has no `raise`, `return`, `break` or `continue` of its own: a guard around one (the release
+    that raises, the early exit) decides what the script does on another release, and stays."""
+    exits = ast.Raise | ast.Return | ast.Break | ast.Continue
+    pending: list[ast.AST] = list(body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, exits):
+            return False
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+            pending += ast.iter_child_nodes(node)
+    return True
+
+
+def _unwrap_try(node: ast.Try, edits: _Edits) -> None:
+    """A `try` none of whose handlers ran, without `finally`: its body (then its `else` block) in its place."""
+    edits.delete(node.lineno, node.body[0].lineno - 1)
+    _dedent(edits, node.body)
+    last_handler = node.handlers[-1]
+    if node.orelse:  # from the first `except` to the `else:` line, then the `else` block moved out
+        edits.delete(node.handlers[0].lineno, node.orelse[0].lineno - 1)
+        _dedent(edits, node.orelse)
+    else:
+        edits.delete(node.handlers[0].lineno, last_handler.end_lineno or last_handler.lineno)
 
 
 def _else_line(node: ast.If, edits: _Edits) -> int:
@@ -339,9 +423,110 @@ def drop_docstrings(source: str) -> str:
     return edits.text()
 
 
+def _unused_local_definitions(source: str) -> list[ast.stmt]:
+    """The functions and classes defined inside a function (before the shared part) that nothing else in that function
+    names (what named them has gone; a decorated one stays: its decorator may register it), and the assignments
+    there whose names nothing reads and whose value has no effect of its own."""
+    tree = parse(source)
+    marker = _shared_start(source.splitlines())
+    unused: list[ast.stmt] = []
+    for outer in ast.walk(tree):
+        if not isinstance(outer, ast.FunctionDef | ast.AsyncFunctionDef) or outer.lineno >= marker:
+            continue
+        for block in _statement_blocks(outer):
+            for node in block:
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and not node.decorator_list:
+                    others = (n for child in outer.body for n in ast.walk(child) if n is not node)
+                    inside = {id(n) for n in ast.walk(node)}
+                    if not any(isinstance(n, ast.Name) and n.id == node.name and id(n) not in inside for n in others):
+                        unused.append(node)
+        # an assignment, without side effects, to names nothing in the function (its local functions included) reads
+        read = {n.id for n in ast.walk(outer) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        read |= {name for n in ast.walk(outer) if isinstance(n, ast.Nonlocal | ast.Global) for name in n.names}
+        for block in _statement_blocks(outer):
+            for node in block:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                    if isinstance(node, ast.AnnAssign) and node.value is not None else []
+                names = [n for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+                if targets and all(isinstance(t, ast.Name | ast.Tuple) for t in targets) and \
+                        all(isinstance(e, ast.Name) for t in targets if isinstance(t, ast.Tuple) for e in t.elts) and \
+                        not {n.id for n in names} & read and _pure(node.value):  # type: ignore[attr-defined]
+                    unused.append(node)
+    return unused
+
+
+# calls whose only effect is their value: an assignment of one to a name nothing reads can go
+_PURE_FUNCTIONS = frozenset({"len", "int", "float", "str", "bool", "tuple", "list", "dict", "set", "range", "min",
+                             "max", "sum", "sorted", "isinstance", "hasattr", "getattr", "enumerate", "zip", "divmod"})
+_PURE_METHODS = frozenset({"get", "items", "keys", "values", "startswith", "endswith", "split", "join", "copy"})
+
+
+def _pure(expression: ast.expr | None) -> bool:
+    """Whether evaluating `expression` does nothing but compute a value (literals, names, subscripts, operators and
+    the calls above); a walrus or any other call may do more."""
+    for node in ast.walk(expression) if expression is not None else ():
+        if isinstance(node, ast.NamedExpr | ast.Await | ast.Yield | ast.YieldFrom):
+            return False
+        if isinstance(node, ast.Call) and not (
+                (isinstance(node.func, ast.Name) and node.func.id in _PURE_FUNCTIONS)
+                or (isinstance(node.func, ast.Attribute) and node.func.attr in _PURE_METHODS)):
+            return False
+    return True
+
+
+def _statement_blocks(function: ast.AST) -> Iterable[list[ast.stmt]]:
+    """The blocks of statements inside `function`, not those of the functions and classes it defines."""
+    pending: list[ast.AST] = [function]
+    while pending:
+        node = pending.pop()
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and block:
+                if isinstance(block[0], ast.stmt):
+                    yield block
+                pending += [n for n in block if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef
+                                                               | ast.ClassDef)]
+
+
+def drop_unused_locals(source: str) -> str:
+    """Remove, until none is left, the local functions, classes and side-effect-free assignments nothing reads
+    (`_unused_local_definitions`); a block they leave empty gets a `pass`."""
+    while unused := _unused_local_definitions(source):
+        edits = _Edits(source)
+        tree = parse(source)
+        for node in unused:
+            block = next(b for b in _blocks_of(tree) if any(s is node or _same(s, node) for s in b))
+            first, last = _span(node)
+            if all(_same(s, node) or any(_same(s, u) for u in unused) or _is_docstring(s) for s in block) and \
+                    _same(node, next(s for s in block if not _is_docstring(s))):
+                edits.delete(first + 1, last)  # the block needs a statement: the first one becomes `pass`
+                edits.replaced[first] = _indent(edits.lines[first - 1]) + "pass"
+            else:  # with the comment right above it, and the blank line after it
+                while first > 1 and edits.lines[first - 2].strip().startswith("#") and \
+                        len(_indent(edits.lines[first - 2])) == len(_indent(edits.lines[first - 1])):
+                    first -= 1
+                edits.delete(first, last + (last < len(edits.lines) and not edits.lines[last].strip()))
+        source = edits.text()
+    return source
+
+
+def _blocks_of(tree: ast.AST) -> Iterable[list[ast.stmt]]:
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+
+
+def _same(a: ast.stmt, b: ast.stmt) -> bool:
+    return (a.lineno, a.col_offset) == (b.lineno, b.col_offset)
+
+
 def drop_unused(source: str) -> str:
     """Remove, until none is left, the top-level definitions, single-name constants and imported names that nothing
-    else in the script refers to (by name, or as a string the script reads by name)."""
+    else in the script refers to (by name, or as a string the script reads by name), and the local functions and
+    classes nothing names."""
+    source = drop_unused_locals(source)
     while True:
         tree = parse(source)
         lines = source.splitlines()
@@ -381,9 +566,18 @@ def _self_references(node: ast.AST) -> set[str]:
     return {name} if name in inner else set()
 
 
+_BLANK_AFTER_OPENER = re.compile(r"(:[ \t]*(?:#[^\n]*)?\n)(?:[ \t]*\n)+(?=[ \t]+\S)")
+_BLANKS_INDENTED = re.compile(r"\n(?:[ \t]*\n){2,}(?=[ \t]+\S)")
+
+
 def tidy(source: str) -> str:
-    """At most two blank lines in a row, none after a definition's line (what removing statements leaves)."""
-    return re.sub(r"\n{4,}", "\n\n\n", source)
+    """What removing statements leaves, tidied: before the part every script shares, no blank line right after a
+    block's opening line and at most one between indented statements; at most two in a row anywhere."""
+    lines = source.splitlines(keepends=True)
+    marker = _shared_start([line.rstrip("\n") for line in lines])
+    head = "".join(lines[:marker - 1])
+    head = _BLANKS_INDENTED.sub("\n\n", _BLANK_AFTER_OPENER.sub(r"\1", head))
+    return re.sub(r"\n{4,}", "\n\n\n", head + "".join(lines[marker - 1:]))
 
 
 def reduce_source(source: str, executed: set[int]) -> str:

@@ -1,8 +1,8 @@
 """A standalone script shrunk by trials: what C-Reduce does for compiler bugs, at the level of Python statements.
 
-The reduction by trace (`difftest.scripts.reduce`) removes what no process ran. What ran but does not matter to the
-bug (an evaluation before the step that shows it, the weights a crash never reads, a guard that always held, a `try`
-whose handler never fired) goes here: one candidate edit at a time, on the syntax tree's statements and with the
+The reduction by trace (`difftest.scripts.reduce`) removes what no process ran, and the guards that always held.
+What ran but does not matter to the bug (an evaluation before the step that shows it, the weights a crash never
+reads, a `with` block's context) goes here: one candidate edit at a time, on the syntax tree's statements and with the
 source's own text kept — delete a statement (largest first), or put a compound statement's body in its place (`if`,
 `with`, `try`) — then the definitions, constants and imports nothing refers to any more. An edit is kept only if the
 script, run sealed as a maintainer runs it, prints the same verdict lines (the same tensors off with the same values
@@ -23,7 +23,6 @@ import builtins
 import contextlib
 import hashlib
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -307,20 +306,6 @@ def candidates(source: str) -> Iterator[tuple[str, str]]:
         yield key, "\n".join(edited) + "\n"
 
 
-_BLANK_AFTER_OPENER = re.compile(r"(:[ \t]*(?:#[^\n]*)?\n)(?:[ \t]*\n)+(?=[ \t]+\S)")
-_BLANKS_INDENTED = re.compile(r"\n(?:[ \t]*\n){2,}(?=[ \t]+\S)")
-
-
-def tidy_blocks(source: str) -> str:
-    """In the editable region, no blank line right after a block's opening line and at most one between indented
-    statements (what deleting statements leaves); at most two between top-level ones."""
-    first, marker = _region(source)
-    lines = source.splitlines(keepends=True)
-    region = "".join(lines[first - 1:marker - 1])
-    region = _BLANKS_INDENTED.sub("\n\n", _BLANK_AFTER_OPENER.sub(r"\1", region))
-    return tidy("".join(lines[:first - 1]) + region + "".join(lines[marker - 1:]))
-
-
 def undefined_names(source: str) -> set[str]:
     """Names the source reads that nothing in it defines and Python does not provide (a static NameError)."""
     tree = parse(source)
@@ -380,7 +365,7 @@ def shrink(path: Path, original_output: str, budget_s: float, timeout_s: float, 
                     continue  # tried in this pass, on the script before a later edit was kept
                 seen.add(key)
                 try:
-                    reduced = tidy_blocks(drop_unused(edited))
+                    reduced = tidy(drop_unused(edited))
                 except SyntaxError:  # an edit whose text does not parse (a `pass` at a comment's indentation)
                     continue
                 digest = hashlib.sha1(reduced.encode()).hexdigest()

@@ -438,9 +438,8 @@ def test_with_a_shrink_budget_a_scripts_trace_and_trials_share_one_lent_server(t
                 done = _check(Emitted(f"F{number}", "family", script), 60, shrink_budget_s=120, servers=servers)
                 assert done.checked is not None and done.checked.reproduces and not done.defect, done
                 assert done.reduction is not None and done.reduction.kept, done.reduction
-                # the trace took the unused padding and the guard that always held, the trials the chatter and the
-                # `with`
-                assert done.reduction.kept_edits == 2 and not done.reduction.trials_failed, done.reduction
+                # the trace took the guard that always held, the trials the padding, the chatter and the `with`
+                assert done.reduction.kept_edits == 3 and not done.reduction.trials_failed, done.reduction
                 assert "padding" not in script.read_text() and "x > 0" not in script.read_text()
                 assert "x = x + 1" in script.read_text() and "with open" not in script.read_text()
                 assert len(started) == 1 and len(servers._idle) == 1, (started, servers._idle)
@@ -570,3 +569,77 @@ def test_the_engine_parses_python_only_under_one_lock() -> None:
                     and node.func.attr in ("getsource", "getsourcelines", "findsource")):
                 unlocked.append(f"{path.relative_to(engine.parent)}:{node.lineno}")
     assert not unlocked, unlocked
+
+
+# shapes the line-level reduction once got wrong (a review's findings): each function prints what it computed, and the
+# reduced script must print the same
+TRICKY = textwrap.dedent('''\
+    import functools
+
+    def chain(kind):
+        if kind == "a":
+            r = "A"
+        elif kind == "b":
+            r = "B"
+        else:
+            raise ValueError(kind)
+        return r
+
+    def decorated(x):
+        if x:
+            @functools.lru_cache
+            def g():
+                return 1
+        g()
+        return g.cache_info().hits
+
+    def counted(items):
+        count = 0
+        for _ in items:
+            count += 1
+        spare = [1, 2]
+        del spare
+        return "counted"
+
+    def early(x):
+        if x: return "early"
+        return "late"
+
+    def text():
+        if True:
+            message = """kept:
+
+        as written"""
+        return repr(message)
+
+    def failing(d):
+        try:
+            value = d["missing"]
+        except KeyError:
+            return "raised"
+        return "no"
+
+    for result in (chain("a"), chain("b"), decorated(1), counted([1]), early(1), text(), failing({})):
+        print(result)
+    ''')
+
+
+def test_a_reduced_script_computes_what_the_whole_one_did_on_shapes_reduction_once_got_wrong(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from difftest.scripts.reduce import _TRACER, traced_lines
+
+    script, tracer, out = tmp_path / "script.py", tmp_path / "tracer.py", tmp_path / "lines"
+    script.write_text(TRICKY)
+    tracer.write_text(_TRACER)
+    out.mkdir()
+    whole = subprocess.run([sys.executable, str(tracer), str(script), str(out)], capture_output=True, text=True)
+    assert whole.returncode == 0 and whole.stdout.splitlines()[:2] == ["A", "B"], whole.stderr
+    executed = traced_lines(out)
+    assert executed.arcs, "the tracer records arcs beside lines"
+    reduced = reduce_source(TRICKY, executed)
+    script.write_text(reduced)
+    again = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert again.stdout == whole.stdout, reduced
+    assert "raise ValueError(kind)" not in reduced and "elif kind" in reduced  # the else that never ran goes alone

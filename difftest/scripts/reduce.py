@@ -17,9 +17,12 @@ it either way (`standalone.full.py`).
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import re
 import tempfile
 import time
+import tokenize
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,7 +158,7 @@ def _header_lines(node: ast.stmt) -> range:
     """The lines of a compound statement before its body (`if a and\\n b:`), or a simple statement's lines."""
     body = getattr(node, "body", None)
     if isinstance(body, list) and body and not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-        return range(node.lineno, body[0].lineno)
+        return range(node.lineno, max(body[0].lineno, node.lineno + 1))  # `if x: return` on one line: that line
     return range(node.lineno, (node.end_lineno or node.lineno) + 1)
 
 
@@ -174,6 +177,10 @@ class _Edits:
         self.lines = source.splitlines()
         self.deleted: set[int] = set()  # 1-based
         self.replaced: dict[int, str] = {}
+        self.in_strings = _lines_inside_strings(source)  # moved, their text would change the string's value
+
+    def current(self, number: int) -> str:
+        return self.replaced.get(number, self.lines[number - 1])
 
     def delete(self, first: int, last: int) -> None:
         self.deleted.update(range(first, last + 1))
@@ -181,6 +188,16 @@ class _Edits:
     def text(self) -> str:
         kept = [self.replaced.get(n, line) for n, line in enumerate(self.lines, 1) if n not in self.deleted]
         return "\n".join(kept) + "\n"
+
+
+def _lines_inside_strings(source: str) -> set[int]:
+    """The lines that continue a string literal begun on an earlier line."""
+    inside: set[int] = set()
+    with contextlib.suppress(tokenize.TokenError, SyntaxError):
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.STRING and token.end[0] > token.start[0]:
+                inside.update(range(token.start[0] + 1, token.end[0] + 1))
+    return inside
 
 
 def _indent(line: str) -> str:
@@ -210,22 +227,21 @@ def _reduce_body(body: list[ast.stmt], executed: set[int], edits: _Edits) -> Non
         if isinstance(node, ast.If) and not node.orelse and not _body_ran(node.body, executed):
             doomed.append(node)  # its test never held
             continue
-        if isinstance(node, ast.If) and not node.orelse and _always_held(node, executed):
-            edits.delete(node.lineno, node.body[0].lineno - 1)  # the guard goes, its body takes its place
-            _dedent(edits, node.body)
+        if isinstance(node, ast.If) and not node.orelse and _always_held(node, executed) and _guard_goes(node, edits):
             _reduce_body(node.body, executed, edits)
+            _unwrap_if(node, edits)  # its test held every time: the guard goes, its body takes its place
             continue
         if isinstance(node, ast.If):
             _reduce_if(node, executed, edits)
             continue
-        if isinstance(node, ast.Try) and not node.finalbody and not any(_body_ran(h.body, executed)
-                                                                         for h in node.handlers):
-            _unwrap_try(node, edits)  # no handler ever ran: nothing it guards against happened in this case
         if isinstance(node, ast.ClassDef | ast.With | ast.For | ast.While | ast.Try):
             for block in ("body", "orelse", "finalbody"):
                 inner = getattr(node, block, None)
                 if inner and _body_ran(inner, executed):
                     _reduce_body(inner, executed, edits)
+        if isinstance(node, ast.Try) and not node.finalbody and not any(_body_ran(h.body, executed)
+                                                                         for h in node.handlers):
+            _unwrap_try(node, edits)  # no handler ever ran: nothing it guards against happened in this case
     # a local function never called, unless what stays beside it names it (a hook registered, to run after the
     # failure): then it stays whole, as a top-level one does (`prune_unexecuted`); one named only by what goes, goes
     staying = [n for n in body if n not in doomed and n not in uncalled]
@@ -261,14 +277,20 @@ def _reduce_if(node: ast.If, executed: set[int], edits: _Edits) -> None:
     orelse_ran = bool(node.orelse) and _body_ran(node.orelse, executed)
     elif_chain = len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If) and \
         edits.lines[node.orelse[0].lineno - 1].lstrip().startswith("elif")
+    is_elif = edits.current(node.lineno).lstrip().startswith("elif")  # an `elif` keeps its place in its chain
     if not body_ran and node.orelse and (orelse_ran or elif_chain):
         if elif_chain:
             inner = node.orelse[0]
             assert isinstance(inner, ast.If)
             edits.delete(node.lineno, inner.lineno - 1)
-            line = edits.lines[inner.lineno - 1]
-            edits.replaced[inner.lineno] = _indent(edits.lines[node.lineno - 1]) + line.lstrip()[2:]  # elif → if
+            if not is_elif:
+                line = edits.lines[inner.lineno - 1]
+                edits.replaced[inner.lineno] = _indent(edits.lines[node.lineno - 1]) + line.lstrip()[2:]  # elif → if
             _reduce_if(inner, executed, edits)
+        elif is_elif:  # `elif a: …` never taken, its `else` was: the `else:` in its place
+            edits.delete(node.lineno + 1, _else_line(node, edits))
+            edits.replaced[node.lineno] = _indent(edits.lines[node.lineno - 1]) + "else:"
+            _reduce_body(node.orelse, executed, edits)
         else:
             edits.delete(node.lineno, node.orelse[0].lineno - 1)  # `if …:`, its body, `else:`
             _dedent(edits, node.orelse)
@@ -279,10 +301,8 @@ def _reduce_if(node: ast.If, executed: set[int], edits: _Edits) -> None:
     if node.orelse and not orelse_ran:
         else_line = _else_line(node, edits)
         edits.delete(else_line, node.orelse[-1].end_lineno or node.orelse[-1].lineno)
-        if body_ran and _falls_through(node.body) and not any(isinstance(n, ast.NamedExpr) for n in ast.walk(node.test)):
-            # its test held every time (the `else` never ran): the guard goes, its body takes its place
-            edits.delete(node.lineno, node.body[0].lineno - 1)
-            _dedent(edits, node.body)
+        if body_ran and _guard_goes(node, edits):
+            _unwrap_if(node, edits)  # its test held every time (the `else` never ran): its body takes its place
     elif node.orelse and elif_chain:
         _reduce_if(node.orelse[0], executed, edits)  # type: ignore[arg-type]
     elif node.orelse:
@@ -291,14 +311,25 @@ def _reduce_if(node: ast.If, executed: set[int], edits: _Edits) -> None:
 
 def _always_held(node: ast.If, executed: set[int]) -> bool:
     """Whether an `if`'s test held every time it was evaluated, by the traced arcs: every step out of its test's lines
-    went into its body (none past it, to a loop's head, or out of the frame), and it has no walrus whose name the body
-    would lose."""
+    went into its body (none past it, to a loop's head, or out of the frame)."""
     arcs: frozenset[tuple[int, int]] = getattr(executed, "arcs", frozenset())
-    test = range(node.lineno, node.body[0].lineno)
-    first = range(node.body[0].lineno, (node.body[0].end_lineno or node.body[0].lineno) + 1)
+    test = range(node.lineno, _span(node.body[0])[0])
+    first = range(_span(node.body[0])[0], (node.body[0].end_lineno or node.body[0].lineno) + 1)
     out = {b for a, b in arcs if a in test and b not in test}
-    return bool(out) and out <= set(first) and not any(isinstance(n, ast.NamedExpr) for n in ast.walk(node.test)) \
-        and _falls_through(node.body)
+    return bool(out) and out <= set(first)
+
+
+def _guard_goes(node: ast.If, edits: _Edits) -> bool:
+    """Whether an `if` whose test always held may give way to its body: an `if` (an `elif` keeps its place) with its
+    body on lines of its own, a test with no effect of its own (`_effect_free`), and no `raise`, `return`, `break` or
+    `continue` in the body: such a guard decides what another release does."""
+    return not edits.current(node.lineno).lstrip().startswith("elif") and _span(node.body[0])[0] > node.lineno \
+        and _effect_free(node.test) and _falls_through(node.body)
+
+
+def _unwrap_if(node: ast.If, edits: _Edits) -> None:
+    edits.delete(node.lineno, _span(node.body[0])[0] - 1)
+    _dedent(edits, node.body)
 
 
 def _falls_through(body: list[ast.stmt]) -> bool:
@@ -317,7 +348,7 @@ def _falls_through(body: list[ast.stmt]) -> bool:
 
 def _unwrap_try(node: ast.Try, edits: _Edits) -> None:
     """A `try` none of whose handlers ran, without `finally`: its body (then its `else` block) in its place."""
-    edits.delete(node.lineno, node.body[0].lineno - 1)
+    edits.delete(node.lineno, _span(node.body[0])[0] - 1)
     _dedent(edits, node.body)
     last_handler = node.handlers[-1]
     if node.orelse:  # from the first `except` to the `else:` line, then the `else` block moved out
@@ -338,9 +369,11 @@ def _else_line(node: ast.If, edits: _Edits) -> int:
 
 def _dedent(edits: _Edits, block: list[ast.stmt]) -> None:
     """Move a block one level out (an `else` block that replaces its `if`)."""
-    first, last = block[0].lineno, block[-1].end_lineno or block[-1].lineno
+    first, last = _span(block[0])[0], block[-1].end_lineno or block[-1].lineno
     outer = len(_indent(edits.lines[first - 1]))
     for n in range(first, last + 1):
+        if n in edits.in_strings:
+            continue
         line = edits.replaced.get(n, edits.lines[n - 1])
         step = 4 if outer >= 4 else outer
         edits.replaced[n] = line[step:] if line[:step].strip() == "" else line
@@ -433,15 +466,21 @@ def _unused_local_definitions(source: str) -> list[ast.stmt]:
     for outer in ast.walk(tree):
         if not isinstance(outer, ast.FunctionDef | ast.AsyncFunctionDef) or outer.lineno >= marker:
             continue
+        if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("locals", "vars", "eval", "exec")
+               for n in ast.walk(outer)):
+            continue  # it may reach its names by strings
         for block in _statement_blocks(outer):
             for node in block:
+                if isinstance(node, ast.ClassDef) and (node.bases or node.keywords):
+                    continue  # a base class may register it (`__init_subclass__`)
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and not node.decorator_list:
                     others = (n for child in outer.body for n in ast.walk(child) if n is not node)
                     inside = {id(n) for n in ast.walk(node)}
                     if not any(isinstance(n, ast.Name) and n.id == node.name and id(n) not in inside for n in others):
                         unused.append(node)
         # an assignment, without side effects, to names nothing in the function (its local functions included) reads
-        read = {n.id for n in ast.walk(outer) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        read = {n.id for n in ast.walk(outer) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load | ast.Del)}
+        read |= {n.target.id for n in ast.walk(outer) if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)}
         read |= {name for n in ast.walk(outer) if isinstance(n, ast.Nonlocal | ast.Global) for name in n.names}
         for block in _statement_blocks(outer):
             for node in block:
@@ -455,22 +494,41 @@ def _unused_local_definitions(source: str) -> list[ast.stmt]:
     return unused
 
 
-# calls whose only effect is their value: an assignment of one to a name nothing reads can go
-_PURE_FUNCTIONS = frozenset({"len", "int", "float", "str", "bool", "tuple", "list", "dict", "set", "range", "min",
-                             "max", "sum", "sorted", "isinstance", "hasattr", "getattr", "enumerate", "zip", "divmod"})
-_PURE_METHODS = frozenset({"get", "items", "keys", "values", "startswith", "endswith", "split", "join", "copy"})
+# what an expression may hold and still do nothing but compute a value that cannot fail: literals, names, the
+# containers of them, comparisons and `not`, and `mapping.get(...)` and the calls below; an operator, a subscript or
+# an attribute may raise (the failure the script shows), any other call may do anything
+_PURE_NODES = (ast.Constant, ast.Name, ast.Load, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Compare, ast.BoolOp,
+               ast.UnaryOp, ast.Not, ast.And, ast.Or, ast.Eq, ast.NotEq, ast.Is, ast.IsNot, ast.In, ast.NotIn,
+               ast.Call, ast.Attribute, ast.keyword)
+_PURE_FUNCTIONS = frozenset({"isinstance", "hasattr", "callable"})
+
+
+def _effect_free(expression: ast.expr) -> bool:
+    """Whether evaluating `expression` does nothing but compute a value, if it does not raise: no call but the ones
+    above and `len`, no walrus, no yield (a test that always held, and so never raised, may go)."""
+    for node in ast.walk(expression):
+        if isinstance(node, ast.NamedExpr | ast.Await | ast.Yield | ast.YieldFrom | ast.Lambda):
+            return False
+        if isinstance(node, ast.Call) and not (
+                (isinstance(node.func, ast.Name) and node.func.id in _PURE_FUNCTIONS | {"len"})
+                or (isinstance(node.func, ast.Attribute) and node.func.attr == "get")):
+            return False
+    return True
 
 
 def _pure(expression: ast.expr | None) -> bool:
-    """Whether evaluating `expression` does nothing but compute a value (literals, names, subscripts, operators and
-    the calls above); a walrus or any other call may do more."""
+    """Whether evaluating `expression` only computes a value, and cannot raise (`_PURE_NODES`)."""
     for node in ast.walk(expression) if expression is not None else ():
-        if isinstance(node, ast.NamedExpr | ast.Await | ast.Yield | ast.YieldFrom):
+        if not isinstance(node, _PURE_NODES):
             return False
         if isinstance(node, ast.Call) and not (
                 (isinstance(node.func, ast.Name) and node.func.id in _PURE_FUNCTIONS)
-                or (isinstance(node.func, ast.Attribute) and node.func.attr in _PURE_METHODS)):
+                or (isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and isinstance(node.func.value, ast.Name))):
             return False
+        if isinstance(node, ast.Attribute) and not any(isinstance(c, ast.Call) and c.func is node
+                                                       for c in ast.walk(expression)):  # type: ignore[arg-type]
+            return False  # an attribute read may raise; `x.get` as the function called is the one allowed
     return True
 
 
@@ -566,18 +624,38 @@ def _self_references(node: ast.AST) -> set[str]:
     return {name} if name in inner else set()
 
 
-_BLANK_AFTER_OPENER = re.compile(r"(:[ \t]*(?:#[^\n]*)?\n)(?:[ \t]*\n)+(?=[ \t]+\S)")
-_BLANKS_INDENTED = re.compile(r"\n(?:[ \t]*\n){2,}(?=[ \t]+\S)")
+_OPENER = re.compile(r":[ \t]*(?:#.*)?$")  # a line that opens a block
 
 
 def tidy(source: str) -> str:
-    """What removing statements leaves, tidied: before the part every script shares, no blank line right after a
-    block's opening line and at most one between indented statements; at most two in a row anywhere."""
+    """What removing statements leaves, tidied: from the first definition to the part every script shares, no blank
+    line right after a block's opening line and at most one between indented statements (a string's own lines kept
+    as they are); at most two blank lines in a row anywhere."""
     lines = source.splitlines(keepends=True)
     marker = _shared_start([line.rstrip("\n") for line in lines])
-    head = "".join(lines[:marker - 1])
-    head = _BLANKS_INDENTED.sub("\n\n", _BLANK_AFTER_OPENER.sub(r"\1", head))
-    return re.sub(r"\n{4,}", "\n\n\n", head + "".join(lines[marker - 1:]))
+    first = next((_span(n)[0] for n in parse(source).body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef
+                                                                          | ast.ClassDef)), marker)
+    inside = _lines_inside_strings(source)
+    kept: list[str] = []
+    number = first
+    while number < marker:
+        line = lines[number - 1]
+        if line.strip() or number in inside:
+            kept.append(line)
+            number += 1
+            continue
+        end = number  # a run of blank lines, outside any string
+        while end < marker and not lines[end - 1].strip() and end not in inside:
+            end += 1
+        following = lines[end - 1] if end < marker else ""
+        if following.strip() and following[:1] in (" ", "\t"):  # before an indented statement
+            opener = kept and (number - 1) not in inside and _OPENER.search(kept[-1].rstrip("\n"))
+            kept += [] if opener else [line]
+        else:
+            kept += lines[number - 1:end - 1]
+        number = end
+    source = "".join(lines[:first - 1] + kept + lines[marker - 1:])
+    return re.sub(r"\n{4,}", "\n\n\n", source)
 
 
 def reduce_source(source: str, executed: set[int]) -> str:

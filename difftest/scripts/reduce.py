@@ -553,7 +553,7 @@ def drop_unused_locals(source: str) -> str:
         edits = _Edits(source)
         tree = parse(source)
         for node in unused:
-            block = next(b for b in _blocks_of(tree) if any(s is node or _same(s, node) for s in b))
+            block = next(b for b in statement_blocks(tree) if any(s is node or _same(s, node) for s in b))
             first, last = _span(node)
             if all(_same(s, node) or any(_same(s, u) for u in unused) or _is_docstring(s) for s in block) and \
                     _same(node, next(s for s in block if not _is_docstring(s))):
@@ -568,12 +568,15 @@ def drop_unused_locals(source: str) -> str:
     return source
 
 
-def _blocks_of(tree: ast.AST) -> Iterable[list[ast.stmt]]:
+def statement_blocks(tree: ast.AST) -> Iterable[list[ast.stmt]]:
+    """Every block of statements in `tree`: bodies, `else` and `finally` blocks, handlers' bodies."""
     for node in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
             block = getattr(node, field, None)
             if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
                 yield block
+        for handler in getattr(node, "handlers", ()):
+            yield handler.body
 
 
 def _same(a: ast.stmt, b: ast.stmt) -> bool:

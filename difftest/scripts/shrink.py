@@ -40,6 +40,7 @@ from difftest.scripts.reduce import (
     drop_unused,
     reduce_script,
     same_bug,
+    statement_blocks,
     tidy,
     traced_lines,
 )
@@ -239,16 +240,6 @@ def _start(node: ast.stmt) -> int:
     return min([node.lineno, *(int(d.lineno) for d in getattr(node, "decorator_list", ()))])
 
 
-def _blocks(tree: ast.AST) -> Iterator[list[ast.stmt]]:
-    for node in ast.walk(tree):
-        for field in ("body", "orelse", "finalbody"):
-            block = getattr(node, field, None)
-            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
-                yield block
-        for handler in getattr(node, "handlers", ()):
-            yield handler.body
-
-
 def _indent(line: str) -> str:
     return line[: len(line) - len(line.lstrip())]
 
@@ -288,7 +279,7 @@ def candidates(source: str) -> Iterator[tuple[str, str]]:
     first, marker = _region(source)
     edits: list[tuple[int, str, list[str]]] = []
     seen: dict[str, int] = {}
-    for block in _blocks(tree):
+    for block in statement_blocks(tree):
         for node in block:
             start, end = _start(node), node.end_lineno or node.lineno
             if start < first or end >= marker:

@@ -207,11 +207,14 @@ def _indent(line: str) -> str:
 def _reduce_body(body: list[ast.stmt], executed: set[int], edits: _Edits) -> None:
     """Delete what never ran in one block of statements (a block left empty keeps a `pass`)."""
     doomed: list[ast.stmt] = []
-    uncalled: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
     for node in body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             if not _body_ran(node.body, executed):
-                uncalled.append(node)
+                # a local function never called, unless what runs beside it names it (a hook registered, to run
+                # after the failure): then it stays whole, as a top-level one does (`prune_unexecuted`); one that only
+                # removed code named goes afterwards (`drop_unused_locals`)
+                if node.name not in _names_read(s for s in body if s is not node):
+                    doomed.append(node)
             else:
                 _reduce_body(node.body, executed, edits)
             continue
@@ -242,17 +245,6 @@ def _reduce_body(body: list[ast.stmt], executed: set[int], edits: _Edits) -> Non
         if isinstance(node, ast.Try) and not node.finalbody and not any(_body_ran(h.body, executed)
                                                                          for h in node.handlers):
             _unwrap_try(node, edits)  # no handler ever ran: nothing it guards against happened in this case
-    # a local function never called, unless what stays beside it names it (a hook registered, to run after the
-    # failure): then it stays whole, as a top-level one does (`prune_unexecuted`); one named only by what goes, goes
-    staying = [n for n in body if n not in doomed and n not in uncalled]
-    while uncalled:
-        named = _names_read(staying)
-        if not (kept := [f for f in uncalled if f.name in named]):
-            break
-        staying += kept
-        uncalled = [f for f in uncalled if f not in kept]
-    doomed += uncalled
-    doomed.sort(key=lambda n: n.lineno)
     if doomed and len(doomed) == len([n for n in body if not _is_docstring(n)]):
         keep = doomed.pop(0)  # the block needs a statement: the first one becomes `pass`
         first, last = _span(keep)

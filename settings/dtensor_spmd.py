@@ -117,4 +117,13 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
     return module
 
 
-register_settings(DTensorSpmd(ws, dim) for dim in SHARDED_DIMS for ws in (2, 3))
+@dataclass(frozen=True)
+class EmptyShardSpmd(DTensorSpmd):
+    """Over 4 ranks: a dimension of 5, 6 or 9 chunks as 2+2+1+0, 2+2+2+0 or 3+3+3+0, so that one rank holds an empty
+    shard of the inputs and of what follows from them (the full tier: the default's world sizes leave none empty)."""
+
+    in_default_tier: ClassVar[bool] = False
+
+
+register_settings([*(DTensorSpmd(ws, dim) for dim in SHARDED_DIMS for ws in (2, 3)),
+                   *(EmptyShardSpmd(4, dim) for dim in SHARDED_DIMS)])

@@ -2,7 +2,8 @@
 beside the model's functions (`Generator.standalone_model`: `build_model`, `model_loss`, `model_parameters`, and its
 `chain`: `model_chain`, `prediction_loss`) and the pipeline module's (`stages_of`, `stage_examples`,
 `pipeline_schedule`, `ChainStage`; a hybrid's `pipeline_groups`, `wrap_stage`; a re-partitioning's `gather_state`,
-`load_state`, below; a clipped pipeline's `clip_stages`), which the script defines before these. The steps are the
+`load_state`, below; a clipped pipeline's `clip_stages`; a checkpointed pipeline's `checkpoint_stages`), which the
+script defines before these. The steps are the
 setting's: evaluate once, then SGD under the schedule on the whole batch, or each replica on its share
 (`settings._training.record_training`); with momentum where the layout says so, the gradients clipped where it says
 `clipping`, and, for a re-partitioning, the stages cut anew after `move_after` steps."""
@@ -31,6 +32,7 @@ pipeline_schedule: Callable[..., Any]
 pipeline_groups: Callable[..., dict[str, Any]]
 wrap_stage: Callable[..., Any]
 clip_stages: Callable[..., float]
+checkpoint_stages: Callable[..., None]
 
 
 def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
@@ -68,6 +70,8 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
         every = [ChainStage(units[a:b]) for a, b in zip(bounds, bounds[1:])]
         modules = {s: every[s] for s in stages_of(pp_rank, pp, layout)}
         examples = stage_examples(every, share // (layout["microbatches"] * accumulate), replica * share)
+        if "checkpointing" in layout:  # a checkpointed pipeline's (only its script defines checkpoint_stages)
+            checkpoint_stages(modules.values(), layout["checkpointing"])
         wrapped = {s: wrap_stage(m, layout["inner"], groups, "cpu") for s, m in modules.items()} if dp > 1 else modules
         schedule = pipeline_schedule(wrapped, layout, groups["pp"], "cpu", examples, loss_fn,
                                      layout.get("scale_grads", True))

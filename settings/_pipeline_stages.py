@@ -129,11 +129,12 @@ def clip_stages(stages: Any, clipping: dict[str, Any], group: Any) -> float:
 
 
 def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_size: int, optimizer: str,
-                    detail: str = "", steps: int | None = None) -> Script:
+                    detail: str = "", steps: int | None = None, functions: tuple[Any, ...] = ()) -> Script:
     """The script of a pipeline (`settings._pipeline_script`): the model's layer chain cut into stages as
     `layout_of(chain)` says (the keys `stages_of` and `pipeline_schedule` read; a hybrid's `data_parallel` and `inner`,
-    a re-partitioning's `momentum`, `move_after` and `moved_starts`, a clipped pipeline's `clipping`), evaluated once,
-    then the steps under the schedule, compared with one process accumulating the same micro-batches' gradients."""
+    a re-partitioning's `momentum`, `move_after` and `moved_starts`, a clipped pipeline's `clipping`, a checkpointed
+    pipeline's `checkpointing`, whose functions the setting passes in `functions`), evaluated once, then the steps
+    under the schedule, compared with one process accumulating the same micro-batches' gradients."""
     from difftest import ChainStage
     from settings._pipeline_script import gather_state, load_state, on_rank, single_process
     from settings._training_script import parameters_after, trained_parameters
@@ -159,7 +160,7 @@ def pipeline_script(case: StandaloneCase, described: str, layout_of: Any, world_
                    stages_of, stage_examples, pipeline_schedule,
                    *((make_contiguous, fully_shard_for, pipeline_groups, wrap_stage) if hybrid else ()),
                    *((gather_state, load_state) if "move_after" in layout else ()),
-                   *((clip_stages,) if "clipping" in layout else ()), single_process, on_rank),
+                   *((clip_stages,) if "clipping" in layout else ()), *functions, single_process, on_rank),
         preamble=(*model.preamble, "import inspect"),
         tensors=tensors,
         data={**model.data, **case.inputs["eval"].to_arrays("eval")}, world_size=world_size)

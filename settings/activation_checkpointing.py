@@ -236,8 +236,80 @@ class CheckpointedTensorParallel(TensorParallel):
                                 "checkpoint_mode": self.mode})
 
 
+@dataclass(frozen=True)
+class CheckpointedPipeline(Setting):
+    """The `pipeline` family's training under `schedule` over `world_size` ranks (as many micro-batches as pipeline
+    ranks; the V schedules as many as stages, trained without their eval(), which raises), each stage's layer units
+    checkpointed (`checkpoint_stages`) before the schedule is built: the schedule's backward recomputes every unit's
+    activations, and a split-backward schedule (interleaved zero bubble, ZBV, DualPipeV) does so in the input
+    gradient's pass and keeps what the weight gradient's needs. Non-reentrant and selective (torchtitan's modes; a
+    reentrant checkpoint refuses the input-only `autograd.grad` of a split backward, documented); in the full tier."""
+
+    world_size: int
+    schedule: str = "1f1b"
+    mode: str = "non-reentrant"
+    family: ClassVar[str] = "ac"
+    tier_axes: ClassVar[tuple[str, ...]] = ("schedule", "mode")
+    in_default_tier: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return f"ac/pipeline/{self.schedule}/{self.mode}/ws{self.world_size}"
+
+    def parallel(self) -> Any:
+        """The pipeline setting whose training this one checkpoints."""
+        from settings.pipeline import V_SCHEDULES, Pipeline, PipelineTrainedOnly, microbatch_counts
+
+        kind = PipelineTrainedOnly if self.schedule in V_SCHEDULES else Pipeline
+        return kind(self.schedule, self.world_size, microbatch_counts(self.schedule, self.world_size)[0])
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return str(self.parallel().reference)
+
+    def describe(self) -> str:
+        return f"activation checkpointing ({self.mode}) of every layer unit of each stage, {self.parallel().describe()}"
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return frozenset(self.parallel().collectives)
+
+    def available(self) -> str | None:
+        return self.parallel().available()  # type: ignore[no-any-return]
+
+    def judges(self, tensor_name: str) -> bool:
+        return bool(self.parallel().judges(tensor_name))
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        def prepare(stages: dict[int, Any]) -> None:
+            checkpoint_stages(stages.values(), self.mode)
+            ctx.notes["checkpointed units"] = str(sum(name.endswith("_checkpoint_wrapped_module") for stage in
+                                                      stages.values() for name, _ in stage.named_modules()))
+
+        return self.parallel().trained(ctx, model, inputs, prepare_stages=prepare)  # type: ignore[no-any-return]
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, CheckpointedPipeline, "parallel")
+
+        from settings._pipeline_stages import pipeline_script
+
+        pipeline = self.parallel()
+        return pipeline_script(case, self.describe(),
+                               lambda chain: {**pipeline.layout(chain, case.seed), "checkpointing": self.mode},
+                               self.world_size, "plain SGD", pipeline.replicas(),
+                               functions=(selective_policy, checkpointed, checkpoint_stages))
+
+
+def checkpoint_stages(stages: Any, mode: str) -> None:
+    """Every layer unit of each pipeline stage (a `ChainStage`, its `units`) checkpointed in `mode`, in place."""
+    for stage in stages:
+        checkpointed(stage, [f"units.{i}" for i in range(len(stage.units))], mode)
+
+
 register_settings(
     [ActivationCheckpointing(1, "single", mode) for mode in MODES]
     + [ActivationCheckpointing(ws, wrap, mode) for wrap in ("ddp", "fsdp2") for mode in MODES for ws in (2, 4)]
     + [CheckpointedTensorParallel(2, sp, mode=mode) for sp in (False, True) for mode in ("non-reentrant", "selective")]
+    + [CheckpointedPipeline(2, schedule, mode) for mode in ("non-reentrant", "selective")
+       for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")]
 )

@@ -210,10 +210,13 @@ class Pipeline(Setting):
         return self.trained(ctx, model, inputs)
 
     def trained(self, ctx: RunContext, model: Any, inputs: Any,
-                before_step: Callable[[dict[int, Any], Any], None] | None = None) -> Outputs | None:
+                before_step: Callable[[dict[int, Any], Any], None] | None = None,
+                prepare_stages: Callable[[dict[int, Any]], None] | None = None) -> Outputs | None:
         """The model cut into stages and trained under the schedule as this setting does; `before_step(stages,
         pp_group)` runs on each rank between each step's schedule and its optimizer step, with the rank's own stage
-        modules and the group of its pipeline (a composing setting's gradient clipping)."""
+        modules and the group of its pipeline (a composing setting's gradient clipping); `prepare_stages(stages)`
+        changes the rank's stage modules in place before the schedule is built (a composing setting's activation
+        checkpointing)."""
         import torch
 
         try:
@@ -232,6 +235,8 @@ class Pipeline(Setting):
         modules = {s: ChainStage(chain.units[bounds[s]:bounds[s + 1]]) for s in mine}
         examples = chain_examples(chain, inputs.train.shard(dp_index, self.data_parallel),
                                   self.microbatches * self.accumulate, bounds)
+        if prepare_stages is not None:
+            prepare_stages(modules)
         # read before wrapping: afterwards canonical() all-gathers FSDP2's shards, a collective only rank 0 would join
         canonical_names = set(chain.canonical())
         wrapped = {s: wrap_stage(m, self.inner, groups, ctx.device) for s, m in modules.items()}
@@ -377,14 +382,14 @@ def _groups(ctx: RunContext, dp: int, pp: int) -> dict[str, Any]:
     return _GROUPS[(dp, pp)]
 
 
-def _microbatch_counts(schedule: str, pipeline_ranks: int) -> tuple[int, int]:
+def microbatch_counts(schedule: str, pipeline_ranks: int) -> tuple[int, int]:
     stages = pipeline_ranks * SCHEDULES[schedule][1]  # DualPipeV refuses fewer micro-batches than stages (documented)
     return (stages, 2 * stages) if schedule == "dualpipev" else (pipeline_ranks, 2 * pipeline_ranks)
 
 
 def _pipeline_settings(kind: type[Pipeline] = Pipeline, schedules: tuple[str, ...] = tuple(SCHEDULES)) -> list[Setting]:
     return [kind(schedule, ws, mb, split) for schedule in schedules for ws in (2, 3, 4)
-            for mb in _microbatch_counts(schedule, ws) for split in ("balanced", "random")]
+            for mb in microbatch_counts(schedule, ws) for split in ("balanced", "random")]
 
 
 # the V schedules, whose eval() raises on the releases that have them, trained without it
@@ -393,9 +398,9 @@ HYBRID = [Pipeline(schedule, 4, mb, "balanced", data_parallel=2, inner=inner)
           for inner in ("ddp", "fsdp2") for schedule in ("gpipe", "1f1b", "interleaved-1f1b") for mb in (2, 4)]
 # split input/weight backward inside DDP or FSDP2 replicas of each stage
 HYBRID += [PipelineTrainedOnly(schedule, 4, mb, "balanced", data_parallel=2, inner=inner)
-           for inner in ("ddp", "fsdp2") for schedule in V_SCHEDULES for mb in _microbatch_counts(schedule, 2)]
+           for inner in ("ddp", "fsdp2") for schedule in V_SCHEDULES for mb in microbatch_counts(schedule, 2)]
 HYBRID += [Pipeline("interleaved-zero-bubble", 4, mb, "balanced", data_parallel=2, inner=inner)
-           for inner in ("ddp", "fsdp2") for mb in _microbatch_counts("interleaved-zero-bubble", 2)]
+           for inner in ("ddp", "fsdp2") for mb in microbatch_counts("interleaved-zero-bubble", 2)]
 # gradient accumulation over two schedule steps, alone and in the hybrid
 ACCUMULATING = [PipelineAccumulation(schedule, 2, 2, "balanced", accumulate=2, loss_scaled=scaled)
                 for schedule in ("gpipe", "1f1b", "interleaved-1f1b") for scaled in (False, True)]

@@ -188,6 +188,46 @@ def test_activation_checkpointing_wraps_every_block_and_trains_as_the_reference(
         emitted.checked.output[-3000:]
 
 
+def test_checkpointed_pipeline_stages_train_as_one_process_and_selective_split_backward_is_a_known_bug(
+        tmp_path: Path) -> None:
+    """Every layer unit of each pipeline stage checkpointed: under 1F1B the stages train as one process does (judged
+    by the envelope), every unit wrapped, and its script checkpoints as the setting does (exit 0); under the
+    interleaved zero-bubble schedule selective checkpointing raises on the weight pass's second backward, triaged to
+    the manifest's entry."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.write import emit
+    from difftest.storage.store import Store
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("transformer",)))
+    model, plain, selective = ("transformer-s0-i0", "ac/pipeline/1f1b/non-reentrant/ws2",
+                               "ac/pipeline/interleaved-zero-bubble/selective/ws2")
+    run_sweep(run_dir, SweepOptions(pairs=((model, plain), (model, selective))))
+    analysis = analyze(run_dir)
+    cases = analysis.cases.set_index(["model", "setting"])["verdict"]
+    assert cases[(model, plain)] == "ok" and cases[(model, selective)] == "error"
+    assert any(n.startswith("param_after_step1/") for n in envelope_spread(run_dir, model, plain))
+    store = Store(run_dir)
+    try:
+        notes = {r.setting: r.message for r in store.records() if r.model == model}
+    finally:
+        store.close()
+    assert "checkpointed units: 3" in notes[plain], notes  # rank 0's stage: its three layer units
+    found = next(f for f in triage(run_dir, analysis) if f.status == "error")
+    assert found.known is not None and found.known.id == "pipelining-split-backward-selective-ac"
+    emitted = emit(run_dir, "P1", "a checkpointed-pipeline finding", "inconsistent", run_dir / "models" / model, plain,
+                   "param_after_step1/output.weight", envelope_spread(run_dir, model, plain), Tolerance(),
+                   check_timeout_s=180)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert "def checkpoint_stages" in emitted.path.read_text()
+    assert emitted.checked.exit_code == 0 and "what rounding explains" in emitted.checked.output, \
+        emitted.checked.output[-3000:]
+
+
 def test_a_block_applied_twice_trains_everywhere_but_under_split_backward_a_known_bug(tmp_path: Path) -> None:
     """A looped transformer (each block applied twice, weights shared across depth) trains as the reference under
     per-block FSDP2, a full-backward pipeline and non-reentrant checkpointing inside DDP; the zero-bubble schedule's

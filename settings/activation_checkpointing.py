@@ -243,7 +243,9 @@ class CheckpointedPipeline(Setting):
     checkpointed (`checkpoint_stages`) before the schedule is built: the schedule's backward recomputes every unit's
     activations, and a split-backward schedule (interleaved zero bubble, ZBV, DualPipeV) does so in the input
     gradient's pass and keeps what the weight gradient's needs. Non-reentrant and selective (torchtitan's modes; a
-    reentrant checkpoint refuses the input-only `autograd.grad` of a split backward, documented); in the full tier."""
+    reentrant checkpoint refuses the `inputs` every schedule's stage backward passes to autograd, documented: "When
+    use_reentrant=True, torch.utils.checkpoint is incompatible with .grad() or passing an `inputs` parameter to
+    .backward()"); in the full tier."""
 
     world_size: int
     schedule: str = "1f1b"

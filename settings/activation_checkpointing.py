@@ -239,8 +239,8 @@ class CheckpointedTensorParallel(TensorParallel):
 @dataclass(frozen=True)
 class CheckpointedPipeline(Setting):
     """The `pipeline` family's training under `schedule` over `world_size` ranks (as many micro-batches as pipeline
-    ranks; the V schedules as many as stages, trained without their eval(), which raises), each stage's layer units
-    checkpointed (`checkpoint_stages`) before the schedule is built: the schedule's backward recomputes every unit's
+    ranks, DualPipeV as many as stages, which it requires; the V schedules trained without their eval(), which
+    raises), each stage's layer units checkpointed (`checkpoint_stages`) before the schedule is built: the schedule's backward recomputes every unit's
     activations, and a split-backward schedule (interleaved zero bubble, ZBV, DualPipeV) does so in the input
     gradient's pass and keeps what the weight gradient's needs. Non-reentrant and selective (torchtitan's modes; a
     reentrant checkpoint refuses the `inputs` every schedule's stage backward passes to autograd, documented: "When

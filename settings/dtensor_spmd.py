@@ -120,7 +120,8 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
 @dataclass(frozen=True)
 class EmptyShardSpmd(DTensorSpmd):
     """Over 4 ranks: a dimension of 5, 6 or 9 chunks as 2+2+1+0, 2+2+2+0 or 3+3+3+0, so that one rank holds an empty
-    shard of the inputs and of what follows from them (the full tier: the default's world sizes leave none empty)."""
+    shard of the inputs and of what follows from them; over 3 ranks only widths of 1, 2 and 4 leave one (the full
+    tier, as ws3 is; the default tier runs 2 ranks)."""
 
     in_default_tier: ClassVar[bool] = False
 

@@ -36,6 +36,7 @@ from difftest import (
     RunContext,
     Setting,
     Tolerance,
+    Unsupported,
     across,
     register_settings,
     traits_of,
@@ -46,6 +47,10 @@ from settings.fsdp import BF16_TOLERANCE
 
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 CHECKPOINTING = ("none", "full", "selective")
+# the schedules torchtitan's `pipeline_parallel_schedule` names (torch's `get_schedule_class`), less its two abstract
+# bases, which run only a schedule read from a CSV file
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+                      "DualPipeV")
 # torchtitan's prefixes of wrapped modules in parameter names: checkpoint_wrapper's and torch.compile's
 _WRAPPED = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -65,6 +70,9 @@ class TorchtitanRecipe(Setting):
     # in compute, gradients reduced in fp32), so it takes a data-parallel mesh
     param_dtype: str = "float32"
     world_size: int = 1  # the sweep's process only launches the recipe's own group
+    pipeline_parallel: int = 1  # >1: `TorchtitanPipelineRecipe`
+    schedule: str = ""  # the pipeline schedule, by the name torchtitan's `pipeline_parallel_schedule` takes
+    microbatches: int = 1  # a data-parallel share's micro-batches per schedule step
     family: ClassVar[str] = "titan"
     tier_axes: ClassVar[tuple[str, ...]] = ("backend", "checkpointing", "sequence_parallel", "data_parallel",
                                             "tensor_parallel", "param_dtype")
@@ -72,14 +80,17 @@ class TorchtitanRecipe(Setting):
 
     @property
     def ranks(self) -> int:
-        return self.data_parallel * self.tensor_parallel
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
 
     @property
     def name(self) -> str:
         mesh = f"dp{self.data_parallel}-tp{self.tensor_parallel}" + (
             "" if self.sequence_parallel or self.tensor_parallel == 1 else "-no-sp")
+        if self.pipeline_parallel > 1:
+            mesh += f"-pp{self.pipeline_parallel}/{self.schedule.lower()}/mb{self.microbatches}"
         return (f"titan/{self.backend}/{mesh}/ac-{self.checkpointing}" + ("/compile" if self.compile else "")
-                + ("/bf16" if self.param_dtype == "bfloat16" else "") + f"/ws{self.ranks}")
+                + ("/bf16" if self.param_dtype == "bfloat16" else "") + ("" if self.evaluates else "/train-only")
+                + f"/ws{self.ranks}")
 
     @property
     def precision(self) -> str:  # type: ignore[override]
@@ -95,7 +106,10 @@ class TorchtitanRecipe(Setting):
                  + (" with sequence parallel" if self.sequence_parallel else "") if self.tensor_parallel > 1 else "",
                  f"{self.checkpointing} activation checkpointing" if self.checkpointing != "none" else "",
                  "each block compiled" if self.compile else "",
-                 "bf16 parameters, fp32 gradient reduction" if self.param_dtype == "bfloat16" else ""]
+                 "bf16 parameters, fp32 gradient reduction" if self.param_dtype == "bfloat16" else "",
+                 f"pipelined over {self.pipeline_parallel} ranks by its {self.schedule} schedule, "
+                 f"{self.microbatches} micro-batches a step" if self.pipeline_parallel > 1 else "",
+                 "" if self.evaluates else "trained without evaluating"]
         return (f"torchtitan's parallelize recipe ({', '.join(p for p in parts if p)}; SPMD backend "
                 f"{self.backend}) in {self.ranks} new processes")
 
@@ -129,10 +143,10 @@ class TorchtitanRecipe(Setting):
         import torch
         from torch.distributed.tensor import DTensor, distribute_tensor
 
-        from difftest import record_training, to_numpy
+        from difftest import gather_to_rank0, record_training, to_numpy
 
         plain = build_for_training(model, ctx.device)
-        recipe = _Recipe(self, ctx, plain)
+        recipe = _Recipe(self, ctx, plain, share=len(inputs.train.dense) // self.data_parallel)
         parameters = recipe.parameters()
         with torch.no_grad():  # the case's weights, laid out as the recipe sharded them
             for name, parameter in parameters.items():
@@ -142,7 +156,7 @@ class TorchtitanRecipe(Setting):
                                                                  parameter.placements).to_local())
                 else:
                     parameter.copy_(whole)
-        optimizer = torch.optim.SGD([p for p in recipe.module.parameters() if p.requires_grad], lr=ctx.lr)
+        optimizer = torch.optim.SGD([p for p in parameters.values() if p.requires_grad], lr=ctx.lr)
 
         def train_step(batch: Any) -> float:
             optimizer.zero_grad()
@@ -152,14 +166,48 @@ class TorchtitanRecipe(Setting):
 
         def whole_parameters() -> dict[str, Any] | None:
             full = {name: to_numpy(p.full_tensor() if isinstance(p, DTensor) else p) for name, p in parameters.items()}
-            return full if ctx.rank == 0 else None
+            if self.pipeline_parallel == 1:
+                return full if ctx.rank == 0 else None
+            stages = gather_to_rank0(ctx, full)  # each pipeline rank holds its stages' parameters
+            return None if stages is None else {name: t for stage in stages for name, t in stage.items()}
 
-        return record_training(ctx, inputs, recipe.evaluate, train_step, whole_parameters,
-                               data_shard=(recipe.data_index, self.data_parallel))
+        return record_training(ctx, inputs, recipe.evaluate if self.evaluates else None, train_step,
+                               whole_parameters, data_shard=(recipe.data_index, self.data_parallel))
+
+    # whether the model is evaluated before and after training (`TorchtitanPipelineTrainedOnly`: not)
+    evaluates: ClassVar[bool] = True
 
     def optimizer_step(self, ctx: RunContext, optimizer: Any) -> None:
         """The step after each backward (a hook for planted faults)."""
         optimizer.step()
+
+
+@dataclass(frozen=True)
+class TorchtitanPipelineRecipe(TorchtitanRecipe):
+    """The recipe pipelined as torchtitan pipelines it: its `pipelining_fn` (`pipeline_llm`) splits the model into
+    stages by module (the embedding and the output each weighing one layer), each stage parallelized by the model's
+    `parallelize` function, scheduled by the schedule torchtitan is configured with (`scale_grads` off: its loss is
+    each micro-batch's token sum over the global token count); trained by `schedule.step` and evaluated by
+    `schedule.eval` on pre-split micro-batches as its trainer and validator call them."""
+
+    pipeline_parallel: int = 2
+    schedule: str = "1F1B"
+    microbatches: int = 4  # no fewer than the stages of a looped schedule on 2 ranks (torchtitan warns of a bubble)
+    tier_axes: ClassVar[tuple[str, ...]] = ("schedule",)
+    # a case starts 2-4 processes and builds its stages anew: 10-20 s on 2 cores
+    in_default_tier: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class TorchtitanPipelineTrainedOnly(TorchtitanPipelineRecipe):
+    """A V schedule's recipe trained without `schedule.eval`, which raises under ZBVZeroBubble and DualPipeV on torch
+    2.12-2.14 (known issue `pipelining-zbv-eval`, as torchtitan's validator would meet it): judged on the losses and
+    the parameters after each step, so that what their split backward trains is seen behind that error."""
+
+    evaluates: ClassVar[bool] = False
+
+    def judges(self, tensor_name: str) -> bool:
+        return super().judges(tensor_name) and not tensor_name.startswith("eval_")
 
 
 @dataclass(frozen=True)
@@ -172,22 +220,34 @@ class CompiledTorchtitanRecipe(TorchtitanRecipe):
 
 
 class _Recipe:
-    """One rank's part of a torchtitan recipe: the parallelized model, and the trainer's way of feeding it."""
+    """One rank's part of a torchtitan recipe: the parallelized model (a pipeline rank's: its stages and their
+    schedule, as torchtitan's `pipelining_fn` made them), and the trainer's way of feeding it."""
 
-    def __init__(self, setting: TorchtitanRecipe, ctx: RunContext, plain: Any) -> None:
+    def __init__(self, setting: TorchtitanRecipe, ctx: RunContext, plain: Any, share: int) -> None:
         import torch
+        from torchtitan.components.loss import CrossEntropyLoss
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
         device = ctx.device.split(":")[0]
         _use_device(device)
         self.setting, self.ctx = setting, ctx
         self.vocabulary = plain.config.vocab_size
+        pipelined = setting.pipeline_parallel > 1
+        if pipelined and share % setting.microbatches:
+            raise Unsupported(f"a data-parallel share of {share} samples does not split into "
+                              f"{setting.microbatches} equal micro-batches (torchtitan refuses it)")
         parallelism = ParallelismConfig(data_parallel_shard_degree=setting.data_parallel,
                                         tensor_parallel_degree=setting.tensor_parallel,
                                         enable_sequence_parallel=setting.sequence_parallel,
-                                        spmd_backend=setting.backend)
+                                        spmd_backend=setting.backend,
+                                        pipeline_parallel_degree=setting.pipeline_parallel,
+                                        pipeline_parallel_schedule=setting.schedule or "1F1B",
+                                        pipeline_parallel_microbatch_size=share // setting.microbatches)
         config = copy.deepcopy(plain.config)
-        config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+        try:
+            config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+        except NotImplementedError as refused:  # a combination torchtitan refuses by design (a tied output, pipelined)
+            raise Unsupported(f"torchtitan refuses it: {refused}") from None
         self.dims = _parallel_dims(parallelism, setting.ranks)
         from torchtitan.distributed import utils as titan_utils
 
@@ -195,47 +255,50 @@ class _Recipe:
         with torch.device("meta"):
             module = config.build()
         self.compile_config = CompileConfig(enable=setting.compile, components=["model"])
-        with tempfile.TemporaryDirectory() as dump:  # where selective checkpointing may write its op log
-            module = _parallelize_function(module)(
-                module, parallel_dims=self.dims, training=TrainingConfig(mixed_precision_param=setting.param_dtype),
-                parallelism=parallelism, compile_config=self.compile_config,
-                ac_config=_checkpointing(setting.checkpointing), dump_folder=dump)
-        if ctx.backend == "gloo":
-            from torch.distributed.fsdp import FSDPModule
-
-            for unit in module.modules():
-                if isinstance(unit, FSDPModule):
-                    unit.set_force_sum_reduction_for_comms(True)
-        module.to_empty(device=ctx.device)
-        with torch.no_grad():
-            module.init_weights(buffer_device=None)  # the buffers (RoPE's cache); the weights are the case's
-        self.module = module
-        self.data_index = self.dims.get_mesh("batch").get_local_rank() if self.dims.dp_enabled else 0
-        from torchtitan.components.loss import CrossEntropyLoss
-
         self.loss = CrossEntropyLoss.Config(global_vocab_size=self.vocabulary).build(compile_config=self.compile_config)
+        spec = _model_spec(module)
+        self.schedule: Any = None  # a pipeline rank's schedule
+        self.first = self.last = True  # whether this rank holds the first (last) stage
+        with tempfile.TemporaryDirectory() as dump:  # where selective checkpointing may write its op log
+            recipe = dict(parallel_dims=self.dims, training=TrainingConfig(mixed_precision_param=setting.param_dtype,
+                                                                             local_batch_size=share),
+                          parallelism=parallelism, compile_config=self.compile_config,
+                          ac_config=_checkpointing(setting.checkpointing), dump_folder=dump)
+            if pipelined:  # as torchtitan's trainer: the stages split, each parallelized, and their schedule
+                self.schedule, parts, self.first, self.last = spec.pipelining_fn(
+                    module, device=torch.device(ctx.device), model_config=config, parallelize_fn=spec.parallelize_fn,
+                    loss_fn=self.loss, **recipe)
+            else:
+                parts = [spec.parallelize_fn(module, **recipe)]
+        for part in parts:
+            if ctx.backend == "gloo":
+                from torch.distributed.fsdp import FSDPModule
+
+                for unit in part.modules():
+                    if isinstance(unit, FSDPModule):
+                        unit.set_force_sum_reduction_for_comms(True)
+            part.to_empty(device=ctx.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=None)  # the buffers (RoPE's cache); the weights are the case's
+        self.parts = parts
+        self.data_index = self.dims.get_mesh("batch").get_local_rank() if self.dims.dp_enabled else 0
 
     def parameters(self) -> dict[str, Any]:
-        """The parallelized model's parameters under the plain model's names."""
+        """The parallelized model's parameters (a pipeline rank's: its stages') under the plain model's names."""
         named = {}
-        for name, parameter in self.module.named_parameters():
-            for prefix in _WRAPPED:
-                name = name.replace(prefix, "")
-            named[name] = parameter
+        for part in self.parts:
+            for name, parameter in part.named_parameters():
+                for prefix in _WRAPPED:
+                    name = name.replace(prefix, "")
+                named[name] = parameter
         return named
 
-    def _fed(self, batch: Any) -> tuple[Any, Any, dict[str, Any], Any]:
-        """The batch as the trainer hands it to the model: token ids, labels and positions, annotated for the SPMD
-        backend; and the global count of tokens the loss divides by."""
+    def _fed(self, tokens: Any, labels: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """Token ids and labels as the trainer hands them to the model, with their positions, annotated for the SPMD
+        backend."""
         import torch
-        from torchtitan.distributed import utils as titan_utils
 
-        tokens = torch.as_tensor(batch.dense, device=self.ctx.device)
-        labels = torch.as_tensor(batch.labels, device=self.ctx.device)
         positions = torch.arange(tokens.shape[1], device=self.ctx.device).expand(tokens.shape).contiguous()
-        count = torch.tensor(labels.numel(), device=self.ctx.device)
-        tokens_counted = (titan_utils.dist_sum_tensor(count, self.dims.get_mesh("batch"))
-                          if self.dims.dp_enabled else count)
         extra = {"positions": positions}
         if self.setting.backend == "full_dtensor":
             from torchtitan.distributed import full_dtensor
@@ -245,20 +308,50 @@ class _Recipe:
             from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 
             tokens, labels, extra = annotate_input_spmd_types(self.dims, tokens, labels, extra)
-        return tokens, labels, extra, tokens_counted
+        return tokens, labels, extra
+
+    def _batch(self, batch: Any) -> tuple[Any, Any, Any]:
+        """The share's token ids and labels, and the global count of tokens the loss divides by."""
+        import torch
+        from torchtitan.distributed import utils as titan_utils
+
+        tokens = torch.as_tensor(batch.dense, device=self.ctx.device)
+        labels = torch.as_tensor(batch.labels, device=self.ctx.device)
+        count = torch.tensor(labels.numel(), device=self.ctx.device)
+        tokens_counted = (titan_utils.dist_sum_tensor(count, self.dims.get_mesh("batch"))
+                          if self.dims.dp_enabled else count)
+        return tokens, labels, tokens_counted
+
+    def _microbatches(self, tokens: Any, labels: Any) -> dict[str, Any]:
+        """The share split into the schedule's micro-batches, each fed as the trainer feeds one: the schedule's
+        `arg_mbs`, `kwarg_mbs` and `target_mbs` on this rank (inputs on the first stage, targets on the last)."""
+        import torch
+
+        fed = [self._fed(t, y) for t, y in zip(torch.tensor_split(tokens, self.setting.microbatches),
+                                               torch.tensor_split(labels, self.setting.microbatches), strict=True)]
+        return {"arg_mbs": [(t,) for t, _, _ in fed] if self.first else None,
+                "kwarg_mbs": [extra for _, _, extra in fed], "target_mbs": [y for _, y, _ in fed] if self.last else None}
 
     def _context(self) -> Any:
         from torchtitan.distributed import utils as titan_utils
 
         return titan_utils.get_spmd_context(parallel_dims=self.dims, spmd_typechecking=False)()
 
-    def step(self, batch: Any) -> float:
-        """Forward, torchtitan's loss, backward; the global loss."""
+    def step(self, batch: Any) -> float | None:
+        """Forward, torchtitan's loss, backward; the global loss (None on a pipeline rank without the last stage)."""
         import spmd_types  # torchtitan's own dependency
+        import torch
 
-        tokens, labels, extra, tokens_counted = self._fed(batch)
+        tokens, labels, tokens_counted = self._batch(batch)
+        if self.schedule is not None:  # the trainer's pipelined step: the schedule runs forward, loss and backward
+            losses: list[Any] | None = [] if self.last else None
+            with self._context():
+                self.schedule.step(**self._microbatches(tokens, labels), losses=losses,
+                                   loss_kwargs={"global_valid_tokens": tokens_counted}, return_outputs=False)
+            return self._global_loss(torch.sum(torch.stack(losses))) if losses is not None else None
+        tokens, labels, extra = self._fed(tokens, labels)
         with self._context():
-            prediction = self.module(tokens, **extra)
+            prediction = self.parts[0](tokens, **extra)
             loss, _ = self.loss(prediction, labels, tokens_counted, positions=extra["positions"])
             with spmd_types.no_typecheck():  # as the trainer's backward runs
                 loss.backward()
@@ -272,15 +365,23 @@ class _Recipe:
         mesh = self.dims.get_optional_mesh("loss") if self.dims.dp_cp_enabled else None
         return titan_utils.dist_sum(loss.detach(), mesh)
 
-    def evaluate(self, batch: Any) -> dict[str, Any]:
-        """The logits of this share, whole: a DTensor gathered (and this share's rows kept), a plain tensor sharded over
-        the tensor-parallel ranks (the vocabulary under loss parallel, the sequence under sequence parallel)
-        all-gathered."""
+    def evaluate(self, batch: Any) -> dict[str, Any] | None:
+        """The logits of this share, whole (None on a pipeline rank without the last stage): a pipeline's through
+        its schedule's `eval` as torchtitan's validator runs it; a DTensor gathered (and this share's rows kept), a
+        plain tensor sharded over the tensor-parallel ranks (the vocabulary under loss parallel, the sequence under
+        sequence parallel) all-gathered."""
         from torch.distributed.tensor import DTensor
 
-        tokens, _, extra, _ = self._fed(batch)
+        tokens, labels, tokens_counted = self._batch(batch)
         with self._context():
-            logits = self.module(tokens, **extra)
+            if self.schedule is not None:
+                logits = self.schedule.eval(**self._microbatches(tokens, labels), losses=[] if self.last else None,
+                                            loss_kwargs={"global_valid_tokens": tokens_counted})
+            else:
+                tokens, _, extra = self._fed(tokens, labels)
+                logits = self.parts[0](tokens, **extra)
+        if not self.last:
+            return None
         share = len(batch.dense)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
@@ -313,10 +414,10 @@ def _use_device(device: str) -> None:
     parallel_dims.device_type = device
 
 
-def _parallelize_function(module: Any) -> Any:
-    """The model's own `parallelize` function, from its torchtitan package's registry."""
+def _model_spec(module: Any) -> Any:
+    """The model's spec in its torchtitan package's registry: its own `parallelize_fn` and `pipelining_fn`."""
     package = importlib.import_module(type(module).__module__.rpartition(".")[0])
-    return package.model_registry("debugmodel").parallelize_fn
+    return package.model_registry("debugmodel")
 
 
 def _checkpointing(mode: str) -> Any:
@@ -343,4 +444,12 @@ register_settings(
     + [TorchtitanRecipe(dp, tp, True, "none", False, backend, "bfloat16") for backend in BACKENDS
        for dp, tp in ((2, 1), (2, 2))]
     + [CompiledTorchtitanRecipe(dp, tp, True, "selective") for dp, tp in ((2, 1), (1, 2), (2, 2))]
+    # every schedule torchtitan configures by name, over 2 pipeline ranks; 1F1B under the other backends, with
+    # checkpointing, and beside FSDP2 or tensor parallel
+    + [TorchtitanPipelineRecipe(1, schedule=schedule) for schedule in PIPELINE_SCHEDULES]
+    + [TorchtitanPipelineTrainedOnly(1, schedule=schedule) for schedule in ("ZBVZeroBubble", "DualPipeV")]
+    + [TorchtitanPipelineRecipe(1, backend=backend) for backend in BACKENDS[1:]]
+    + [TorchtitanPipelineRecipe(1, checkpointing="full"), TorchtitanPipelineRecipe(2)]
+    + [TorchtitanPipelineRecipe(1, 2, backend=backend) for backend in BACKENDS]
+    + [TorchtitanPipelineRecipe(1, 2, False)]
 )

@@ -13,6 +13,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from difftest.contracts.registry import load_plugins, traits_of
+from difftest.findings import known
+
 ROOT = Path(__file__).resolve().parents[1]
 
 needs_titan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
@@ -22,6 +25,13 @@ RECIPES = ("titan/spmd_types/dp2-tp2/ac-selective/ws4", "titan/partial_dtensor/d
            "titan/full_dtensor/dp2-tp1/ac-none/ws2", "titan/partial_dtensor/dp2-tp2/ac-none/ws4",
            "titan/spmd_types/dp2-tp1/ac-none/bf16/ws2")
 PLANTED = "faults/titan_rank1_skips_step/ws2"
+# torchtitan's pipelining_fn: a looped schedule (4 stages on 2 ranks) evaluated by its schedule, a V schedule trained
+# without its eval(), and a last stage that skips its step (the negative control)
+PIPELINED = ("titan/spmd_types/dp1-tp1-pp2/interleaved1f1b/mb4/ac-none/ws2",)
+TRAINED_ONLY = "titan/spmd_types/dp1-tp1-pp2/dualpipev/mb4/ac-none/train-only/ws2"
+PLANTED_STAGE = "faults/titan_last_stage_skips_step/ws2"
+# its default SPMD backend with sequence parallel hands the next stage a non-contiguous shard: a known torch bug
+NON_CONTIGUOUS = "titan/spmd_types/dp1-tp2-pp2/1f1b/mb4/ac-none/ws4"
 
 
 def _run(out: Path, kind: str, settings: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -35,11 +45,13 @@ def _run(out: Path, kind: str, settings: tuple[str, ...]) -> tuple[pd.DataFrame,
     return pd.read_csv(out / "summary.csv", index_col=0), pd.read_csv(out / "comparisons.csv")
 
 
-def _trained_as_one_process(cases: pd.DataFrame, compared: pd.DataFrame, recipe: str) -> None:
+def _trained_as_one_process(cases: pd.DataFrame, compared: pd.DataFrame, recipe: str,
+                            phases: frozenset[str] = frozenset({"param_after_step1", "eval_after_step1",
+                                                                "eval_before"})) -> None:
     """The recipe's case is ok, judged on the trained weights and the logits by the calibrated envelope."""
     assert cases.loc[recipe, "ok"] == 1, cases.to_string()
     mine = compared[compared["setting"] == recipe]
-    assert {"param_after_step1", "eval_after_step1", "eval_before"} <= set(mine["phase"]), recipe
+    assert phases <= set(mine["phase"]), recipe
     assert (mine["calibrated_ratio"] < 1).all() and mine["calibrated_ratio"].notna().all(), recipe
     trained = set(mine[mine["phase"] == "param_after_step1"].tensor)
     assert {"layers.1.attention.wo.weight", "tok_embeddings.weight"} <= trained, trained
@@ -48,9 +60,21 @@ def _trained_as_one_process(cases: pd.DataFrame, compared: pd.DataFrame, recipe:
 @needs_titan
 def test_torchtitans_recipes_train_its_llama_as_one_process_does_and_a_skipped_step_is_reported(
         tmp_path: Path) -> None:
-    cases, compared = _run(tmp_path / "run", "titan-llama3", (*RECIPES, PLANTED))
-    for recipe in RECIPES:
+    cases, compared = _run(tmp_path / "run", "titan-llama3",
+                           (*RECIPES, PLANTED, *PIPELINED, TRAINED_ONLY, PLANTED_STAGE, NON_CONTIGUOUS))
+    for recipe in (*RECIPES, *PIPELINED):
         _trained_as_one_process(cases, compared, recipe)
+    _trained_as_one_process(cases, compared, TRAINED_ONLY, frozenset({"param_after_step1", "train_step1"}))
+    assert not compared[compared["setting"] == TRAINED_ONLY]["phase"].str.startswith("eval_").any()
+    # every stage's parameters come back to rank 0: the last stage's skipped step shows in its weights alone
+    skipped = compared[(compared["setting"] == PLANTED_STAGE) & (compared["phase"] == "param_after_step1")]
+    off = set(skipped[skipped["calibrated_ratio"] > 1].tensor)
+    assert cases.loc[PLANTED_STAGE, "inconsistent"] == 1 and "lm_head.weight" in off, cases.to_string()
+    assert not any(t.startswith(("tok_embeddings.", "layers.0.")) for t in off), off
+    failed = pd.read_csv(tmp_path / "run" / "inconsistencies.csv").set_index("setting").loc[[NON_CONTIGUOUS]]
+    load_plugins()
+    explained = known.match(NON_CONTIGUOUS, "error", str(failed["message"].iloc[0]), traits_of("titan-llama3"))
+    assert explained is not None and explained.id == "pipelining-noncontiguous-send", failed["message"].iloc[0]
     # torchtitan's default bf16 parameters really compute in bf16 (off by bf16's rounding, not fp32's) and are judged
     # by the bf16 envelope
     worst = compared.groupby("setting")["linf"].max()

@@ -19,7 +19,7 @@ from settings.gradient_clipping import MAX_NORM, PipelineClipping
 from settings.quant_tensorflow import TensorFlowQuantization
 from settings.quant_torchrec import QuantizedEmbeddings
 from settings.tensorflow import TensorFlowStrategy
-from settings.titan import TorchtitanRecipe
+from settings.titan import TorchtitanPipelineRecipe, TorchtitanRecipe
 from settings.torchrec_sharding import TorchRecSharding
 
 
@@ -622,3 +622,25 @@ class TitanRankSkipsStep(TorchtitanRecipe):
 
 
 register_settings([TitanRankSkipsStep(data_parallel=2)])
+
+
+@dataclass(frozen=True)
+class TitanLastStageSkipsStep(TorchtitanPipelineRecipe):
+    """torchtitan's pipelined recipe whose last pipeline rank skips its optimizer step (its stages' weights stay)."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/titan_last_stage_skips_step/ws{self.ranks}"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return "reference"
+
+    def optimizer_step(self, ctx: RunContext, optimizer: Any) -> None:
+        if ctx.rank != self.ranks - 1:
+            optimizer.step()
+
+
+register_settings([TitanLastStageSkipsStep(data_parallel=1)])

@@ -1,7 +1,7 @@
 """Model zoos as kinds (the `[zoo]` extra): what users train, with the parallel plans their libraries ship.
 
 `hf-<architecture>`: Hugging Face `transformers` models built from their config classes at small sizes — Llama,
-Qwen2 and Mixtral (a mixture of experts) as causal language models, GPT-2, BERT as a sequence classifier — their
+Qwen2, Qwen3 and Mixtral (a mixture of experts) as causal language models, GPT-2, BERT as a sequence classifier — their
 weights drawn from the seed (nothing is downloaded). Their batch is what the library takes, `input_ids` and an
 `attention_mask` with right padding, by keyword. The tensor-parallel settings (and FSDP2 × TP) run the model's own
 plan as the library applies it: `transformers.distributed.tensor_parallel.apply_tensor_parallelism` with the plan the
@@ -38,6 +38,8 @@ _SMALL = dict(vocab_size=VOCABULARY, hidden_size=32, intermediate_size=64, num_h
 HUGGING_FACE = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _SMALL, "model.layers"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _SMALL, "model.layers"),
+    # Qwen 3 normalises each head's queries and keys (its plan replicates those norms, their gradients all-reduced)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_SMALL, "head_dim": 4}, "model.layers"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**_SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
                 "model.layers"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCABULARY, n_embd=32, n_layer=2, n_head=8,

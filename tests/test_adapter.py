@@ -30,14 +30,30 @@ def _run(folder: Path, module: str, source: str, settings: str = SETTINGS) -> tu
     return done, out
 
 
+def documented_command() -> list[str]:
+    """The page's command after the example, as written (`difftest run --model my_model:adapter --out …`)."""
+    return re.search(r"```\n(difftest run --model [^\n]+)\n```", (ROOT / "docs" / "your-model.md").read_text()).group(1).split()
+
+
 def test_the_documented_adapter_runs_under_every_setting_that_takes_it_and_agrees(tmp_path: Path) -> None:
     example = documented_example()
     assert len(example.strip().splitlines()) <= 20  # the promise: about twenty lines
-    done, out = _run(tmp_path, "my_model", example)
+    # saved in the current folder and run by the documented command as written: the venv's console script, whose
+    # own path does not hold the current folder, and no PYTHONPATH
+    (tmp_path / "my_model.py").write_text(example)
+    command = documented_command()
+    assert command[:3] == ["difftest", "run", "--model"] and command[3] == "my_model:adapter", command
+    done = subprocess.run([str(Path(sys.executable).parent / "difftest"), *command[1:]], capture_output=True,
+                          text=True, timeout=900, cwd=tmp_path,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 0, done.stderr[-3000:]
-    cases = pd.read_csv(out / "summary.csv", index_col=0)
-    assert cases.loc["ddp/default/ws2", "ok"] == 2 and cases.loc["fsdp2/per-layer/reshard/fp32/ws2", "ok"] == 2
-    assert cases.loc["ac/single/non-reentrant/ws1", "unsupported"] == 2  # no blocks given: refused with the reason
+    cases = pd.read_csv(tmp_path / command[command.index("--out") + 1] / "summary.csv", index_col=0)
+    assert cases.loc["ddp/default/ws2", "ok"] == 2 and cases.loc["fsdp2/per-layer/no-reshard/fp32/ws2", "ok"] == 2
+    assert cases.loc["ac/single/selective/ws1", "unsupported"] == 2  # no blocks given: refused with the reason
+    # a model of Linear layers alone keeps no parameter once dynamically quantized: still called in float
+    assert cases.loc["quant/dynamic/qint8/onednn", "ok"] == 2
+    assert (cases["ok"] + cases["unsupported"] == cases["cases"]).all(), cases[cases["ok"] + cases["unsupported"]
+                                                                                < cases["cases"]].to_string()
     assert "no findings" in done.stdout
 
 

@@ -982,6 +982,7 @@ def main() -> None:
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell had it ignored
         signal.signal(signal.SIGINT, _interrupted)
+    _import_from_the_current_folder()
     try:
         app()
     except UserError as exc:
@@ -989,6 +990,16 @@ def main() -> None:
         sys.exit(2)
     except (KeyboardInterrupt, _Interrupted):
         _leave_interrupted()
+
+
+def _import_from_the_current_folder() -> None:
+    """A `--model my_model:adapter` or `--plugin` module in the folder difftest runs from imports, as under `python -m`:
+    the `difftest` console script's `sys.path` begins with its own bin folder instead (the processes difftest starts
+    inherit the path)."""
+    import os
+
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 if __name__ == "__main__":

@@ -105,6 +105,17 @@ def _inputs(batch: Batch, device: str, dtype: Any) -> tuple[Any, dict[str, Any]]
     return positional, {k: tensor(v) for k, v in batch.named.items() if not k.startswith(POSITIONAL)}
 
 
+def _input_dtype(module: Any) -> Any:
+    """The floating dtype the module computes in: its first floating parameter's or buffer's; else the default one (a
+    dynamically quantized model of Linear layers alone holds packed weights, no parameter, and takes float inputs)."""
+    import itertools
+
+    import torch
+
+    held = itertools.chain(module.parameters(), module.buffers())
+    return next((t.dtype for t in held if t.is_floating_point()), torch.get_default_dtype())
+
+
 def _call(module: Any, batch: Batch, device: str, dtype: Any) -> Any:
     inputs, keywords = _inputs(batch, device, dtype)
     return module(*inputs, **keywords) if isinstance(inputs, tuple) else module(inputs, **keywords)
@@ -237,7 +248,7 @@ class AdapterGenerator(Generator):
         return module
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
-        return _call(module, batch, device, next(iter(module.parameters())).dtype)
+        return _call(module, batch, device, _input_dtype(module))
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         # as its user evaluates it: in eval mode (BatchNorm by its running statistics, no Dropout, neither changing

@@ -552,3 +552,20 @@ def test_every_command_that_minimises_findings_also_shrinks_their_scripts() -> N
                 minimising[sub_name] = "shrink_budget" in options
     assert {"run", "sweep", "quant", "analyze", "campaign"} <= set(minimising)
     assert all(minimising.values()), [name for name, shrinks in minimising.items() if not shrinks]
+
+
+def test_a_run_resumes_after_difftest_adds_a_kind_it_makes_no_model_of_and_refuses_other_options(tmp_path: Path) -> None:
+    """The default job names every kind, the zoos' with 0 models: a kind a later release adds (0 models) must not
+    stop `difftest run` resuming the run an earlier one made; a kind with models, or another count, still does."""
+    from difftest.contracts.errors import UserError
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import prepare_run
+
+    before = RunConfig(kinds=("dlrm", "hf-llama"), models_of={"hf-llama": 0})
+    prepare_run(tmp_path, before)
+    added = RunConfig(kinds=("dlrm", "hf-llama", "hf-qwen3"), models_of={"hf-llama": 0, "hf-qwen3": 0})
+    assert prepare_run(tmp_path, added) == before
+    for other in (RunConfig(kinds=("dlrm", "hf-llama", "hf-qwen3"), models_of={"hf-llama": 0, "hf-qwen3": 1}),
+                  RunConfig(kinds=("dlrm", "hf-llama"), models_of={"hf-llama": 1}), RunConfig(kinds=("dlrm",), models=3)):
+        with pytest.raises(UserError, match="holds a run made with other options"):
+            prepare_run(tmp_path, other)

@@ -70,6 +70,13 @@ class RunConfig:
         """How many models of `kind` the run has."""
         return self.models_of.get(kind, self.models)
 
+    def generated(self) -> RunConfig:
+        """This configuration less the kinds it makes no model of: what decides the run's models. The default job
+        names every kind, the zoos' with 0 models, so a kind a later difftest adds must not stop a rerun resuming."""
+        kinds = tuple(k for k in self.kinds if self.count(k) > 0)
+        return dataclasses.replace(self, kinds=kinds,
+                                   models_of={k: n for k, n in self.models_of.items() if n > 0 or k not in self.kinds})
+
     @classmethod
     def load(cls, path: Path) -> RunConfig:
         try:

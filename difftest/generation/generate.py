@@ -24,7 +24,7 @@ def prepare_run(run_dir: Path, config: RunConfig) -> RunConfig:
     path = run_dir / RUN_FILE
     if path.exists():
         existing = RunConfig.load(path)
-        if existing != config:
+        if existing.generated() != config.generated():
             raise UserError(
                 f"{run_dir} holds a run made with other options ({existing.to_json().replace(chr(10), ' ')}); "
                 "rerun with the same options to resume, or pass another --out"

@@ -191,7 +191,7 @@ class AdapterGenerator(Generator):
         try:
             module.eval()
             with torch.no_grad():
-                prediction = _call(module, batch, "cpu", next(iter(module.parameters())).dtype)
+                prediction = _call(module, batch, "cpu", _input_dtype(module))
                 target = torch.as_tensor(batch.labels)
                 target = target.to(prediction.dtype) if target.is_floating_point() else target
                 return loss_sums_over_the_batch(self.adapter.loss, prediction, target)
@@ -302,7 +302,7 @@ class AdapterGenerator(Generator):
             raise Unsupported(f"adapter {self.kind!r}: its first layer takes keyword inputs; a pipeline stage is fed "
                               "one tensor or positional ones")
         source = BatchSource()
-        dtype = next(iter(module.parameters())).dtype
+        dtype = _input_dtype(module)
         return LayerChain([FedUnit(lambda positions: _inputs(source.samples(positions), device, dtype)[0], layers[0]),
                            *layers[1:]], source,
                           lambda: dict(module.named_parameters()), "prediction")

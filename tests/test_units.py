@@ -459,7 +459,7 @@ def test_the_report_template_escapes_what_a_run_wrote() -> None:
     assert hostile not in page and page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 8
 
 
-def test_minimisation_charges_each_finding_its_cases_its_share_of_references_and_moves_to_the_smallest_win() -> None:
+def test_minimisation_charges_each_finding_its_cases_its_share_of_references_and_builds_and_moves_to_the_smallest_win() -> None:
     from difftest.findings.minimise import ALONE, Minimisation, Trial, charges, resign
 
     example = DlrmGenerator().spec(0, 0)
@@ -472,13 +472,14 @@ def test_minimisation_charges_each_finding_its_cases_its_share_of_references_and
     planned = {"F1": [alone, two, one], "F2": [two]}
     # F2 shares model m2 with F1: m2's reference run (a case nobody planned) is split between the two
     cost = {(t.model_id, t.setting): 1.0 for t in (alone, two, one)} | {(two.model_id, "reference"): 4.0}
-    charged = charges(planned, cost, built_s=2.0, active=2)
-    assert charged == {"F1": 3.0 + 2.0 + 1.0, "F2": 1.0 + 2.0 + 1.0}
+    # building m2 (3 s) is split the same way; m3's (1 s) is F1's alone
+    charged = charges(planned, cost, {alone.model_id: 0.0, two.model_id: 3.0, one.model_id: 1.0})
+    assert charged == {"F1": 3.0 + 2.0 + 1.5 + 1.0, "F2": 1.0 + 2.0 + 1.5}
 
     m = Minimisation("F1", "sig", alone, alone, budget_s=100.0)
     signed = {(alone.model_id, "ddp/default/ws2"): "sig", (two.model_id, "ddp/default/ws2"): "sig", (one.model_id, "ddp/default/ws2"): "other"}
     resign(m, 1, planned["F1"], signed, charged["F1"])
-    assert (m.best, m.changes, m.tries, m.seconds, m.active) == (two, ["a"], 3, 6.0, True)
+    assert (m.best, m.changes, m.tries, m.seconds, m.active) == (two, ["a"], 3, 7.5, True)
 
     lost = Minimisation("F2", "sig", alone, alone, budget_s=100.0)
     resign(lost, 1, [dataclasses.replace(alone, change=ALONE)], {}, 1.0)

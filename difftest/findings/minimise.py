@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 from difftest.contracts.errors import UserError
 from difftest.contracts.registry import all_settings, get_generator, get_setting, kind_unavailable, loaded_plugins
 from difftest.contracts.spec import ModelSpec, RunConfig
-from difftest.contracts.status import Status
+from difftest.contracts.status import FAILURES, Status
 from difftest.generation.generate import ModelBuilders, try_materialise
-from difftest.judging.analysis import Analysis, analyze, envelope_spread
+from difftest.judging.analysis import CANNOT_JUDGE, Analysis, analyze, envelope_spread
 from difftest.storage.artifacts import load_spec
 
 if TYPE_CHECKING:
@@ -219,6 +219,7 @@ class _Round:
     folder: Path
     planned: dict[str, list[Trial]] = field(default_factory=dict)
     built_s: float = 0.0  # materialising the round's models
+    build_cost: dict[str, float] = field(default_factory=dict)  # seconds per model id, where it was built
     cost: dict[tuple[str, str], float] = field(default_factory=dict)  # per case, including its references
     signed: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # one per independent divergence
     spreads: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)  # of the calibrated cases
@@ -256,8 +257,9 @@ def _plan(this: _Round, work: list[Minimisation], serial: Callable[[], str], bui
         for _, trial in wave:
             if trial.key() not in built and trial.key() not in unbuildable:
                 new.setdefault(trial.key(), trial)
-        for trial, why in zip(new.values(), builders.build([(t.spec, this.folder / "models" / t.model_id, t.batch_size)
-                                                           for t in new.values()])):
+        for trial, (why, seconds) in zip(new.values(), builders.build_timed(
+                [(t.spec, this.folder / "models" / t.model_id, t.batch_size) for t in new.values()])):
+            this.build_cost[trial.model_id] = seconds
             if why is None:
                 built[trial.key()] = trial
             else:
@@ -270,10 +272,12 @@ def _plan(this: _Round, work: list[Minimisation], serial: Callable[[], str], bui
     this.built_s = time.perf_counter() - started
 
 
-def _run(this: _Round, needs_envelope: set[str], options: SweepOptions, warm: WarmGroups,
+def _run(this: _Round, needs_envelope: set[str], fails_alone: set[str], options: SweepOptions, warm: WarmGroups,
          separating: dict[str, Any], plugins: tuple[str, ...]) -> None:
     """Running a round: its cases as one sweep over the round's private run, each case's time taken as the time
-    since the case before it in its worker group (so references and a crash's restart are in it), then signed."""
+    since the case before it in its worker group (so references and a crash's restart are in it), then signed. The
+    trials of a finding in `fails_alone` (the case itself raised, crashed or hung) run without their references:
+    whatever the case computes when it does not fail so, it is not that finding."""
     from difftest.findings.signature import signatures
     from difftest.runner.sweep import run_sweep
 
@@ -290,27 +294,29 @@ def _run(this: _Round, needs_envelope: set[str], options: SweepOptions, warm: Wa
         # (or erring) without them, and each trial model would otherwise pay its root's calibrations
         calibrated = tuple(dict.fromkeys((t.model_id, t.setting) for f, ts in this.planned.items()
                                          if f in needs_envelope for t in ts))
-        run_sweep(this.folder, dataclasses.replace(options, pairs=pairs, calibrated_pairs=calibrated),
-                  on_result=clock, warm=warm)
+        referenced = tuple(dict.fromkeys((t.model_id, t.setting) for f, ts in this.planned.items()
+                                         if f not in fails_alone for t in ts))
+        run_sweep(this.folder, dataclasses.replace(options, pairs=pairs, calibrated_pairs=calibrated,
+                                                   referenced_pairs=referenced), on_result=clock, warm=warm)
         this.signed = signatures(analyze(this.folder, plugins=plugins), separating)
         this.spreads = {pair: envelope_spread(this.folder, *pair) for pair in calibrated}
     this.seconds = this.built_s + time.perf_counter() - sweep_start
 
 
-def charges(planned: dict[str, list[Trial]], cost: dict[tuple[str, str], float], built_s: float,
-            active: int) -> dict[str, float]:
-    """Charging a round, a pure function: each finding pays for its own cases (a crash: its restart too), its
-    share of the reference runs of the models it used (split among the findings that used them) and its share of
-    building the round's models."""
+def charges(planned: dict[str, list[Trial]], cost: dict[tuple[str, str], float],
+            build_cost: dict[str, float]) -> dict[str, float]:
+    """Charging a round, a pure function: each finding pays for its own cases (a crash: its restart too) and its
+    share of the reference runs and of the building of the models it used (each split among the findings that used
+    that model): a kind whose models take seconds to build (a Keras model's export) is charged them, not the others."""
     tried = {(t.model_id, t.setting) for ts in planned.values() for t in ts}
     references: dict[str, float] = {}
     for (model, setting), seconds in cost.items():
         if (model, setting) not in tried:
             references[model] = references.get(model, 0.0) + seconds
     users = Counter(model for ts in planned.values() for model in {t.model_id for t in ts})
-    shared = max(0.0, built_s) / max(1, active)
     return {finding: sum(cost.get((t.model_id, t.setting), 0.0) for t in chosen)
-            + sum(references.get(model, 0.0) / users[model] for model in {t.model_id for t in chosen}) + shared
+            + sum((references.get(model, 0.0) + build_cost.get(model, 0.0)) / users[model]
+                  for model in {t.model_id for t in chosen})
             for finding, chosen in planned.items()}
 
 
@@ -364,6 +370,8 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
     verdicts = {(c.model, c.setting): c.d3_verdict for c in analysis.cases.itertuples()}
     needs_envelope = {f.id for f in findings if f.status == Status.INCONSISTENT
                       and verdicts.get((f.example["model"], f.example["setting"])) == Status.OK}
+    fails_alone = {f.id for f in findings if f.status in FAILURES
+                   and not str(f.example.get("message", "")).startswith(CANNOT_JUDGE)}
     options = SweepOptions(timeout_s=timeout_s, device=device, plugins=plugins)
     scratch = Path(tempfile.mkdtemp(prefix=".minimise-", dir=run_dir))
     warm = WarmGroups()
@@ -391,8 +399,8 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
             (this.folder / "models").mkdir(parents=True)
             (this.folder / "run.json").write_text(config.to_json())
             _plan(this, work, lambda: f"m{next(counter)}", builders)
-            _run(this, needs_envelope, options, warm, separating, config.plugins + plugins)
-            charged = charges(this.planned, this.cost, this.built_s, sum(m.active for m in work))
+            _run(this, needs_envelope, fails_alone, options, warm, separating, config.plugins + plugins)
+            charged = charges(this.planned, this.cost, this.build_cost)
             for m in work:
                 if m.active:
                     resign(m, round_no, this.planned.get(m.finding_id, []), this.signed, charged[m.finding_id])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -64,6 +65,13 @@ def _materialise_in_builder(plugins: tuple[str, ...], spec: ModelSpec, model_dir
     return try_materialise(spec, Path(model_dir), batch_size)
 
 
+def _timed_in_builder(plugins: tuple[str, ...], spec: ModelSpec, model_dir: str,
+                      batch_size: int) -> tuple[str | None, float]:
+    started = time.perf_counter()
+    why = _materialise_in_builder(plugins, spec, model_dir, batch_size)
+    return why, time.perf_counter() - started
+
+
 def _warm_builder(plugins: tuple[str, ...], examples: list[tuple[ModelSpec, int]]) -> None:
     """A builder's first job: one model of each kind, thrown away, so it has imported what every kind needs."""
     import tempfile
@@ -103,20 +111,28 @@ class ModelBuilders:
         return all(future.done() for future in self._warming)
 
     def build(self, jobs: list[tuple[ModelSpec, Path, int]]) -> list[str | None]:
-        """`try_materialise` of each (spec, folder, batch size), in order. The builders take jobs from the front, this
-        process from the back; a builder that dies costs its model (which says so) and the builders are replaced."""
-        results: dict[int, str | None] = {}
+        """`try_materialise` of each (spec, folder, batch size), in order."""
+        return [why for why, _ in self.build_timed(jobs)]
+
+    def build_timed(self, jobs: list[tuple[ModelSpec, Path, int]]) -> list[tuple[str | None, float]]:
+        """`try_materialise` of each (spec, folder, batch size), in order, with the seconds it took where it was
+        built (what a minimisation charges the findings that use the model). The builders take jobs from the front,
+        this process from the back; a builder that dies costs its model (which says so) and the builders are
+        replaced."""
+        results: dict[int, tuple[str | None, float]] = {}
         waiting = deque(range(len(jobs)))
-        running: dict[Future[str | None], int] = {}
+        running: dict[Future[tuple[str | None, float]], int] = {}
         while waiting or running:
             # two each, so a builder that finishes while this process is busy building has its next model already
             while waiting and len(running) < 2 * self._processes and len(waiting) > 1 and self._warm():
                 index = waiting.popleft()
                 spec, folder, batch = jobs[index]
-                running[self._builders().submit(_materialise_in_builder, self._plugins, spec, str(folder), batch)] = index
+                running[self._builders().submit(_timed_in_builder, self._plugins, spec, str(folder), batch)] = index
             if waiting:
                 index = waiting.pop()
-                results[index] = try_materialise(*jobs[index])
+                started = time.perf_counter()
+                why = try_materialise(*jobs[index])
+                results[index] = why, time.perf_counter() - started
             else:
                 wait(running, return_when=FIRST_COMPLETED)
             for future in [f for f in running if f.done()]:
@@ -125,7 +141,7 @@ class ModelBuilders:
                     results[index] = future.result()
                 except BrokenProcessPool as exc:  # a library crashed building it (a signal): not a candidate
                     shutil.rmtree(jobs[index][1], ignore_errors=True)
-                    results[index] = f"BrokenProcessPool: {str(exc).splitlines()[0][:160]}"
+                    results[index] = f"BrokenProcessPool: {str(exc).splitlines()[0][:160]}", 0.0
                     self.close()
         return [results[index] for index in range(len(jobs))]
 

@@ -21,6 +21,8 @@ from difftest.judging.oracle import compare
 from difftest.storage.run_folder import list_models, sweep_in_progress
 from difftest.storage.store import CaseRecord, Store
 
+# how a case that ran begins its message when what judges it failed: its verdict is its reference's failure
+CANNOT_JUDGE = "cannot judge: "
 CSV_COLUMNS = [
     "model", "input", "kind", "setting", "reference", "phase", "tensor",
     "linf", "max_rel", "mismatches", "numel", "oracle", "bound", "bound_ratio", "status", "message",
@@ -251,7 +253,7 @@ class Judge:
         if expected is None:
             ref = self.records.get((record.model, reference))
             why = "never ran" if ref is None else f"ended {ref.status}: {ref.message[:200]}"
-            return Judgement(Status.ERROR, rows=[_case_row(base, Status.ERROR, f"cannot judge: the reference case {why}")])
+            return Judgement(Status.ERROR, rows=[_case_row(base, Status.ERROR, f"{CANNOT_JUDGE}the reference case {why}")])
         envelope, why_not = self.envelope(record.model, setting)
         if why_not == PENDING:
             return None

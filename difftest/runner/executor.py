@@ -55,6 +55,9 @@ class SweepOptions:
     pairs: tuple[tuple[str, str], ...] | None = None
     # of `pairs`, those whose verdict needs the calibrated oracle: only they bring calibration runs (None: all do)
     calibrated_pairs: tuple[tuple[str, str], ...] | None = None
+    # of `pairs`, those judged against their references: only they bring reference runs (None: all do); a case that
+    # only has to fail the way a finding failed needs none
+    referenced_pairs: tuple[tuple[str, str], ...] | None = None
     executor: ExecutorConfig = ExecutorConfig()  # where the cases run: this machine, or a Ray cluster
 
     @property

@@ -35,7 +35,7 @@ def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
     import fnmatch
 
     if options.pairs is not None:
-        return _plan_pairs(run_dir, options.pairs, options.calibrated_pairs)
+        return _plan_pairs(run_dir, options.pairs, options.calibrated_pairs, options.referenced_pairs)
     settings = select_settings(options.settings, options.tier)
     if options.twice:
         names = {s.name for s in settings}
@@ -49,8 +49,8 @@ def plan_cases(run_dir: Path, options: SweepOptions) -> list[Case]:
     return [Case(spec.model_id, d, spec, setting) for d, spec in models for setting in settings]
 
 
-def _plan_pairs(run_dir: Path, pairs: tuple[tuple[str, str], ...],
-                calibrated: tuple[tuple[str, str], ...] | None = None) -> list[Case]:
+def _plan_pairs(run_dir: Path, pairs: tuple[tuple[str, str], ...], calibrated: tuple[tuple[str, str], ...] | None = None,
+                referenced: tuple[tuple[str, str], ...] | None = None) -> list[Case]:
     models = {spec.model_id: (d, spec) for d, spec in list_models(run_dir)}
     cases: dict[tuple[str, str], Case] = {}
     for model_id, name in pairs:
@@ -58,7 +58,8 @@ def _plan_pairs(run_dir: Path, pairs: tuple[tuple[str, str], ...],
             raise UserError(f"{run_dir / 'models'}: no model {model_id}")
         model_dir, spec = models[model_id]
         calibrate = calibrated is None or (model_id, name) in calibrated
-        for setting in with_references([get_setting(name)], calibrate=calibrate):
+        alone = referenced is not None and (model_id, name) not in referenced
+        for setting in [get_setting(name)] if alone else with_references([get_setting(name)], calibrate=calibrate):
             cases.setdefault((model_id, setting.name), Case(model_id, model_dir, spec, setting))
     return list(cases.values())
 

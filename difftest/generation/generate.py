@@ -65,11 +65,17 @@ def _materialise_in_builder(plugins: tuple[str, ...], spec: ModelSpec, model_dir
     return try_materialise(spec, Path(model_dir), batch_size)
 
 
+def _timed_materialise(spec: ModelSpec, model_dir: Path, batch_size: int) -> tuple[str | None, float]:
+    """`try_materialise`, and the seconds it took."""
+    started = time.perf_counter()
+    why = try_materialise(spec, model_dir, batch_size)
+    return why, time.perf_counter() - started
+
+
 def _timed_in_builder(plugins: tuple[str, ...], spec: ModelSpec, model_dir: str,
                       batch_size: int) -> tuple[str | None, float]:
-    started = time.perf_counter()
-    why = _materialise_in_builder(plugins, spec, model_dir, batch_size)
-    return why, time.perf_counter() - started
+    load_plugins(plugins)
+    return _timed_materialise(spec, Path(model_dir), batch_size)
 
 
 def _warm_builder(plugins: tuple[str, ...], examples: list[tuple[ModelSpec, int]]) -> None:
@@ -130,9 +136,7 @@ class ModelBuilders:
                 running[self._builders().submit(_timed_in_builder, self._plugins, spec, str(folder), batch)] = index
             if waiting:
                 index = waiting.pop()
-                started = time.perf_counter()
-                why = try_materialise(*jobs[index])
-                results[index] = why, time.perf_counter() - started
+                results[index] = _timed_materialise(*jobs[index])
             else:
                 wait(running, return_when=FIRST_COMPLETED)
             for future in [f for f in running if f.done()]:

@@ -31,6 +31,7 @@ from settings import async_pipeline  # noqa: F401
 from settings import resume_tensorflow  # noqa: F401
 from settings import activation_checkpointing  # noqa: F401
 from settings import gradient_clipping  # noqa: F401
+from settings import dense_optimizers  # noqa: F401
 from settings import accumulation  # noqa: F401
 from settings import compiled  # noqa: F401
 from settings import titan  # noqa: F401

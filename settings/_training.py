@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -56,6 +57,69 @@ def sgd_step(model: Any, module: Any, optimizer: Any, batch: Batch, device: str,
     return loss.item()
 
 
+@dataclass(frozen=True)
+class Training:
+    """The optimizer a training setting steps: `torch.optim.<cls>` with `options`, its learning rate the run's times
+    `lr_scale`; plain SGD by default (what the references train with). A composing setting's other optimizer records
+    its state after each step too (`state_reader`)."""
+
+    cls: str = "SGD"
+    options: tuple[tuple[str, Any], ...] = ()
+    lr_scale: float = 1.0
+
+    @property
+    def stateful(self) -> bool:
+        return (self.cls, self.options) != ("SGD", ())
+
+    def optimizer(self, module: Any, lr: float) -> Any:
+        import torch
+
+        return getattr(torch.optim, self.cls)([p for p in module.parameters() if p.requires_grad],
+                                              lr=lr * self.lr_scale, **dict(self.options))
+
+    def state_reader(self, ctx: RunContext, model: Any, module: Any,
+                     optimizer: Any) -> Callable[[], dict[str, np.ndarray] | None] | None:
+        """What `record_training` records as the optimizer's state (`<parameter>.<state>`, whole; collective for
+        DTensors), or None for plain SGD, which keeps none. Named by the PyTorch module's own parameter names (a
+        wrapper's prefixes taken off), in PyTorch's layout: a kind's canonical names may be views (a converted
+        model's Keras layout), which the optimizer keeps no state for."""
+        if not self.stateful:
+            return None
+
+        def read() -> dict[str, np.ndarray] | None:
+            import torch
+            from torch.distributed.tensor import DTensor
+            from torch.nn.parallel import DistributedDataParallel
+
+            inner = module.module if isinstance(module, DistributedDataParallel) else module
+            state = {}
+            for name, parameter in inner.named_parameters():
+                name = name.replace("_checkpoint_wrapped_module.", "")
+                for key, value in optimizer.state.get(parameter, {}).items():
+                    if key != "step" and isinstance(value, torch.Tensor) and value.ndim > 0:
+                        state[f"{name}.{key}"] = to_numpy(value.full_tensor() if isinstance(value, DTensor) else value)
+            return state if ctx.rank == 0 else None
+
+        return read
+
+
+class OneProcessRoot:
+    """Mixed into a family's root (listed before the family's class): one process, deterministic algorithms, judged
+    against itself; one full-batch step per update, so any sample order is as good (its calibration may reorder)."""
+
+    name: str
+    deterministic: ClassVar[bool] = True
+    sample_order_free: ClassVar[bool] = True
+
+    @property
+    def reference(self) -> str:
+        return self.name
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return frozenset()
+
+
 def full_parameters(wrapped: Any, read: Any) -> dict[str, Any]:
     """Every tensor `read(wrapped)` names, whole: a DTensor (FSDP2, tensor parallel) all-gathered, so every rank must
     call it; under the name the plain model gives it (without checkpoint_wrapper's `_checkpoint_wrapped_module.`). A
@@ -92,16 +156,16 @@ def train_single_process(ctx: RunContext, model: Any, inputs: Inputs, module: An
 def train_data_parallel(ctx: RunContext, model: Any, inputs: Inputs, wrapped: Any,
                         full_parameters: Callable[[], dict[str, np.ndarray] | None],
                         data_shard: tuple[int, int] | None = None,
-                        stepping: Callable[[Any], Any] | None = None) -> Outputs | None:
-    """Plain SGD on this rank's share through a wrapper that synchronises gradients itself (each step's forward and
-    backward inside `stepping(wrapped)`, as `sgd_step`)."""
-    import torch
-
-    trainable = [p for p in wrapped.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=ctx.lr)
+                        stepping: Callable[[Any], Any] | None = None,
+                        training: Training | None = None) -> Outputs | None:
+    """Plain SGD (or `training`'s optimizer, its state recorded) on this rank's share through a wrapper that
+    synchronises gradients itself (each step's forward and backward inside `stepping(wrapped)`, as `sgd_step`)."""
+    training = training or Training()
+    optimizer = training.optimizer(wrapped, ctx.lr)
     return record_training(
         ctx, inputs, lambda b: model.evaluate(wrapped, b, ctx.device),
         lambda b: sgd_step(model, wrapped, optimizer, b, ctx.device, stepping), full_parameters, data_shard,
+        training.state_reader(ctx, model, wrapped, optimizer),
     )
 
 

@@ -26,7 +26,7 @@ full_parameters: Callable[..., Any]
 
 
 def training_script(case: StandaloneCase, summary: str, world_size: int, setting_functions: tuple[Any, ...],
-                    setting: dict[str, Any], libraries: tuple[str, ...] = ()) -> Script:
+                    setting: dict[str, Any], libraries: tuple[str, ...] = (), optimizer: str = "plain SGD") -> Script:
     """The script of a training setting's disagreement: the model as its kind builds it (`Generator.standalone_model`),
     as many steps of plain SGD as it took to diverge, on the whole batch in one process against the same steps through
     the setting's wrapper, each rank on its share of the batch; it compares the parameters after them.
@@ -35,7 +35,8 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     run inside a context, `stepping(module)`, where a step takes its share's gradients otherwise than in one
     backward pass, `backward_on_share(module, data, start, stop, dtype)`, or where the steps are not plain SGD,
     `sgd_on_share(module, data, case, rank, world_size, dtype)`. `setting["data_parallel"]`: how many
-    shares the batch is cut into (default: one per rank)."""
+    shares the batch is cut into (default: one per rank); `setting["optimizer"]`: the optimizer in place of plain SGD
+    (`sgd_on_share` says how), `optimizer` its words in the summary."""
     from difftest import Script
 
     own = {f.__name__ for f in setting_functions}  # a setting's own step or context replaces the plain one
@@ -45,7 +46,8 @@ def training_script(case: StandaloneCase, summary: str, world_size: int, setting
     fed = ("each on its contiguous share of the batch" if shares == world_size else "every rank on the whole batch"
            if shares == 1 else f"each of {shares} groups of ranks on its contiguous share of the batch")
     return Script(
-        summary=f"{summary}, {steps} step(s) of plain SGD (lr {case.lr:g}) over {world_size} CPU ranks (gloo), "
+        summary=f"{summary}, {steps} step(s) of {optimizer} (lr {setting.get('optimizer', {}).get('lr', case.lr):g}) "
+                f"over {world_size} CPU ranks (gloo), "
                 f"{fed}" + case.against("the same steps on the whole batch in one process: the parameters after "
                                         "them") + f". {model.summary}",
         libraries=("torch", *model.libraries, *libraries, "numpy"),
@@ -67,10 +69,11 @@ def trained_parameters(case: StandaloneCase) -> tuple[ModelCode, int, dict[str, 
 
     from difftest import Unsupported
 
-    step = re.match(r"param_after_step(\d+)/", case.first_divergence)
+    # an optimizer's state diverges with the weights it moves in that step: the script compares those weights
+    step = re.match(r"(?:param|state)_after_step(\d+)/", case.first_divergence)
     if not case.failure and step is None:
-        raise Unsupported(f"it first diverges at {case.first_divergence}, not at a parameter after a training step or "
-                          "by failing, which is what a training script shows")
+        raise Unsupported(f"it first diverges at {case.first_divergence}, not at a parameter (or an optimizer's state) "
+                          "after a training step or by failing, which is what a training script shows")
     model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
     if model is None:
         raise Unsupported(f"{case.spec.kind} models have no standalone form (Generator.standalone_model)")
@@ -82,17 +85,21 @@ def trained_parameters(case: StandaloneCase) -> tuple[ModelCode, int, dict[str, 
 
 def sgd_on_share(module: Any, data: dict[str, Any], case: dict[str, Any], rank: int, world_size: int,
                  dtype: Any) -> None:
-    """`case["steps"]` steps of plain SGD on this rank's contiguous share of the training batch."""
+    """`case["steps"]` steps of plain SGD (or the setting's `optimizer`: a torch.optim class, its options and learning
+    rate) on this rank's contiguous share of the training batch."""
     import torch
 
-    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=case["lr"])
+    optimizer = case["setting"].get("optimizer", {"cls": "SGD", "options": {}, "lr": case["lr"]})
+    optimizer = getattr(torch.optim, optimizer["cls"])([p for p in module.parameters() if p.requires_grad],
+                                                       lr=optimizer["lr"], **optimizer["options"])
     # the ranks of a tensor-parallel group share one; the single process (world_size 1) takes the whole batch
     shares = min(case["setting"].get("data_parallel", world_size), world_size)
     share, index = case["batch"] // shares, rank // (world_size // shares)
     for _ in range(case["steps"]):
         optimizer.zero_grad()
         backward_on_share(module, data, index * share, (index + 1) * share, dtype)
-        optimizer.step()
+        with stepping(module):  # as the setting steps (tensor parallel's implicit replication)
+            optimizer.step()
 
 
 def backward_on_share(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> None:

@@ -29,7 +29,7 @@ from difftest import (
 from settings._compat import fully_shard_for
 from settings._tp_apply import parallel_style, stepping, whole_outputs_and_gradients
 from settings._tp_plan import _describe, own_plan
-from settings._training import build_for_training, full_parameters, parameter_holders
+from settings._training import Training, build_for_training, full_parameters, parameter_holders
 from settings.fsdp import (
     BF16_TOLERANCE,
     PRECISIONS,
@@ -98,10 +98,10 @@ class FsdpTensorParallel(Setting):
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         return self.trained(ctx, model, inputs)
 
-    def trained(self, ctx: RunContext, model: Any, inputs: Any,
-                before_step: Callable[[Any], None] | None = None) -> Outputs | None:
-        """The model parallelized and trained as this setting does; `before_step(module)` runs between each step's
-        backward and its optimizer step (a composing setting's gradient clipping)."""
+    def trained(self, ctx: RunContext, model: Any, inputs: Any, before_step: Callable[[Any], None] | None = None,
+                training: Training | None = None) -> Outputs | None:
+        """The model parallelized and trained as this setting does; `before_step` and `training` as
+        `TensorParallel.trained` says."""
         fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device, before the mesh is made
         mesh = _mesh(ctx, self.data_parallel, self.tensor_parallel)
         tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
@@ -111,7 +111,7 @@ class FsdpTensorParallel(Setting):
         ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in layout["plan"].items())
         dp_index = mesh["dp"].get_local_rank()
         return tensor_parallel.train(ctx, model, inputs, module, data_shard=(dp_index, self.data_parallel),
-                                     outputs_whole=True, before_step=before_step)
+                                     outputs_whole=True, before_step=before_step, training=training)
 
     def layout(self, model: Any, module: Any, plan: dict[str, Any]) -> dict[str, Any]:
         """What `distribute` needs: the mesh's shape, the tensor-parallel plan (module name → ParallelStyle, or a

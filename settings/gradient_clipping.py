@@ -40,7 +40,7 @@ from difftest import (
     to_numpy,
 )
 from settings._compat import fully_shard_for
-from settings._training import build_for_training
+from settings._training import OneProcessRoot, build_for_training
 from settings.fsdp import fsdp2_units, make_contiguous
 
 if TYPE_CHECKING:
@@ -116,21 +116,11 @@ def with_clip_constants(script: Script, norm: str) -> Script:
 
 
 @dataclass(frozen=True)
-class ClipReference(GradientClipping):
-    """The family's root: one process, deterministic algorithms, the same clipping on the whole batch's gradients."""
+class ClipReference(OneProcessRoot, GradientClipping):  # type: ignore[misc]
+    """The family's root: one process, the same clipping on the whole batch's gradients."""
 
     world_size: int = 1
     wrap: str = "single"
-    deterministic: ClassVar[bool] = True
-    sample_order_free: ClassVar[bool] = True  # one full-batch step per clipping: any sample order is as good
-
-    @property
-    def reference(self) -> str:  # type: ignore[override]
-        return self.name
-
-    @property
-    def collectives(self) -> frozenset[str]:
-        return frozenset()
 
 
 def wrapper_layout(model: Any, module: Any, wrap: str) -> dict[str, Any]:

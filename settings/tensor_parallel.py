@@ -41,7 +41,7 @@ from settings._tp_apply import (
     whole_outputs_and_gradients,
 )
 from settings._tp_plan import _describe, _feeding, _position_dims, linear_pairs, own_plan
-from settings._training import build_for_training, device_mesh, full_parameters, gathered_parameters
+from settings._training import Training, build_for_training, device_mesh, full_parameters, gathered_parameters
 
 if TYPE_CHECKING:
     from difftest import Script, StandaloneCase
@@ -137,13 +137,14 @@ class TensorParallel(Setting):
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         return self.trained(ctx, model, inputs)
 
-    def trained(self, ctx: RunContext, model: Any, inputs: Any,
-                before_step: Callable[[Any], None] | None = None) -> Outputs | None:
+    def trained(self, ctx: RunContext, model: Any, inputs: Any, before_step: Callable[[Any], None] | None = None,
+                training: Training | None = None) -> Outputs | None:
         """The model parallelized and trained as this setting does; `before_step(module)` runs between each step's
-        backward and its optimizer step (a composing setting's gradient clipping)."""
+        backward and its optimizer step (a composing setting's gradient clipping); `training`: a composing setting's
+        optimizer in place of plain SGD, its state recorded too."""
         module = build_for_training(model, ctx.device)
         self.parallelize(ctx, model, module, inputs, device_mesh(ctx, name="tp"))
-        return self.train(ctx, model, inputs, module, data_shard=(0, 1), before_step=before_step)
+        return self.train(ctx, model, inputs, module, data_shard=(0, 1), before_step=before_step, training=training)
 
     def parallelize(self, ctx: RunContext, model: Any, module: Any, inputs: Any, mesh: Any) -> None:
         """Apply this setting's plan over the 1-D tensor-parallel `mesh`, in place."""
@@ -154,31 +155,33 @@ class TensorParallel(Setting):
         ctx.notes["plan"] = ", ".join(f"{name}: {_describe(style)}" for name, style in plan.items())
 
     def train(self, ctx: RunContext, model: Any, inputs: Any, module: Any, data_shard: tuple[int, int],
-              outputs_whole: bool = False, before_step: Callable[[Any], None] | None = None) -> Outputs | None:
+              outputs_whole: bool = False, before_step: Callable[[Any], None] | None = None,
+              training: Training | None = None) -> Outputs | None:
         """Plain SGD on the share `data_shard` of the batch through a parallelized module (ranks of one
         tensor-parallel group share a data share); `outputs_whole`: the module already hands back whole outputs and
-        gradients (`whole_outputs_and_gradients`, registered by a `distribute`); `before_step` as `trained` says."""
+        gradients (`whole_outputs_and_gradients`, registered by a `distribute`); `before_step` and `training` as
+        `trained` says."""
         import contextlib
 
-        import torch
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import loss_parallel
 
         # a sharded tensor may reach the model's output: hand back the whole tensor, except to a loss-parallel loss
-        training = [False]
+        in_step = [False]
         if not outputs_whole:
-            whole_outputs_and_gradients(module, keep_sharded=lambda: training[0] and self.loss_parallel)
-        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=ctx.lr)
+            whole_outputs_and_gradients(module, keep_sharded=lambda: in_step[0] and self.loss_parallel)
+        training = training or Training()
+        optimizer = training.optimizer(module, ctx.lr)
 
         def train_step(batch: Any) -> float:
             optimizer.zero_grad()
-            training[0] = True
+            in_step[0] = True
             try:
                 with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
                     loss = model.loss(model.forward(module, batch, ctx.device), batch)
                     loss.backward()
             finally:
-                training[0] = False
+                in_step[0] = False
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
             if before_step is not None:
@@ -188,7 +191,8 @@ class TensorParallel(Setting):
 
         with views_refused_by_design("under this plan"), stepping(module):
             return record_training(ctx, inputs, lambda b: model.evaluate(module, b, ctx.device), train_step,
-                                   lambda: gathered_parameters(ctx, model, module), data_shard=data_shard)
+                                   lambda: gathered_parameters(ctx, model, module), data_shard=data_shard,
+                                   optimizer_state=training.state_reader(ctx, model, module, optimizer))
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, TensorParallel, "style", "trained")

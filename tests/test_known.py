@@ -169,6 +169,7 @@ def test_a_run_records_its_stack_and_keeps_an_earlier_one(tmp_path: Path) -> Non
     ("pipelining-split-backward-reused-weights", "pipelining_split_backward_reused_weights.py"),
     ("dtensor-conv-halo-backward-drops-input-grad", "dtensor_conv_halo_backward_drops_input_grad.py"),
     ("dtensor-channels-last-adaptive-avg-pool", "dtensor_channels_last_adaptive_avg_pool.py"),
+    ("fused-optimizer-cpu-grad-strides", "fused_optimizer_cpu_grad_strides.py"),
 ])
 def test_a_one_process_reproducer_shows_its_bug_exactly_where_the_manifest_says(entry: str, repro: str) -> None:
     """The traced library line behind a finding, run alone: it exits 1 on every release the entry affects and 0

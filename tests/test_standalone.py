@@ -416,9 +416,9 @@ def test_a_rerun_script_runs_its_base_twice_and_says_when_the_runs_differ(fresh_
     assert "twice with torch.use_deterministic_algorithms(True)" in text and text.count("\n") <= MAX_LINES
     assert emitted.checked.exit_code == 0 and "two runs of the setting agree exactly" in emitted.checked.output, \
         emitted.checked.output[-3000:]
-    step = 'lr=case["lr"])'
+    step = 'lr=optimizer["lr"],'
     assert text.count(step) == 1
-    emitted.path.write_text(text.replace(step, 'lr=case["lr"] * (1 + int.from_bytes(os.urandom(2), "little") / 2**16))'))
+    emitted.path.write_text(text.replace(step, 'lr=optimizer["lr"] * (1 + int.from_bytes(os.urandom(2), "little") / 2**16),'))
     drawn = check_script(emitted.path, timeout_s=120)
     assert drawn.exit_code == 1 and "BUG PRESENT: two runs of the setting differ" in drawn.output, drawn.output[-3000:]
     assert "elements differ; at" in drawn.output

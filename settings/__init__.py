@@ -6,6 +6,7 @@ Adding a family = one file here + one line below. The engine never names a concr
 from settings import reference  # noqa: F401
 from settings import torchrec_sharding  # noqa: F401
 from settings import torchrec_optimizers  # noqa: F401
+from settings import torchrec_reshard  # noqa: F401
 from settings import torchrec_clipping  # noqa: F401
 from settings import torchrec_qcomms  # noqa: F401
 from settings import torchrec_vbe  # noqa: F401

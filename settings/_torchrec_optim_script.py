@@ -44,7 +44,6 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     optimizer; one step, each rank on its share of the batch (the loss still the mean over the whole batch); every
     table after it, whole, on rank 0 (its shards summed into zeros: they do not overlap)."""
     import torch
-    import torch.distributed as dist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -55,6 +54,15 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     share = case["batch"] // world_size
     pooled = dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32))
     pooled_loss(pooled, case["batch"]).backward()  # the tables step inside it
+    found = whole_tables(dmp)
+    return found if rank == 0 else None
+
+
+def whole_tables(dmp: Any) -> dict[str, np.ndarray]:
+    """Every table of `dmp`, whole, on every rank (collective): its shards summed into zeros (they do not overlap)."""
+    import torch
+    import torch.distributed as dist
+
     found = {}
     for name, value in dmp.state_dict().items():
         whole = torch.zeros(tuple(value.shape), dtype=torch.float64)
@@ -62,4 +70,4 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
             whole[tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))] = local.detach().double()
         dist.all_reduce(whole)
         found[name] = whole.numpy()
-    return found if rank == 0 else None
+    return found

@@ -159,7 +159,7 @@ class FusedOptimizerSharding(TorchRecSharding):
                   "batch": case.inputs["eval"].size, "lr": case.lr, "optimizer": (spec.module, spec.cls),
                   "options": dict(spec.options), "tables": table_list},
             functions=(*plan_functions(self.sharding, tables, 0, self.world_size), sharded_tables, standalone_tables, standalone_features, bag_runs_kjt, pooled_loss, script.table_optimizer,
-                       script.single_process, script.on_rank),
+                       script.whole_tables, script.single_process, script.on_rank),
             # named apart from the run's tensors: the envelope measured the model's loss, not the script's
             tensors={f"{t.state_key}": f"script/{t.state_key}" for t in tables}, data=data,
             world_size=self.world_size)

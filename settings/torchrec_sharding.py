@@ -139,8 +139,10 @@ class TorchRecSharding(Setting):
         optimizer = self.dense_optimizer(ctx, dense) if dense else None
         train_step, evaluate = self.trainer(ctx, model, dmp, optimizer)
         state = self.optimizer_state(ctx, dmp, optimizer)
-        return record_training(ctx, inputs, evaluate, train_step, lambda: self.full_state(ctx, dmp),
-                               optimizer_state=state)
+        outputs = record_training(ctx, inputs, evaluate, train_step, lambda: self.full_state(ctx, dmp),
+                                  optimizer_state=state)
+        self.after_training(ctx, dmp, optimizer)
+        return outputs
 
     def sharded_module(self, model: Any, module: Any, inputs: Any) -> Any:
         """What DMP wraps: the model itself (a family that trains through another interface wraps it)."""
@@ -198,6 +200,10 @@ class TorchRecSharding(Setting):
 
     def dense_step(self, ctx: RunContext, optimizer: Any) -> None:
         optimizer.step()
+
+    def after_training(self, ctx: RunContext, dmp: Any, optimizer: Any) -> None:
+        """What a family does with the trained model after the steps were recorded (collective): nothing here; a
+        checkpoint's first phase saves it."""
 
     def _plan(self, ctx: RunContext, module: Any, sharder: Any) -> Any:
         try:

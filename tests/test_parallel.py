@@ -651,6 +651,59 @@ def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does
         assert emitted.checked.exit_code == code, emitted.checked.output[-3000:]
 
 
+def test_a_torchrec_checkpoint_resumes_resharded_as_one_process_and_dcp_fails_on_a_rank_without_tables(
+        tmp_path: Path) -> None:
+    """Trained a step table-column-wise over 4 ranks, checkpointed with DCP and resumed column-wise over 2: both
+    steps' weights, accumulators and losses agree with one process trained without the interruption; a resume that
+    leaves the fused optimizer's state behind (planted) is caught at the accumulators after the resume; a reshard that
+    leaves a rank without tables fails in DCP's load, the manifest's entry."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.storage.store import Store
+    from settings.torchrec_reshard import resumed_outputs
+    from tests.conftest import PLANTED
+
+    merged = resumed_outputs({"eval_before/p": 0, "train_step1/loss": 1, "eval_after_step1/p": 2},
+                             {"eval_before/p": 2, "train_step1/loss": 3, "param_after_step1/w": 4,
+                              "eval_after_step1/p": 5}, at_step=1)
+    assert merged == {"eval_before/p": 0, "train_step1/loss": 1, "train_step2/loss": 3, "param_after_step2/w": 4,
+                      "eval_after_step2/p": 5}
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("torchrec-dlrm",), plugins=(PLANTED,)))  # 3 tables
+    resumed, empty_rank = ("torchrec-reshard/adagrad/table_column_wise-ws4/column_wise-ws2",
+                           "torchrec-reshard/adagrad/row_wise-ws2/table_wise-ws4")
+    planted = "faults/reshard-drops-optimizer-state/adagrad"
+    run_sweep(run_dir, SweepOptions(settings=f"{resumed},{empty_rank},{planted}"))
+    analysis = analyze(run_dir)
+    verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
+    assert verdicts[resumed] == "ok" and verdicts[planted] == "inconsistent", verdicts
+    compared = analysis.comparisons[analysis.comparisons["setting"] == resumed]
+    assert {"eval_before", "train_step2", "param_after_step2", "state_after_step2", "eval_after_step2"} <= \
+        set(compared["phase"])
+    assert compared["calibrated_ratio"].notna().all()
+    wrong = analysis.comparisons[(analysis.comparisons["setting"] == planted)
+                                 & (analysis.comparisons["status"] == "inconsistent")]
+    assert "state_after_step1" not in set(wrong["phase"]) and "state_after_step2" in set(wrong["phase"])
+    assert verdicts[empty_rank] == "error"
+    found = {f.known.id for f in triage(run_dir, analysis) if f.known is not None}
+    assert "dcp-empty-shard-old-checkpoint-heuristic" in found
+    # the failing reshard's script (the tables alone, each phase in new processes, no difftest importable) fails as
+    # the sweep's did; a disagreement gets none
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.scripts.write import emit
+
+    message = next(r.message for r in Store(run_dir).records() if r.setting == empty_rank)
+    emitted = emit(run_dir, "R0", "a resharding finding", "error", run_dir / "models" / "torchrec-dlrm-s0-i0",
+                   empty_rank, "", {}, Tolerance(), check_timeout_s=120, message=message)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert "import difftest" not in emitted.path.read_text() and "dcp.load" in emitted.path.read_text()
+    assert emitted.checked.exit_code == 1 and "Missing key in checkpoint" in emitted.checked.output
+    refused = emit(run_dir, "R1", "a resharding finding", "inconsistent", run_dir / "models" / "torchrec-dlrm-s0-i0",
+                   resumed, "", {}, Tolerance())
+    assert refused.path is None and "repro.py" in refused.why_not
+
+
 def test_every_pipeline_schedule_the_installed_torch_exports_is_run() -> None:
     """A schedule a new torch release adds is a setting here (DualPipeV from 2.8), or this fails and says which."""
     from settings.pipeline import SCHEDULES, uncovered_schedules

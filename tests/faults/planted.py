@@ -20,6 +20,7 @@ from settings.quant_tensorflow import TensorFlowQuantization
 from settings.quant_torchrec import QuantizedEmbeddings
 from settings.tensorflow import TensorFlowStrategy
 from settings.titan import TorchtitanPipelineRecipe, TorchtitanRecipe
+from settings.torchrec_reshard import ReshardedResume
 from settings.torchrec_sharding import TorchRecSharding
 
 
@@ -106,9 +107,32 @@ class RefusesEverything(Setting):
         raise AssertionError("the engine ran a setting that refused the model")
 
 
+@dataclass(frozen=True)
+class ReshardDropsOptimizerState(ReshardedResume):
+    """A checkpoint's second phase that loads the model but not the fused optimizer's state: the row accumulators
+    start again from zero after the resume."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/reshard-drops-optimizer-state/{self.optimizer}"
+
+    def load_initial_state(self, ctx: RunContext, dmp: Any, state: dict) -> None:
+        TorchRecSharding.load_initial_state(self, ctx, dmp, state)
+        if self.phase == 2:
+            import torch.distributed.checkpoint as dcp
+
+            loaded = {"model": dmp.state_dict()}
+            dcp.load(loaded, checkpoint_id=self.checkpoint, process_group=ctx.group)
+            dmp.load_state_dict(loaded["model"])
+
+
 register_settings(
     [
         ShardOffByOneRow(sharding="row_wise", world_size=2),
+        ReshardDropsOptimizerState(sharding="table_wise", after_sharding="column_wise", after_world_size=2,
+                                   optimizer="adagrad"),
         RankSkipsOptimizerStep(sharding="table_wise", world_size=2),
         Misbehaves("raises"),
         Misbehaves("aborts"),

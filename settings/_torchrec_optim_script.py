@@ -41,7 +41,7 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
 
 def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
     """The setting: DistributedModelParallel over the collections, the tables trained inside backward by the fused
-    optimizer; one step, each rank on its share of the batch (the loss still the mean over the whole batch); every
+    optimizer; one step, each rank on its share of the batch (its loss the mean over that share); every
     table after it, whole, on rank 0 (its shards summed into zeros: they do not overlap)."""
     import torch
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -53,7 +53,9 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     dmp = sharded_tables(module, EmbeddingBagCollectionSharder(), data, case, world_size)
     share = case["batch"] // world_size
     pooled = dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32))
-    pooled_loss(pooled, case["batch"]).backward()  # the tables step inside it
+    # the mean over this rank's share, as DDP's ranks have it: TorchRec divides the pooled embeddings' gradients by the
+    # world size in its all-to-all backward (torchrec.distributed.comm_ops.GRADIENT_DIVISION)
+    pooled_loss(pooled, share).backward()  # the tables step inside it
     found = whole_tables(dmp)
     return found if rank == 0 else None
 

@@ -64,7 +64,9 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     share = case["batch"] // world_size
     for _ in range(phase["steps"]):
         pooled = dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32))
-        pooled_loss(pooled, case["batch"]).backward()  # the tables step inside it
+        # the mean over this rank's share, as DDP's ranks have it: TorchRec divides the pooled embeddings' gradients by
+        # the world size in its all-to-all backward (torchrec.distributed.comm_ops.GRADIENT_DIVISION)
+        pooled_loss(pooled, share).backward()  # the tables step inside it
     if phase["save"]:
         dcp.save({"model": dmp.state_dict(), "optimizer": dmp.fused_optimizer.state_dict()},
                  checkpoint_id=phase["checkpoint"])

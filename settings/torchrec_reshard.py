@@ -146,9 +146,6 @@ class ReshardedResume(FusedOptimizerSharding):
 
         refuse_changed_hooks(self, ReshardedResume, "table_optimizer", "dense_optimizer", "optimizer_state",
                              "load_initial_state", "after_training", "sharded_module", "trainer", "full_state")
-        if not case.failure:  # its tables-only program, resumed from 4 ranks on 2, moves the tables another way
-            # than one process does where the sweep's model agrees: not yet a script to judge a disagreement by
-            raise Unsupported("the resharding script shows a failure; a disagreement reproduces through repro.py")
         tables = case.generator.embedding_tables(case.spec)
         if tables is None:
             raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")

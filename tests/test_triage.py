@@ -46,6 +46,17 @@ def test_signature_parts_drop_what_varies_between_cases() -> None:
     assert normalise_message(unconnected) == normalise_message(
         "Pair is not connected ([127.0.0.1]:59267$1 <--> [127.0.0.1]:26034)") == "Pair is not connected (PEER <--> PEER)"
     assert normalise_message("expected x[3] at [::1]:29500") == "expected xSHAPE at PEER"
+    # a wrapper whose head names the raised exception only past the kept characters (a rank's log tail, DCP's
+    # CheckpointException): two raises under one wrapper and frame stay two, each with its own words
+    wrapper = ("ProcessesFailed: phase train rank 3 exited 1: CheckpointException: CheckpointException ranks:dict_keys"
+               "([3]) | " + " | ".join(["return create_default_local_load_plan(", "^" * 31] * 4) + " | ")
+    missing = normalise_message(wrapper + "RuntimeError: Missing key in checkpoint state_dict: optimizer.")
+    mismatch = normalise_message(wrapper + "ValueError: Size mismatch between saved torch.Size([926]) and current: "
+                                           "torch.Size([463]) for optimizer.state.t1.momentum1")
+    assert missing != mismatch and len(missing) <= 240 and len(mismatch) <= 240
+    assert missing.startswith("ProcessesFailed: phase train rank N") and \
+        missing.endswith("… RuntimeError: Missing key in checkpoint state_dict: optimizer.")
+    assert "ValueError: Size mismatch between saved SHAPE and current: SHAPE" in mismatch
     # a model's folder is generic whatever its suffix or variant: a frozen model's, a minimiser's trial model's
     # (the Erfc finding's trials read "<run>/models/keras-transformer-s0-i0-m252/…" and none reproduced it)
     loads = [normalise_message(f"Load model from /r/models/{m}/model.onnx failed") for m in

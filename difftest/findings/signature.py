@@ -36,7 +36,19 @@ def normalise_message(message: str) -> str:
     text = _PATH.sub(_readable_path, text)
     text = re.sub(r"torch\.Size\(\[[^\]]*\]\)|\[[\d,\s]+\]|\(\d+(, \d+)+\)", "SHAPE", text)
     text = re.sub(r"\b\d+(\.\d+)?(e[-+]?\d+)?\b", "N", text)
-    return re.sub(r"\s+", " ", text).strip()[:240]
+    text = re.sub(r"\s+", " ", text).strip()
+    # a wrapper's head (a rank's log tail after `ProcessesFailed`, DCP's `CheckpointException ranks:…`) names the
+    # exception that was raised only at its end: where the cut would drop it, it is kept, so two failures that share
+    # a wrapper and a frame stay two (DCP's missing key and its size mismatch)
+    raised = [m for m in _RAISED.finditer(text) if m.start() >= MESSAGE_KEPT]
+    if raised:
+        last = raised[-1].group(0)[:MESSAGE_KEPT // 3]
+        return f"{text[:MESSAGE_KEPT - len(last) - 3]} … {last}"
+    return text[:MESSAGE_KEPT]
+
+
+MESSAGE_KEPT = 240  # characters of a failure's normalised head in its signature
+_RAISED = re.compile(r"(?<![\w.])(?:[\w.]*\.)?[A-Z]\w*(?:Error|Exception): [^|]*")
 
 
 # a path token, absolute or relative (`results/default/models/…/model.onnx`), whole: a relative path's first folder

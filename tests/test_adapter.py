@@ -84,6 +84,58 @@ def test_a_mistake_of_the_users_model_is_a_finding_marked_as_possibly_the_models
     assert "not a library's bug" in said and fix in said
 
 
+# a model whose forward returns a dataclass, as many users' models do; its adapter takes the prediction from it
+OUTPUT_OBJECT = """
+import dataclasses
+
+import torch
+
+from difftest import ModelAdapter
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(self.body(x))
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def make_batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 8, generator=generator), torch.randn(size, 1, generator=generator)
+
+
+adapter = ModelAdapter("my-output", make_model, make_batch, torch.nn.functional.mse_loss,
+                       prediction=lambda output: output.logits)
+"""
+
+
+def test_a_model_that_returns_an_object_trains_under_ddp_and_static_graph_is_the_known_ddp_bug(tmp_path: Path) -> None:
+    """The adapter's `prediction` reads the tensor from the output outside DDP, as a training loop does: DDP agrees
+    with one process, and DDP with static_graph=True, which finds no tensor in a dataclass to hook its first
+    all-reduce on, trains each rank on its own gradients: the manifest's known torch bug, not the user's model."""
+    done, out = _run(tmp_path, "my_output_model", OUTPUT_OBJECT, "ddp/default/ws2,ddp/static-graph/ws2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = pd.read_csv(out / "summary.csv", index_col=0)
+    assert cases.loc["ddp/default/ws2", "ok"] == cases.loc["ddp/default/ws2", "cases"] == 2, cases.to_string()
+    assert cases.loc["ddp/static-graph/ws2", "inconsistent"] == 2, cases.to_string()
+    findings = pd.read_csv(out / "findings.csv")
+    assert list(findings["known_issue"]) == ["ddp-static-graph-output-object"], findings.to_string()
+    assert list(findings["upstream"]) == ["known"] and "pytorch/pytorch#124666" in findings.iloc[0]["references"]
+
+
 def test_a_loss_that_sums_is_told_from_one_that_averages() -> None:
     import torch
 
@@ -106,6 +158,8 @@ def test_a_loss_that_sums_is_told_from_one_that_averages() -> None:
     ("from difftest import ModelAdapter\nadapter = ModelAdapter('My Model', None, None, None)\n", "lower-case"),
     ("from difftest import ModelAdapter\nadapter = ModelAdapter('broken', lambda seed: 3, lambda seed, size: (1, 2), "
      "None)\n", "not a torch.nn.Module"),
+    (OUTPUT_OBJECT.replace(",\n                       prediction=lambda output: output.logits", ""),
+     "the module's forward returned a Output, not a tensor; give ModelAdapter(..., prediction="),
 ])
 def test_a_broken_adapter_is_one_line(tmp_path: Path, source: str, said: str) -> None:
     done, _ = _run(tmp_path, "broken_model", source)

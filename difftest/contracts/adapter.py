@@ -50,7 +50,8 @@ class ModelAdapter:
     seed), `batch(seed, size)` an (input, target) pair of tensors of `size` samples, `loss(prediction, target)` the mean
     loss; `blocks` names the repeated blocks (FSDP2's units, activation checkpointing), `frozen` the parameters that
     do not train, `layers` the submodules whose composition is the forward (pipelines), `tp_plan(module, world_size)`
-    the model's own tensor-parallel plan."""
+    the model's own tensor-parallel plan; `prediction(output)` the prediction tensor of a module whose forward
+    returns an object (a dataclass, a model output), taken outside the setting's wrapper as a training loop does."""
 
     name: str
     model: Callable[[int], Any]
@@ -60,6 +61,7 @@ class ModelAdapter:
     frozen: tuple[str, ...] = ()
     layers: tuple[str, ...] = ()
     tp_plan: Callable[[Any, int], dict[str, Any]] | None = None
+    prediction: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -140,6 +142,8 @@ def batch_dependent_layers(module: Any) -> list[str]:
     return sorted(found)
 
 
+# the trait of a user's model whose forward returns an object its adapter's `prediction` reads the tensor from
+OUTPUT_OBJECT = "output-object"
 # the feature a model has when its adapter's loss adds its samples' losses
 SUMMED_LOSS = "SummedLoss"
 # every feature of a user's model that difftest/findings/model_semantics.toml's entries may name
@@ -172,6 +176,8 @@ class AdapterGenerator(Generator):
         self.kind = adapter.name
         if adapter.blocks:  # activation checkpointing wraps them
             self.traits = self.traits | {"blocks"}
+        if adapter.prediction is not None:  # what the known issues of wrappers that read a forward's output name
+            self.traits = self.traits | {OUTPUT_OBJECT}
 
     def spec(self, seed: int, index: int) -> ModelSpec:
         spec = ModelSpec(kind=self.kind, seed=seed, index=index, params={}, frozen=tuple(self.adapter.frozen))
@@ -191,7 +197,12 @@ class AdapterGenerator(Generator):
         try:
             module.eval()
             with torch.no_grad():
-                prediction = _call(module, batch, "cpu", _input_dtype(module))
+                output = _call(module, batch, "cpu", _input_dtype(module))
+        except Exception:  # a probe: the sweep runs the model and records its own failure
+            return False
+        prediction = self._prediction(output)  # an output that is no tensor is one line, before any sweep
+        try:
+            with torch.no_grad():
                 target = torch.as_tensor(batch.labels)
                 target = target.to(prediction.dtype) if target.is_floating_point() else target
                 return loss_sums_over_the_batch(self.adapter.loss, prediction, target)
@@ -248,7 +259,24 @@ class AdapterGenerator(Generator):
         return module
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
-        return _call(module, batch, device, _input_dtype(module))
+        return self._prediction(_call(module, batch, device, _input_dtype(module)))
+
+    def _prediction(self, output: Any) -> Any:
+        """The prediction tensor of the module's output: the output itself, or what the adapter's `prediction` takes
+        from it."""
+        import torch
+
+        try:
+            prediction = output if self.adapter.prediction is None else self.adapter.prediction(output)
+        except Exception as exc:  # the user's function: one line naming the adapter
+            raise UserError(f"adapter {self.kind!r}: prediction(output) raised {type(exc).__name__}: {exc} on a "
+                            f"{type(output).__name__}") from None
+        if not isinstance(prediction, torch.Tensor):
+            hint = ("its prediction(output) returned" if self.adapter.prediction is not None
+                    else "the module's forward returned")
+            raise UserError(f"adapter {self.kind!r}: {hint} a {type(prediction).__name__}, not a tensor; give "
+                            "ModelAdapter(..., prediction=lambda output: output.<the prediction tensor>)")
+        return prediction
 
     def evaluate(self, module: Any, batch: Batch, device: str) -> dict[str, Any]:
         # as its user evaluates it: in eval mode (BatchNorm by its running statistics, no Dropout, neither changing

@@ -176,7 +176,7 @@ class AdapterGenerator(Generator):
         self.kind = adapter.name
         if adapter.blocks:  # activation checkpointing wraps them
             self.traits = self.traits | {"blocks"}
-        if adapter.prediction is not None:  # what the known issues of wrappers that read a forward's output name
+        if adapter.prediction is not None:  # the manifest names it: wrappers that mishandle a forward's object
             self.traits = self.traits | {OUTPUT_OBJECT}
 
     def spec(self, seed: int, index: int) -> ModelSpec:
@@ -197,15 +197,12 @@ class AdapterGenerator(Generator):
         try:
             module.eval()
             with torch.no_grad():
-                output = _call(module, batch, "cpu", _input_dtype(module))
-        except Exception:  # a probe: the sweep runs the model and records its own failure
-            return False
-        prediction = self._prediction(output)  # an output that is no tensor is one line, before any sweep
-        try:
-            with torch.no_grad():
+                prediction = self._prediction(_call(module, batch, "cpu", _input_dtype(module)))
                 target = torch.as_tensor(batch.labels)
                 target = target.to(prediction.dtype) if target.is_floating_point() else target
                 return loss_sums_over_the_batch(self.adapter.loss, prediction, target)
+        except UserError:  # an output that is no tensor: one line, before any sweep
+            raise
         except Exception:  # a probe: the sweep runs the model and records its own failure
             return False
 

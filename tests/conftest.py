@@ -31,9 +31,11 @@ REFERENCE_CALIBRATIONS = _reference_calibrations()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`needs_tf` tests skip, saying why, where the [tf] extra is not installed (DIFFTEST_EXTRAS=test)."""
+    """`heavy` tests first, so that pytest-xdist's workers end on short tests, not one waiting out another's minute;
+    `needs_tf` tests skip, saying why, where the [tf] extra is not installed (DIFFTEST_EXTRAS=test)."""
     from generators import _tf
 
+    items.sort(key=lambda item: "heavy" not in item.keywords)  # stable: every worker collects the same order
     missing = _tf.missing()
     if missing is None:
         return

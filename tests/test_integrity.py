@@ -165,6 +165,7 @@ def test_bad_input_lines(swept: Path) -> None:
     assert code == 0 and "(needs the [tf]" in words and "(the [ray]" in words, words  # not eaten as markup
 
 
+@pytest.mark.heavy
 def test_ctrl_c_is_one_line_that_says_how_to_resume_and_the_rerun_loses_nothing(tmp_path: Path) -> None:
     """Ctrl-C at a terminal signals the whole foreground process group: the sweep and its ranks."""
     import os

@@ -175,6 +175,7 @@ def test_transformers_run_under_tensor_sequence_loss_parallel_fsdp_and_pipelines
                                                         traits_of("transformer")) == issue
 
 
+@pytest.mark.heavy
 def test_a_transformers_script_runs_its_own_tensor_parallel_plan_as_the_setting_does(transformer_run: Path) -> None:
     """The transformer's standalone form carries torchtitan's plan (`model_tp_plan`) and its layer chain: the scripts of
     tensor parallel (loss parallel too), FSDP2 over it and a pipeline reach the setting's verdict on the same case, where difftest does not

@@ -456,6 +456,7 @@ def test_a_model_run_in_dtensor_end_to_end_trains_as_one_process_and_an_empty_sh
     assert emitted.checked is not None and emitted.checked.reproduces, emitted.checked
 
 
+@pytest.mark.heavy
 def test_compiled_training_matches_eager_and_the_shape_tensor_crash_is_a_known_dynamo_bug(tmp_path: Path) -> None:
     """torch.compile'd training of a native transformer, alone, under DDP (compiled whole) and FSDP2 (units compiled),
     and of a DLRM-like model after tensor parallelism, matches eager training, judged by the envelope, with the graphs
@@ -497,6 +498,7 @@ def test_compiled_training_matches_eager_and_the_shape_tensor_crash_is_a_known_d
     assert found.known is not None and found.known.id == "dynamo-size-from-shape-tensor"
 
 
+@pytest.mark.heavy
 def test_compiled_autograd_trains_as_eager_alone_and_under_ddps_python_reducer(tmp_path: Path) -> None:
     """Compiled Autograd (each step's whole backward traced and compiled by Inductor), in one process and under DDP
     with its Python reducer, trains a native transformer as eager training does, judged by the envelope; its cases

@@ -157,6 +157,7 @@ TRAINING = ("tp/colwise-rowwise/ws2", FSDP2_TP, "ddp/no-sync/ws2", "fsdp2/whole-
             "fsdp2/per-layer/reshard/fp32/offload/ws2", "accum/fsdp2-unsharded/micro3/ws2")
 
 
+@pytest.mark.heavy
 def test_a_training_settings_script_trains_as_the_setting_does(fresh_run: Path) -> None:
     """FSDP2 (resharded to 2 ranks, offloaded), DDP with no_sync() on a first micro-batch, tensor parallel and FSDP2
     over tensor parallel train this DLRM-like model as one process does on this stack (on torch 2.7 and 2.8 FSDP2 did
@@ -210,6 +211,7 @@ PIPELINE = ("pipeline/gpipe/ws2/stages2/mb2/random", "pipeline/looped-bfs/ws2/st
             "pipeline/zbv-zero-bubble/ws2/stages4/mb2/balanced")
 
 
+@pytest.mark.heavy
 def test_a_pipeline_script_trains_or_fails_as_the_setting_does(fresh_run: Path) -> None:
     run_sweep(fresh_run, SweepOptions(pairs=tuple((MODEL, s) for s in PIPELINE), timeout_s=120))
     analysis = analyze(fresh_run)

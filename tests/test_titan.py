@@ -56,6 +56,7 @@ def _trained_as_one_process(cases: pd.DataFrame, compared: pd.DataFrame, recipe:
     assert {"layers.1.attention.wo.weight", "tok_embeddings.weight"} <= trained, trained
 
 
+@pytest.mark.heavy
 @needs_titan
 def test_torchtitans_recipes_train_its_llama_as_one_process_does_and_a_skipped_step_is_reported(
         tmp_path: Path) -> None:

@@ -457,79 +457,53 @@ def test_a_model_run_in_dtensor_end_to_end_trains_as_one_process_and_an_empty_sh
 
 
 @pytest.mark.heavy
-def test_compiled_training_matches_eager_and_the_shape_tensor_crash_is_a_known_dynamo_bug(tmp_path: Path) -> None:
+def test_compiled_training_and_compiled_autograd_match_eager_and_the_shape_tensor_crash_is_a_known_dynamo_bug(
+        tmp_path: Path) -> None:
     """torch.compile'd training of a native transformer, alone, under DDP (compiled whole) and FSDP2 (units compiled),
     and of a DLRM-like model after tensor parallelism, matches eager training, judged by the envelope, with the graphs
-    it compiled noted; a Keras model converted through onnx2pytorch fails in Dynamo on its shape tensor, triaged to
-    the manifest's entry."""
+    it compiled noted; so does Compiled Autograd (each step's whole backward traced and compiled by Inductor), alone
+    and under DDP with its Python reducer, its cases run in new processes, where a backward not captured would be an
+    error, not an `ok`. A Keras model converted through onnx2pytorch fails in Dynamo on its shape tensor, triaged to
+    the manifest's entry. One run: the transformer's reference and calibrations are paid once."""
     from difftest.contracts.spec import RunConfig
+    from difftest.contracts.tolerance import Tolerance
     from difftest.findings.triage import triage
     from difftest.generation.generate import generate
+    from difftest.judging.analysis import envelope_spread  # judged by the calibrated envelope, not allclose alone
+    from difftest.scripts.write import emit
     from difftest.storage.store import Store
 
     run_dir = tmp_path / "run"
     # seed 5: a one-layer transformer (seed 0's has three), whose graphs Inductor compiles in a third of the time
     generate(run_dir, RunConfig(seed=5, models=1, kinds=("transformer", "keras-transformer", "dlrm")))
-    run_sweep(run_dir, SweepOptions(pairs=(("transformer-s5-i0", "compile/single/ws1"),
-                                           ("transformer-s5-i0", "compile/ddp/ws2"),
-                                           ("transformer-s5-i0", "compile/fsdp2/ws2"),
-                                           ("dlrm-s5-i0", "compile/single/ws1"),
-                                           ("dlrm-s5-i0", "compile/tp/ws2"),
-                                           ("keras-transformer-s5-i0", "compile/single/ws1")), timeout_s=300))
+    compiled = (("transformer-s5-i0", "compile/single/ws1"), ("transformer-s5-i0", "compile/ddp/ws2"),
+                ("transformer-s5-i0", "compile/fsdp2/ws2"), ("dlrm-s5-i0", "compile/single/ws1"),
+                ("dlrm-s5-i0", "compile/tp/ws2"))
+    autograd = (("transformer-s5-i0", "compile/single/compiled-autograd/ws1"),
+                ("transformer-s5-i0", "compile/ddp/compiled-autograd/ws2"))
+    crashing = ("keras-transformer-s5-i0", "compile/single/ws1")
+    run_sweep(run_dir, SweepOptions(pairs=(*compiled, *autograd, crashing), timeout_s=300))
     analysis = analyze(run_dir)
     cases = analysis.cases.set_index(["model", "setting"])
-    for setting in ("compile/single/ws1", "compile/ddp/ws2", "compile/fsdp2/ws2"):
-        assert cases.loc[("transformer-s5-i0", setting), "verdict"] == "ok", setting
-    assert cases.loc[("dlrm-s5-i0", "compile/tp/ws2"), "verdict"] == "ok"
-    from difftest.judging.analysis import envelope_spread  # judged by the calibrated envelope, not allclose alone
-
-    assert any(n.startswith("param_after_step1/") for n in envelope_spread(run_dir, "transformer-s5-i0",
-                                                                             "compile/ddp/ws2"))
-    assert cases.loc[("keras-transformer-s5-i0", "compile/single/ws1"), "verdict"] == "error"
+    for pair in (*compiled, *autograd):
+        assert cases.loc[pair, "verdict"] == "ok", pair
+    assert cases.loc[crashing, "verdict"] == "error"
+    for pair in (compiled[1], autograd[1]):
+        assert any(n.startswith("param_after_step1/") for n in envelope_spread(run_dir, *pair)), pair
     store = Store(run_dir)
-    try:
-        notes = {r.setting: r.message for r in store.records()
-                 if (r.model, r.setting) != ("keras-transformer-s5-i0", "compile/single/ws1")}
+    try:  # what the ranks (and the compiled-autograd cases' new processes) noted comes back to the case
+        notes = {(r.model, r.setting): r.message for r in store.records()}
     finally:
         store.close()
-    assert all("graphs compiled: " in notes[s] and "graphs compiled: 0" not in notes[s]
-               for s in notes if s.startswith("compile/")), notes
+    assert all("graphs compiled: " in notes[p] and "graphs compiled: 0" not in notes[p] for p in compiled), notes
+    assert all(re.search(r"compiled autograd: [1-9]\d* backward graph\(s\) captured", notes[p]) for p in autograd), notes
     found = next(f for f in triage(run_dir, analysis) if f.status == "error")
     assert found.known is not None and found.known.id == "dynamo-size-from-shape-tensor"
-
-
-@pytest.mark.heavy
-def test_compiled_autograd_trains_as_eager_alone_and_under_ddps_python_reducer(tmp_path: Path) -> None:
-    """Compiled Autograd (each step's whole backward traced and compiled by Inductor), in one process and under DDP
-    with its Python reducer, trains a native transformer as eager training does, judged by the envelope; its cases
-    run in new processes, and one whose backward was not captured would be an error, not an `ok`."""
-    from difftest.contracts.spec import RunConfig
-    from difftest.generation.generate import generate
-    from difftest.judging.analysis import envelope_spread
-    from difftest.storage.store import Store
-
-    run_dir = tmp_path / "run"
-    generate(run_dir, RunConfig(seed=5, models=1, kinds=("transformer",)))  # one layer: a third of the compiling
-    pairs = (("transformer-s5-i0", "compile/single/compiled-autograd/ws1"),
-             ("transformer-s5-i0", "compile/ddp/compiled-autograd/ws2"))
-    run_sweep(run_dir, SweepOptions(pairs=pairs, timeout_s=300))
-    cases = analyze(run_dir).cases.set_index(["model", "setting"])
-    for pair in pairs:
-        assert cases.loc[pair, "verdict"] == "ok", pair
-    assert any(n.startswith("param_after_step1/") for n in envelope_spread(run_dir, *pairs[1]))
-    store = Store(run_dir)
-    try:  # what the new processes noted comes back to the case
-        notes = {r.setting: r.message for r in store.records() if r.setting.startswith("compile/")}
-    finally:
-        store.close()
-    assert all(re.search(r"compiled autograd: [1-9]\d* backward graph\(s\) captured", notes[s]) for _, s in pairs), notes
-    # its standalone script compiles, steps under Compiled Autograd with DDP's Python reducer, and agrees (exit 0)
-    from difftest.contracts.tolerance import Tolerance
-    from difftest.scripts.write import emit
-
-    emitted = emit(run_dir, "CA1", "a compiled-autograd finding", "inconsistent", run_dir / "models" / pairs[1][0],
-                   pairs[1][1], "param_after_step1/output.weight", envelope_spread(run_dir, *pairs[1]), Tolerance(),
-                   check_timeout_s=240)
+    # the compiled-autograd standalone script compiles, steps under Compiled Autograd with DDP's Python reducer, and
+    # agrees (exit 0)
+    emitted = emit(run_dir, "CA1", "a compiled-autograd finding", "inconsistent", run_dir / "models" / autograd[1][0],
+                   autograd[1][1], "param_after_step1/output.weight", envelope_spread(run_dir, *autograd[1]),
+                   Tolerance(), check_timeout_s=240)
     assert emitted.path is not None and emitted.checked is not None, emitted.why_not
     text = emitted.path.read_text()
     assert "maybe_enable_compiled_autograd" in text and '"python_reducer"' in text

@@ -12,6 +12,7 @@ from settings import torchrec_qcomms  # noqa: F401
 from settings import torchrec_vbe  # noqa: F401
 from settings import torchrec_pipelines  # noqa: F401
 from settings import torchrec_sequence  # noqa: F401
+from settings import torchrec_collision  # noqa: F401
 from settings import ddp  # noqa: F401
 from settings import tensorflow  # noqa: F401
 from settings import conversion  # noqa: F401

@@ -108,6 +108,47 @@ def pooled_loss(outputs: dict[str, Any], samples: int) -> Any:
     return total
 
 
+def pooled_steps(ctx: RunContext, holder: Any, variable: bool, zero_grad: Callable[[], Any], step: Callable[[], Any],
+                 on_strides: Callable[[Any, dict[str, int]], None] | None = None) -> tuple[Callable, Callable]:
+    """(train_step, evaluate) of a holder of bag collections (`holder.features`, or its module's under DMP): the
+    pooled embeddings by feature, their `pooled_loss`, backward, then `step`; `on_strides` gets each evaluated batch
+    and how many bags each feature sent."""
+    features = getattr(holder, "features", None) or holder.module.features
+
+    def evaluate(batch: Any) -> dict[str, Any]:
+        strides: dict[str, int] | None = {} if on_strides is not None else None
+        found = pooled_outputs(holder, features, batch, ctx.device, variable=variable, strides=strides)
+        if on_strides is not None and strides is not None:
+            on_strides(batch, strides)
+        return found
+
+    def train_step(batch: Any) -> float:
+        zero_grad()
+        loss = pooled_loss(evaluate(batch), batch.size)
+        loss.backward()  # a sharded holder's tables are updated inside backward (fused SGD)
+        step()
+        return float(loss.item())
+
+    return train_step, evaluate
+
+
+def sharded_pooled_steps(setting: Any, ctx: RunContext, dmp: Any, optimizer: Any, variable: bool,
+                         on_strides: Callable[[Any, dict[str, int]], None] | None = None) -> tuple[Callable, Callable]:
+    """`pooled_steps` of DMP around a holder, the dense optimizer (if any) stepped by the setting's `dense_step`."""
+    return pooled_steps(ctx, dmp, variable, optimizer.zero_grad if optimizer is not None else lambda: None,
+                        (lambda: setting.dense_step(ctx, optimizer)) if optimizer is not None else lambda: None,
+                        on_strides)
+
+
+def train_alone(ctx: RunContext, inputs: Inputs, holder: Any, full_state: Callable[[], dict | None]) -> Outputs | None:
+    """A holder of bag collections trained in one process by plain SGD, recorded as a family's root records."""
+    import torch
+
+    optimizer = torch.optim.SGD([p for p in holder.parameters() if p.requires_grad], lr=ctx.lr)
+    train_step, evaluate = pooled_steps(ctx, holder, False, optimizer.zero_grad, optimizer.step)
+    return record_training(ctx, inputs, evaluate, train_step, full_state)
+
+
 def _supports(spec: Any) -> str | None:
     if "torchrec" not in traits_of(spec.kind):
         return f"TorchRec's variable batch pools a model's EmbeddingBagCollections; model kind {spec.kind!r} has none"
@@ -148,25 +189,11 @@ class VariableBatchSharding(HeldTablesSharding):
         return _holder(module)
 
     def trainer(self, ctx: RunContext, model: Any, dmp: Any, optimizer: Any) -> tuple[Callable, Callable]:
-        features = dmp.module.features
-
-        def evaluate(batch: Any) -> dict[str, Any]:
-            strides: dict[str, int] = {}
-            found = pooled_outputs(dmp, features, batch, ctx.device, variable=True, strides=strides)
+        def sent(batch: Any, strides: dict[str, int]) -> None:
             ctx.notes["bags sent per feature"] = (f"{', '.join(f'{f} {n}' for f, n in strides.items())} "
                                                   f"(of {batch.size} samples)")
-            return found
 
-        def train_step(batch: Any) -> float:
-            if optimizer is not None:
-                optimizer.zero_grad()
-            loss = pooled_loss(evaluate(batch), batch.size)
-            loss.backward()  # the tables are updated inside backward (fused SGD)
-            if optimizer is not None:
-                self.dense_step(ctx, optimizer)
-            return float(loss.item())
-
-        return train_step, evaluate
+        return sharded_pooled_steps(self, ctx, dmp, optimizer, variable=True, on_strides=sent)
 
     def standalone(self, case: StandaloneCase) -> Script:
         """The sharding family's script of the collections (`sharding_script`) on the batch with its repeated bags,
@@ -221,24 +248,10 @@ class VariableBatchReference(Setting):
         return _supports(spec)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        import torch
 
         holder = _holder(build_for_training(model, ctx.device))
-        inputs = repeated_bags(inputs, _features(model))
-        optimizer = torch.optim.SGD([p for p in holder.parameters() if p.requires_grad], lr=ctx.lr)
-
-        def evaluate(batch: Any) -> dict[str, Any]:
-            return pooled_outputs(holder, holder.features, batch, ctx.device, variable=False)
-
-        def train_step(batch: Any) -> float:
-            optimizer.zero_grad()
-            loss = pooled_loss(evaluate(batch), batch.size)
-            loss.backward()
-            optimizer.step()
-            return float(loss.item())
-
-        return record_training(ctx, inputs, evaluate, train_step,
-                               lambda: {n: to_numpy(p) for n, p in holder.state_dict().items()})
+        return train_alone(ctx, repeated_bags(inputs, _features(model)), holder,
+                           lambda: {n: to_numpy(p) for n, p in holder.state_dict().items()})
 
 
 register_settings(

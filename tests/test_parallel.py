@@ -806,6 +806,34 @@ def test_torchrecs_quantized_comms_round_to_fp16_and_stay_inside_the_fp16_envelo
     assert np.isfinite([float(m[2]) for m in worst if m]).all()
 
 
+def test_managed_collision_tables_shard_like_one_process_until_an_unsharded_eviction_keeps_a_trained_row(
+        tmp_path: Path) -> None:
+    """The model's tables behind zero-collision hashes: sharded row-wise over 2 ranks with room for every id, each
+    sample pools as in one process, before and after the steps, but for the row-wise 1 - 2^-20 scaling; with 8 slots
+    and LRU eviction on one rank, the unsharded module's rows keep what evicted ids trained (its `evict` is a stub),
+    a second cause that triage keeps apart from the small scaling found before it in the same case."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
+    run_sweep(run_dir, SweepOptions(settings="torchrec-mc/row_wise/ws2,torchrec-mc/row_wise-scarce/ws1"))
+    analysis = analyze(run_dir)
+    rows = analysis.comparisons[analysis.comparisons["setting"] == "torchrec-mc/row_wise/ws2"]
+    pooled = rows[rows["tensor"].str.startswith("pooled.")]
+    assert {"eval_before", "eval_after_step1"} <= set(pooled["phase"]), pooled
+    assert pooled["calibrated_ratio"].notna().all() and pooled["max_rel"].astype(float).max() < 1e-3, pooled
+    scarce = analysis.comparisons[analysis.comparisons["setting"] == "torchrec-mc/row_wise-scarce/ws1"]
+    after = scarce[scarce["phase"].str.startswith("eval_after") & scarce["tensor"].str.startswith("pooled.")]
+    assert after["linf"].astype(float).max() > 1e-3, after
+    findings = {f.known.id if f.known else f.title: f for f in triage(run_dir, analysis)}
+    eviction = findings["torchrec-mc-unsharded-eviction-keeps-rows"]
+    assert eviction.first_divergence.startswith("eval_after_step"), eviction.first_divergence
+    assert set(eviction.rows["setting"]) == {"torchrec-mc/row_wise-scarce/ws1"}
+    assert set(findings) <= {"torchrec-mc-unsharded-eviction-keeps-rows", "torchrec-rowwise-scaled-by-one-minus-2-pow-20"}
+
+
 def test_torchrecs_variable_batch_sends_fewer_bags_and_pools_as_every_bag_written_out(tmp_path: Path) -> None:
     """VBE: each rank sends a feature's distinct bags once (fewer than its samples, more for some features than for
     others) and table-wise sharding pools and trains as the unsharded collections on every bag written out; a

@@ -192,6 +192,15 @@ class Divergence:
     first_divergence: str
     worst_linf: float
     worst_relative: float  # the largest |setting - reference| / |reference| over its tensors
+    d3_status: str = ""  # D3's allclose over its tensors alone: "inconsistent" where it flags one of them
+
+
+def _sized(signed_as: str, members: list[dict[str, Any]]) -> Divergence:
+    """A divergence starting at the first of `members`, sized and judged by D3 over them alone."""
+    flagged = [v for r in members if isinstance(v := r.get("d3_status"), str) and v not in ("", Status.OK)]
+    return Divergence(signed_as, f"{members[0]['phase']}/{members[0]['tensor']}",
+                      max(float(r["linf"]) for r in members), max(float(r["max_rel"]) for r in members),
+                      flagged[0] if flagged else Status.OK)
 
 
 def divergences(model: str, setting: str, kind: str, message: str, bad: list[dict[str, Any]],
@@ -200,8 +209,9 @@ def divergences(model: str, setting: str, kind: str, message: str, bad: list[dic
     disagreeing comparisons rows. Tensors that do not feed one another — the first divergence and the tensors of its
     class at the same step, phase and stage (the pooled embeddings of other tables, other heads) — are attributed each
     on its own (`attributed_setting`): where they fall to different settings (a mixed plan's tables of two sharding
-    types, each with its own bug), the case holds two divergences, each signed and sized on its own. A case with one
-    cause gives one, sized over its first divergence's siblings."""
+    types, each with its own bug), the case holds two divergences, each signed and sized on its own. So does a case
+    whose first divergence is small and a later tensor far larger than it grows to (`_later_cause`: a rounding-sized
+    known bug beside a large one). A case with one cause gives one, sized over its first divergence's siblings."""
     rows = sorted((r for r in bad if r.get("tensor")), key=lambda r: computation_order(kind, r["phase"], r["tensor"]))
     if not rows:
         return [Divergence(attributed_setting(model, setting, message, "", disagreeing), "", math.nan, math.nan)]
@@ -213,9 +223,40 @@ def divergences(model: str, setting: str, kind: str, message: str, bad: list[dic
     for r in siblings:
         signed = attributed_setting(model, setting, message, f"{r['phase']}/{r['tensor']}", disagreeing)
         groups.setdefault(signed, []).append(r)
-    return [Divergence(signed, f"{members[0]['phase']}/{members[0]['tensor']}",
-                       max(float(r["linf"]) for r in members), max(float(r["max_rel"]) for r in members))
-            for signed, members in groups.items()]
+    found = [_sized(signed, members) for signed, members in groups.items()]
+    later = _later_cause(kind, rows, siblings)
+    if later:
+        found.append(_sized(setting, later))
+    return found
+
+
+# a later tensor this many times further outside its calibrated envelope than the first divergence's worst one is
+# not that divergence carried forward: a rounding-sized bug stays a few envelopes off as it trains on (the row-wise
+# 1 - 2^-20 scaling: 2.1 envelopes before the steps, 1.95 after), while the bug it hid is 1e4-1e6 envelopes off
+LATER_CAUSE_GROWTH = 1000.0
+
+
+def _envelopes(row: dict[str, Any]) -> float:
+    try:
+        ratio = float(row.get("calibrated_ratio", math.nan))
+    except (TypeError, ValueError):
+        return math.nan
+    return ratio
+
+
+def _later_cause(kind: str, rows: list[dict[str, Any]], first: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The divergence of a second cause in a case whose first divergence is small: the first later tensor (in
+    computation order) more than LATER_CAUSE_GROWTH times as far outside its envelope as the first divergence's
+    worst, with the tensors of its class at its step; empty where the oracle did not calibrate those tensors."""
+    start = max((_envelopes(r) for r in first), default=math.nan)
+    if not start > 0:
+        return []
+    head = next((r for r in rows if r not in first and _envelopes(r) > LATER_CAUSE_GROWTH * start), None)
+    if head is None:
+        return []
+    where, cls = computation_order(kind, head["phase"], head["tensor"])[:3], tensor_class(kind, head["tensor"])
+    return [r for r in rows if r["phase"] == head["phase"] and tensor_class(kind, r["tensor"]) == cls
+            and computation_order(kind, r["phase"], r["tensor"])[:3] == where]
 
 
 def case_signature(verdict: str, kind: str, setting: str, message: str, first_divergence: str,

@@ -11,14 +11,16 @@ from difftest import StandaloneCase
 from settings._torchrec_plan import _load_full_state, sharding_plan
 
 
-def embedding_script_data(case: StandaloneCase, tables: list[Any]) -> tuple[dict[str, np.ndarray], list[dict]]:
-    """What a script of embedding collections ships: the tables' initial weights and the eval batch's bags (its data
-    file), and each table as a literal (its `CASE["tables"]`)."""
+def embedding_script_data(case: StandaloneCase, tables: list[Any],
+                          parts: tuple[str, ...] = ("eval",)) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """What a script of embedding collections ships: the tables' initial weights and the bags of the batches `parts`
+    names (its data file), and each table as a literal (its `CASE["tables"]`)."""
     data = {f"state.{t.state_key}": case.init_state[t.state_key] for t in tables}
-    for feature, bags in case.inputs["eval"].sparse.items():
-        data |= {f"eval.{feature}.lengths": bags.lengths, f"eval.{feature}.values": bags.values}
-        if bags.weights is not None:
-            data[f"eval.{feature}.weights"] = bags.weights
+    for part in parts:
+        for feature, bags in case.inputs[part].sparse.items():
+            data |= {f"{part}.{feature}.lengths": bags.lengths, f"{part}.{feature}.values": bags.values}
+            if bags.weights is not None:
+                data[f"{part}.{feature}.weights"] = bags.weights
     return data, [{"collection": t.collection, "name": t.name, "num_embeddings": t.num_embeddings,
                    "embedding_dim": t.embedding_dim, "pooling": t.pooling, "features": list(t.features),
                    "weighted": t.weighted, "outputs": list(t.outputs)} for t in tables]
@@ -46,17 +48,18 @@ def standalone_tables(case: dict[str, Any]) -> Any:
 
 
 def standalone_features(data: dict[str, Any], case: dict[str, Any], start: int, stop: int, dtype: Any,
-                        variable: bool = False) -> dict:
-    """Samples start..stop of the evaluation batch: one KeyedJaggedTensor per collection, keyed in table order, every
-    bag written out or (`variable`) each feature's runs of equal bags once (`bag_runs_kjt`)."""
+                        variable: bool = False, part: str = "eval") -> dict:
+    """Samples start..stop of the evaluation batch (or the `part` named so in the data): one KeyedJaggedTensor per
+    collection, keyed in table order, every bag written out or (`variable`) each feature's runs of equal bags once
+    (`bag_runs_kjt`)."""
     features = {}
     for path in dict.fromkeys(t["collection"] for t in case["tables"]):
         bags = {}
         for f in [f for t in case["tables"] if t["collection"] == path for f in t["features"]]:
-            lengths = data[f"eval.{f}.lengths"]
+            lengths = data[f"{part}.{f}.lengths"]
             lo, hi = np.concatenate([[0], np.cumsum(lengths)])[[start, stop]]
-            weights = data.get(f"eval.{f}.weights")
-            bags[f] = (lengths[start:stop], data[f"eval.{f}.values"][lo:hi], None if weights is None else weights[lo:hi])
+            weights = data.get(f"{part}.{f}.weights")
+            bags[f] = (lengths[start:stop], data[f"{part}.{f}.values"][lo:hi], None if weights is None else weights[lo:hi])
         features[path] = bag_runs_kjt(bags, variable, dtype)
     return features
 

@@ -21,13 +21,22 @@ sharding type for these modules (torchrec#2958), so the plan is built explicitly
 
 from __future__ import annotations
 
-import dataclasses
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest import RunContext, Setting, Unsupported, register_settings, traits_of
+from settings._torchrec_mc_script import (
+    BUCKETS,
+    EVICTION,
+    RAW_ID_BASE,
+    SCARCE_SLOTS,
+    _constant_rows,
+    load_table_rows,
+    managed_holder,
+    managed_plan,
+    managed_slots,
+)
 from settings._torchrec_plan import embedding_collections, table_configs
 from settings._training import build_for_training
 from settings.torchrec_sharding import HeldTablesSharding
@@ -35,82 +44,6 @@ from settings.torchrec_vbe import sharded_pooled_steps, train_alone
 
 if TYPE_CHECKING:
     from difftest import Outputs, Script, StandaloneCase
-
-RAW_ID_BASE = 2**40  # past every table: fbgemm's row-wise bucketing sends such an id to rank id mod ranks
-SCARCE_SLOTS = 8
-BUCKETS = 4  # the planner wants a table's buckets to divide by the ranks (1, 2 and 4 here)
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """How many slots each managed table has and how it frees them."""
-
-    name: str
-    eviction: str  # a torchrec.modules.mc_modules eviction policy
-
-    def slots(self, rows: int) -> int:
-        return SCARCE_SLOTS if self.name == "scarce" else 4 * (rows + 1)
-
-    def policy(self) -> Any:
-        from torchrec.modules import mc_modules
-
-        return getattr(mc_modules, self.eviction)()
-
-
-CAPACITIES = {c.name: c for c in (Capacity("ample", "LFU_EvictionPolicy"), Capacity("scarce", "LRU_EvictionPolicy"))}
-
-
-def _constant_rows(row: Any) -> Callable[[Any], Any]:
-    """An `init_fn` writing `row` into every row of the tensor it is given (in place, as torch.nn.init does)."""
-    import torch
-
-    def init(weight: Any) -> Any:
-        with torch.no_grad():
-            return weight.copy_(row.to(weight.dtype).expand_as(weight))
-
-    return init
-
-
-def managed_holder(module: Any, capacity: Capacity) -> Any:
-    """The model's bag collections, each as a managed-collision collection of its tables under its own path (dots
-    as `_`); `features`: path → its features. Its forward takes a KeyedJaggedTensor per path (the model's ids) and
-    returns each collection's pooled embeddings by feature."""
-    import torch
-    from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
-    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
-    from torchrec.modules.mc_modules import ManagedCollisionCollection, MCHManagedCollisionModule
-
-    class Collections(torch.nn.Module):
-        def forward(self, kjts: dict[str, Any]) -> dict[str, dict[str, Any]]:
-            pooled = {}
-            for path, kjt in kjts.items():
-                raw = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() + RAW_ID_BASE, lengths=kjt.lengths(),
-                                        weights=kjt.weights_or_none())
-                pooled[path] = self.get_submodule(path)(raw)[0].to_dict()
-            return pooled
-
-    holder = Collections()
-    holder.features = {}
-    for path, collection in embedding_collections(module).items():
-        if not isinstance(collection, EmbeddingBagCollection):
-            raise Unsupported(f"{path} is a sequence collection; this family manages bag collections")
-        weights = collection.state_dict()
-        dtype, device = next(iter(weights.values())).dtype, next(iter(weights.values())).device
-        configs = [dataclasses.replace(config, num_embeddings=capacity.slots(config.num_embeddings),
-                                       init_fn=_constant_rows(weights[f"embedding_bags.{config.name}.weight"][0]))
-                   for config in table_configs(collection)]
-        bags = EmbeddingBagCollection(tables=configs, device=device).to(dtype)
-        if "forward" in vars(collection):  # pool as the model's collection was made to (the float64 centre's own)
-            bags.forward = types.MethodType(vars(collection)["forward"].__func__, bags)
-        managers = {config.name: MCHManagedCollisionModule(
-            zch_size=config.num_embeddings, device=device, eviction_policy=capacity.policy(),
-            eviction_interval=1, buckets=BUCKETS) for config in configs}
-        name = path.replace(".", "_")
-        holder.add_module(name, ManagedCollisionEmbeddingBagCollection(
-            bags, ManagedCollisionCollection(managers, configs)))
-        holder.features[name] = [f for config in configs for f in config.feature_names]
-    return holder
-
 
 def _supports(spec: Any) -> str | None:
     if "torchrec" not in traits_of(spec.kind):
@@ -138,16 +71,15 @@ class ManagedCollisionSharding(HeldTablesSharding):
         return ManagedCollisionReference(capacity=self.capacity).name
 
     def describe(self) -> str:
-        slots = CAPACITIES[self.capacity]
-        return (f"TorchRec DMP over managed-collision bag collections ({slots.name} slots, "
-                f"{slots.eviction.removesuffix('_EvictionPolicy')} eviction), every table {self.sharding}, "
+        return (f"TorchRec DMP over managed-collision bag collections ({self.capacity} slots, "
+                f"{EVICTION[self.capacity].removesuffix('_EvictionPolicy')} eviction), every table {self.sharding}, "
                 f"{self.world_size} ranks")
 
     def supports(self, spec: Any) -> str | None:
         return _supports(spec)
 
     def sharded_module(self, model: Any, module: Any, inputs: Any) -> Any:
-        return managed_holder(module, CAPACITIES[self.capacity])
+        return managed_holder(module, self.capacity)
 
     def sharder(self) -> Any:
         from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
@@ -155,30 +87,10 @@ class ManagedCollisionSharding(HeldTablesSharding):
         return ManagedCollisionEmbeddingBagCollectionSharder()
 
     def _plan(self, ctx: RunContext, module: Any, sharder: Any) -> Any:
-        """Every table row-wise, keyed by the managed collection (not the bag collection inside it)."""
-        from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-        from torchrec.distributed.types import ShardingPlan
-
-        return ShardingPlan({
-            path: construct_module_sharding_plan(
-                getattr(module, path), {f: row_wise() for f in _table_names(getattr(module, path))}, sharder=sharder,
-                local_size=ctx.local_world_size, world_size=ctx.world_size, device_type=ctx.device.split(":")[0])
-            for path in module.features})
+        return managed_plan(module, sharder, ctx.world_size, ctx.local_world_size, ctx.device)
 
     def load_initial_state(self, ctx: RunContext, dmp: Any, state: dict) -> None:
-        """Every table's rows, shard by shard (DMP initialises the kernels' rows afresh); the collision modules start
-        empty on each rank, as TorchRec builds them for its segment."""
-        import torch
-
-        from settings._torchrec_plan import _local_pieces
-
-        with torch.no_grad():
-            for name, value in dmp.state_dict().items():
-                key = name.replace("_dmp_wrapped_module.", "").replace("module.", "")
-                if key.endswith(".weight") and key in state:
-                    full = torch.from_numpy(state[key])
-                    for offsets, local in _local_pieces(value) or [((0, 0), value)]:
-                        local.copy_(full[tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))])
+        load_table_rows(dmp, state)
 
     def full_state(self, ctx: RunContext, dmp: Any) -> dict | None:
         return {}  # rows hold the ids in an order of each side's own: compared through the pooled embeddings
@@ -187,11 +99,45 @@ class ManagedCollisionSharding(HeldTablesSharding):
         return sharded_pooled_steps(self, ctx, dmp, optimizer, variable=False)
 
     def standalone(self, case: StandaloneCase) -> Script:
-        raise Unsupported("the managed-collision family has no standalone emitter yet")
+        """The managed tables alone (`managed_holder`, as the run built them), sharded row-wise on the script's
+        ranks and unsharded in one process: the pooled embeddings of the phase the case first diverged in."""
+        from difftest import Script, refuse_changed_hooks
+        from settings import _torchrec_mc_script as mc
+        from settings._torchrec_script import (
+            bag_runs_kjt,
+            embedding_script_data,
+            standalone_features,
+            standalone_tables,
+        )
+        from settings.torchrec_vbe import pooled_loss
 
-
-def _table_names(managed: Any) -> list[str]:
-    return [config.name for config in managed._managed_collision_collection.embedding_configs()]
+        refuse_changed_hooks(self, ManagedCollisionSharding, "sharded_module", "trainer", "full_state",
+                             "load_initial_state", "sharder", "_plan")
+        tables = case.generator.embedding_tables(case.spec) or []
+        phase, _, tensor = case.first_divergence.partition("/")
+        if phase not in ("eval_before", f"eval_after_step{case.steps}") or not tensor.startswith("pooled."):
+            raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not at a pooled embedding "
+                              "of an evaluation, which is what the script compares")
+        if not tables or any("." in t.collection for t in tables):
+            raise Unsupported("its embedding collections are not declared or are nested inside the model; the script "
+                              "holds them at its top")
+        data, listed = embedding_script_data(case, tables, parts=("train", "eval"))
+        names = [f"{phase}/pooled.{f}" for t in tables for f in t.features]
+        return Script(
+            summary=f"The model's TorchRec tables behind managed-collision modules ({self.capacity} slots, "
+                    f"{EVICTION[self.capacity].removesuffix('_EvictionPolicy')} eviction), sharded row-wise by "
+                    f"DistributedModelParallel over {self.world_size} CPU ranks (gloo), fused SGD"
+                    + case.against("the same modules in one process trained by SGD: every sample's pooled "
+                                   f"embeddings at {phase}") + ".",
+            libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
+            preamble=("import dataclasses", "import types", "", f"RAW_ID_BASE = {RAW_ID_BASE!r}",
+                      f"SCARCE_SLOTS = {SCARCE_SLOTS!r}", f"BUCKETS = {BUCKETS!r}", f"EVICTION = {EVICTION!r}"),
+            case={"capacity": self.capacity, "local_world_size": case.local_world_size, "device": "cpu",
+                  "batch": case.inputs["eval"].size, "steps": case.steps, "lr": case.lr, "tables": listed},
+            functions=(managed_slots, _constant_rows, embedding_collections, table_configs, managed_holder,
+                       standalone_tables, standalone_features, bag_runs_kjt, pooled_loss, mc.managed_tables,
+                       mc.pooled_phases, managed_plan, load_table_rows, mc.single_process, mc.on_rank),
+            tensors={name: name for name in names}, data=data, world_size=self.world_size)
 
 
 @dataclass(frozen=True)
@@ -218,12 +164,12 @@ class ManagedCollisionReference(Setting):
         return _supports(spec)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
-        holder = managed_holder(build_for_training(model, ctx.device), CAPACITIES[self.capacity])
+        holder = managed_holder(build_for_training(model, ctx.device), self.capacity)
         return train_alone(ctx, inputs, holder, dict)
 
 
 register_settings(
-    [ManagedCollisionReference(capacity=c) for c in CAPACITIES]
+    [ManagedCollisionReference(capacity=c) for c in EVICTION]
     + [ManagedCollisionSharding(world_size=ws) for ws in (1, 2, 4)]
     + [ManagedCollisionSharding(world_size=1, capacity="scarce")]
 )

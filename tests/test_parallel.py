@@ -811,7 +811,8 @@ def test_managed_collision_tables_shard_like_one_process_until_an_unsharded_evic
     """The model's tables behind zero-collision hashes: sharded row-wise over 2 ranks with room for every id, each
     sample pools as in one process, before and after the steps, but for the row-wise 1 - 2^-20 scaling; with 8 slots
     and LRU eviction on one rank, the unsharded module's rows keep what evicted ids trained (its `evict` is a stub),
-    a second cause that triage keeps apart from the small scaling found before it in the same case."""
+    a second cause that triage keeps apart from the small scaling found before it in the same case; its standalone
+    script shows it and, given ample slots, agrees."""
     from difftest.contracts.spec import RunConfig
     from difftest.findings.triage import triage
     from difftest.generation.generate import generate
@@ -832,6 +833,30 @@ def test_managed_collision_tables_shard_like_one_process_until_an_unsharded_evic
     assert eviction.first_divergence.startswith("eval_after_step"), eviction.first_divergence
     assert set(eviction.rows["setting"]) == {"torchrec-mc/row_wise-scarce/ws1"}
     assert set(findings) <= {"torchrec-mc-unsharded-eviction-keeps-rows", "torchrec-rowwise-scaled-by-one-minus-2-pow-20"}
+    # its script (no difftest importable) reproduces it; the same script with ample slots is left with the row-wise
+    # scaling alone: no pooled value further from one process than 1e-5 (the eviction's are 1e-3 and more)
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.check import check_script
+    from difftest.scripts.write import emit
+
+    setting = "torchrec-mc/row_wise-scarce/ws1"
+    emitted = emit(run_dir, "M0", "a managed-collision finding", "inconsistent", run_dir / "models" / "dlrm-s0-i0",
+                   setting, eviction.first_divergence, envelope_spread(run_dir, "dlrm-s0-i0", setting), Tolerance(),
+                   check_timeout_s=120)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert emitted.checked.exit_code == 1 and "BUG PRESENT" in emitted.checked.output, emitted.checked.output[-3000:]
+    text = emitted.path.read_text()
+    assert "import difftest" not in text and "ManagedCollisionEmbeddingBagCollection(" in text
+    def worst(output: str) -> float:
+        pairs = re.findall(r"single process (\S+), setting (\S+),", output)
+        assert pairs, output[-3000:]
+        return max(abs(float(a) - float(b)) for a, b in pairs)
+
+    assert worst(emitted.checked.output) > 1e-3
+    emitted.path.write_text(text.replace("'capacity': 'scarce'", "'capacity': 'ample'", 1))
+    ample = check_script(emitted.path, timeout_s=120)
+    assert ample.exit_code in (0, 1) and worst(ample.output) < 1e-5, ample.output[-3000:]
 
 
 def test_torchrecs_variable_batch_sends_fewer_bags_and_pools_as_every_bag_written_out(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from settings.torchrec_vbe import sharded_pooled_steps, train_alone
 if TYPE_CHECKING:
     from difftest import Outputs, Script, StandaloneCase
 
+
 def _supports(spec: Any) -> str | None:
     if "torchrec" not in traits_of(spec.kind):
         return f"TorchRec's managed collisions hash a model's EmbeddingBagCollections; model kind {spec.kind!r} has none"

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from difftest import Unsupported
-from settings._torchrec_plan import embedding_collections, table_configs
+from settings._torchrec_plan import _load_full_state, embedding_collections, table_configs
 from settings._torchrec_script import standalone_features, standalone_tables
 from settings.torchrec_vbe import pooled_loss
 
@@ -99,20 +99,10 @@ def managed_plan(module: Any, sharder: Any, world_size: int, local_size: int, de
     return ShardingPlan(plans)
 
 
-def load_table_rows(dmp: Any, state: dict) -> None:
-    """Every table's rows, shard by shard (DMP initialises the kernels' rows afresh); the collision modules start
-    empty on each rank, as TorchRec builds them for its segment."""
-    import torch
-
-    with torch.no_grad():
-        for name, value in dmp.state_dict().items():
-            key = name.replace("_dmp_wrapped_module.", "").replace("module.", "")
-            if key.endswith(".weight") and key in state:
-                full = torch.as_tensor(state[key])
-                pieces = [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()] \
-                    if hasattr(value, "local_shards") else [((0,) * value.dim(), value)]
-                for offsets, local in pieces:
-                    local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))].to(local.dtype))
+def table_rows(state: dict) -> set[str]:
+    """The names of the tables' rows among a managed holder's state: what is loaded into its shards (the collision
+    modules start empty on each rank, as TorchRec builds them for its segment)."""
+    return {name for name in state if name.endswith(".weight")}
 
 
 def managed_tables(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> Any:
@@ -168,13 +158,13 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     holder = managed_tables(data, case, torch.float32)
-    state = {name: value.detach().clone() for name, value in holder.state_dict().items()}
+    state = {name: value.detach().numpy().copy() for name, value in holder.state_dict().items()}
     apply_optimizer_in_backward(torch.optim.SGD, list(holder.parameters()), {"lr": case["lr"]})
     sharder = ManagedCollisionEmbeddingBagCollectionSharder()
     plan = managed_plan(holder, sharder, world_size, case["local_world_size"], case["device"])
     dmp = DistributedModelParallel(holder, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
                                    sharders=[sharder], device=torch.device(case["device"]))
-    load_table_rows(dmp, state)
+    _load_full_state(dmp, state, table_rows(state))
     share = case["batch"] // world_size
     mine = pooled_phases(dmp, data, case, rank * share, (rank + 1) * share, torch.float32, lambda: None)
     shares = [None] * world_size if rank == 0 else None

@@ -208,12 +208,18 @@ def _local_pieces(value: Any) -> list[tuple[tuple[int, ...], Any]] | None:
     return None
 
 
-def _load_full_state(dmp: Any, state: dict) -> None:
-    """Copy every rank's share of the initial weights into the model (TorchRec initialises shards afresh)."""
+def _load_full_state(dmp: Any, state: dict, names: set[str] | None = None) -> None:
+    """Copy every rank's share of the initial weights into the model (TorchRec initialises shards afresh); `names`:
+    only those (the rest of the model's state, such as collision modules' per-rank buffers, stays as built)."""
     import torch
 
+    held = dmp.state_dict()
+    if names is not None and (missing := names - set(held)):
+        raise KeyError(f"the sharded model holds no {sorted(missing)}")
     with torch.no_grad():
-        for name, value in dmp.state_dict().items():
+        for name, value in held.items():
+            if names is not None and name not in names:
+                continue
             full = torch.from_numpy(state[name])
             pieces = _local_pieces(value)
             if pieces is None:

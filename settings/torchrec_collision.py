@@ -32,12 +32,12 @@ from settings._torchrec_mc_script import (
     RAW_ID_BASE,
     SCARCE_SLOTS,
     _constant_rows,
-    load_table_rows,
     managed_holder,
     managed_plan,
     managed_slots,
+    table_rows,
 )
-from settings._torchrec_plan import embedding_collections, table_configs
+from settings._torchrec_plan import _load_full_state, _local_pieces, embedding_collections, table_configs
 from settings._training import build_for_training
 from settings.torchrec_sharding import HeldTablesSharding
 from settings.torchrec_vbe import sharded_pooled_steps, train_alone
@@ -91,7 +91,7 @@ class ManagedCollisionSharding(HeldTablesSharding):
         return managed_plan(module, sharder, ctx.world_size, ctx.local_world_size, ctx.device)
 
     def load_initial_state(self, ctx: RunContext, dmp: Any, state: dict) -> None:
-        load_table_rows(dmp, state)
+        _load_full_state(dmp, state, table_rows(state))
 
     def full_state(self, ctx: RunContext, dmp: Any) -> dict | None:
         return {}  # rows hold the ids in an order of each side's own: compared through the pooled embeddings
@@ -137,7 +137,8 @@ class ManagedCollisionSharding(HeldTablesSharding):
                   "batch": case.inputs["eval"].size, "steps": case.steps, "lr": case.lr, "tables": listed},
             functions=(managed_slots, _constant_rows, embedding_collections, table_configs, managed_holder,
                        standalone_tables, standalone_features, bag_runs_kjt, pooled_loss, mc.managed_tables,
-                       mc.pooled_phases, managed_plan, load_table_rows, mc.single_process, mc.on_rank),
+                       mc.pooled_phases, managed_plan, table_rows, _local_pieces, _load_full_state, mc.single_process,
+                       mc.on_rank),
             tensors={name: name for name in names}, data=data, world_size=self.world_size)
 
 

@@ -25,6 +25,9 @@ BUCKETS = 4  # the planner wants a table's buckets to divide by the ranks (1, 2 
 
 # per capacity, the torchrec.modules.mc_modules eviction policy that frees its slots
 EVICTION = {"ample": "LFU_EvictionPolicy", "scarce": "LRU_EvictionPolicy"}
+# how the sharded tables train: SGD fused into their backward (TorchRec's FUSED kernel), or no optimizer fused, so
+# that `construct_module_sharding_plan` gives them the DENSE kernel and torch.optim.SGD over DMP's parameters steps them
+KERNELS = {"fused": "fused SGD", "dense": "the DENSE kernel, torch.optim.SGD"}
 
 
 def managed_slots(capacity: str, rows: int) -> int:
@@ -148,8 +151,9 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
 
 
 def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """The setting: DistributedModelParallel over the managed tables, every table row-wise, trained by fused SGD
-    inside backward; each rank on its share of the batch; the shares gathered on rank 0."""
+    """The setting: DistributedModelParallel over the managed tables, every table row-wise, trained by SGD (fused
+    inside backward, or over DMP's parameters where `case["kernel"]` is dense); each rank on its share of the batch;
+    the shares gathered on rank 0."""
     import torch
     import torch.distributed as dist
     from torchrec.distributed import DistributedModelParallel
@@ -159,14 +163,22 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
 
     holder = managed_tables(data, case, torch.float32)
     state = {name: value.detach().numpy().copy() for name, value in holder.state_dict().items()}
-    apply_optimizer_in_backward(torch.optim.SGD, list(holder.parameters()), {"lr": case["lr"]})
+    if case["kernel"] == "fused":
+        apply_optimizer_in_backward(torch.optim.SGD, list(holder.parameters()), {"lr": case["lr"]})
     sharder = ManagedCollisionEmbeddingBagCollectionSharder()
     plan = managed_plan(holder, sharder, world_size, case["local_world_size"], case["device"])
     dmp = DistributedModelParallel(holder, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
                                    sharders=[sharder], device=torch.device(case["device"]))
     _load_full_state(dmp, state, table_rows(state))
+    optimizer = torch.optim.SGD(list(dmp.parameters()), lr=case["lr"]) if case["kernel"] == "dense" else None
+
+    def step() -> None:  # a fused kernel updated its rows inside backward
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+
     share = case["batch"] // world_size
-    mine = pooled_phases(dmp, data, case, rank * share, (rank + 1) * share, torch.float32, lambda: None)
+    mine = pooled_phases(dmp, data, case, rank * share, (rank + 1) * share, torch.float32, step)
     shares = [None] * world_size if rank == 0 else None
     dist.gather_object(mine, shares, dst=0)
     return {name: np.concatenate([s[name] for s in shares]) for name in mine} if shares else None

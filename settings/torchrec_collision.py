@@ -13,6 +13,10 @@ same whichever row holds it, and every sample's pooled embedding must agree.
 - `scarce`: 8 slots (7 and a miss slot) and least-recently-used eviction every step: ids evict each other. Only one
   rank runs it, where sharded and unsharded hand out rows alike; on more ranks each rank's share of the slots
   decides who is evicted, which differs by design.
+- `dense` (beside each): no optimizer fused into the tables, as a user who trains them with a torch.optim optimizer
+  has them. `construct_module_sharding_plan` then gives every table TorchRec's DENSE kernel (its rule without an
+  in-backward optimizer, although the collision sharder lists only fused kernels), and torch.optim.SGD over DMP's
+  parameters steps them.
 Recorded: every feature's pooled embedding per sample (`pooled.<feature>`) and the loss of the variable-batch family
 (`settings.torchrec_vbe`), before and after the steps; not the tables, whose rows hold the ids in different orders.
 Every table trains (a frozen variant's too: the family tests the collision modules). The CPU planner offers no
@@ -29,6 +33,7 @@ from difftest import RunContext, Setting, Unsupported, register_settings, traits
 from settings._torchrec_mc_script import (
     BUCKETS,
     EVICTION,
+    KERNELS,
     RAW_ID_BASE,
     SCARCE_SLOTS,
     _constant_rows,
@@ -57,14 +62,15 @@ class ManagedCollisionSharding(HeldTablesSharding):
     """TorchRec DMP over the model's tables behind managed-collision modules, every table row-wise."""
 
     family: ClassVar[str] = "torchrec-mc"
-    tier_axes: ClassVar[tuple[str, ...]] = ("capacity",)
+    tier_axes: ClassVar[tuple[str, ...]] = ("capacity", "kernel")
     sharding: str = "row_wise"
     world_size: int = 2
     capacity: str = "ample"
+    kernel: str = "fused"  # KERNELS
 
     @property
     def name(self) -> str:
-        label = self.sharding if self.capacity == "ample" else f"{self.sharding}-{self.capacity}"
+        label = "-".join([self.sharding] + [v for v in (self.capacity, self.kernel) if v not in ("ample", "fused")])
         return f"torchrec-mc/{label}/ws{self.world_size}"
 
     @property
@@ -74,7 +80,10 @@ class ManagedCollisionSharding(HeldTablesSharding):
     def describe(self) -> str:
         return (f"TorchRec DMP over managed-collision bag collections ({self.capacity} slots, "
                 f"{EVICTION[self.capacity].removesuffix('_EvictionPolicy')} eviction), every table {self.sharding}, "
-                f"{self.world_size} ranks")
+                f"{KERNELS[self.kernel]}, {self.world_size} ranks")
+
+    def table_optimizer(self, ctx: RunContext) -> tuple[type, dict[str, Any]] | None:
+        return super().table_optimizer(ctx) if self.kernel == "fused" else None
 
     def supports(self, spec: Any) -> str | None:
         return _supports(spec)
@@ -116,24 +125,27 @@ class ManagedCollisionSharding(HeldTablesSharding):
                              "load_initial_state", "sharder", "_plan")
         tables = case.generator.embedding_tables(case.spec) or []
         phase, _, tensor = case.first_divergence.partition("/")
-        if phase not in ("eval_before", f"eval_after_step{case.steps}") or not tensor.startswith("pooled."):
+        if not case.failure and (phase not in ("eval_before", f"eval_after_step{case.steps}")
+                                 or not tensor.startswith("pooled.")):
             raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not at a pooled embedding "
                               "of an evaluation, which is what the script compares")
         if not tables or any("." in t.collection for t in tables):
             raise Unsupported("its embedding collections are not declared or are nested inside the model; the script "
                               "holds them at its top")
         data, listed = embedding_script_data(case, tables, parts=("train", "eval"))
+        phase = phase or f"eval_after_step{case.steps}"  # a failure's script runs every phase until it fails
         names = [f"{phase}/pooled.{f}" for t in tables for f in t.features]
         return Script(
             summary=f"The model's TorchRec tables behind managed-collision modules ({self.capacity} slots, "
                     f"{EVICTION[self.capacity].removesuffix('_EvictionPolicy')} eviction), sharded row-wise by "
-                    f"DistributedModelParallel over {self.world_size} CPU ranks (gloo), fused SGD"
+                    f"DistributedModelParallel over {self.world_size} CPU ranks (gloo), {KERNELS[self.kernel]}"
                     + case.against("the same modules in one process trained by SGD: every sample's pooled "
                                    f"embeddings at {phase}") + ".",
             libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
             preamble=("import dataclasses", "import types", "", f"RAW_ID_BASE = {RAW_ID_BASE!r}",
                       f"SCARCE_SLOTS = {SCARCE_SLOTS!r}", f"BUCKETS = {BUCKETS!r}", f"EVICTION = {EVICTION!r}"),
-            case={"capacity": self.capacity, "local_world_size": case.local_world_size, "device": "cpu",
+            case={"capacity": self.capacity, "kernel": self.kernel, "local_world_size": case.local_world_size,
+                  "device": "cpu",
                   "batch": case.inputs["eval"].size, "steps": case.steps, "lr": case.lr, "tables": listed},
             functions=(managed_slots, _constant_rows, embedding_collections, table_configs, managed_holder,
                        standalone_tables, standalone_features, bag_runs_kjt, pooled_loss, mc.managed_tables,
@@ -172,6 +184,6 @@ class ManagedCollisionReference(Setting):
 
 register_settings(
     [ManagedCollisionReference(capacity=c) for c in EVICTION]
-    + [ManagedCollisionSharding(world_size=ws) for ws in (1, 2, 4)]
-    + [ManagedCollisionSharding(world_size=1, capacity="scarce")]
+    + [ManagedCollisionSharding(world_size=ws, kernel=k) for ws in (1, 2, 4) for k in KERNELS]
+    + [ManagedCollisionSharding(world_size=1, capacity="scarce", kernel=k) for k in KERNELS]
 )

@@ -106,15 +106,16 @@ class TorchRecSharding(Setting):
 
         module = self.sharded_module(model, model.build("cpu"), inputs)
         tables = [p for collection in embedding_collections(module).values() for p in collection.parameters()]
-        table_optimizer, options = self.table_optimizer(ctx)
-        apply_optimizer_in_backward(table_optimizer, [p for p in tables if p.requires_grad], options)
-        # a fused table is trained whatever its requires_grad says: without an optimizer of its own it gets the
-        # sharder's default fused SGD (fbgemm's lr 0.01). TorchRec's way to freeze one is an optimizer that does not
-        # move it (torchrec#1990): a frozen table takes gradients (the hook needs them) into SGD with lr 0, and
-        # w - 0·g is w, bit for bit
-        frozen = [p.requires_grad_(True) for p in tables if not p.requires_grad]
-        if frozen:
-            apply_optimizer_in_backward(torch.optim.SGD, frozen, {"lr": 0.0})
+        if (fused := self.table_optimizer(ctx)) is not None:
+            table_optimizer, options = fused
+            apply_optimizer_in_backward(table_optimizer, [p for p in tables if p.requires_grad], options)
+            # a fused table is trained whatever its requires_grad says: without an optimizer of its own it gets the
+            # sharder's default fused SGD (fbgemm's lr 0.01). TorchRec's way to freeze one is an optimizer that does
+            # not move it (torchrec#1990): a frozen table takes gradients (the hook needs them) into SGD with lr 0,
+            # and w - 0·g is w, bit for bit
+            frozen = [p.requires_grad_(True) for p in tables if not p.requires_grad]
+            if frozen:
+                apply_optimizer_in_backward(torch.optim.SGD, frozen, {"lr": 0.0})
 
         initial = self.initial_state(model, module)  # read before DMP shards `module` in place
         sharder = self.sharder()
@@ -177,9 +178,10 @@ class TorchRecSharding(Setting):
         """The initial weights of what DMP wraps (`module`), under its names: the model's own here."""
         return dict(model.init_state)
 
-    def table_optimizer(self, ctx: RunContext) -> tuple[type, dict[str, Any]]:
+    def table_optimizer(self, ctx: RunContext) -> tuple[type, dict[str, Any]] | None:
         """The optimizer TorchRec fuses into the tables' backward, by its class (TorchRec maps it to fbgemm's kernel),
-        with its options: plain SGD here, the reference's."""
+        with its options: plain SGD here, the reference's. None: no optimizer is fused, so the plan gives the tables
+        TorchRec's DENSE kernel and the dense optimizer trains them."""
         import torch
 
         return torch.optim.SGD, {"lr": ctx.lr}

@@ -812,14 +812,16 @@ def test_managed_collision_tables_shard_like_one_process_until_an_unsharded_evic
     sample pools as in one process, before and after the steps, but for the row-wise 1 - 2^-20 scaling; with 8 slots
     and LRU eviction on one rank, the unsharded module's rows keep what evicted ids trained (its `evict` is a stub),
     a second cause that triage keeps apart from the small scaling found before it in the same case; its standalone
-    script shows it and, given ample slots, agrees."""
+    script shows it and, given ample slots, agrees. Without an optimizer fused into them (the DENSE kernel the plan
+    helper then picks), the sharded tables fail at the first training forward, and that script passes once fused."""
     from difftest.contracts.spec import RunConfig
     from difftest.findings.triage import triage
     from difftest.generation.generate import generate
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
-    run_sweep(run_dir, SweepOptions(settings="torchrec-mc/row_wise/ws2,torchrec-mc/row_wise-scarce/ws1"))
+    run_sweep(run_dir, SweepOptions(
+        settings="torchrec-mc/row_wise/ws2,torchrec-mc/row_wise-scarce/ws1,torchrec-mc/row_wise-dense/ws2"))
     analysis = analyze(run_dir)
     rows = analysis.comparisons[analysis.comparisons["setting"] == "torchrec-mc/row_wise/ws2"]
     pooled = rows[rows["tensor"].str.startswith("pooled.")]
@@ -832,7 +834,10 @@ def test_managed_collision_tables_shard_like_one_process_until_an_unsharded_evic
     eviction = findings["torchrec-mc-unsharded-eviction-keeps-rows"]
     assert eviction.first_divergence.startswith("eval_after_step"), eviction.first_divergence
     assert set(eviction.rows["setting"]) == {"torchrec-mc/row_wise-scarce/ws1"}
-    assert set(findings) <= {"torchrec-mc-unsharded-eviction-keeps-rows", "torchrec-rowwise-scaled-by-one-minus-2-pow-20"}
+    dense = findings["torchrec-mc-dense-kernel-reset-fails"]
+    assert set(dense.rows["setting"]) == {"torchrec-mc/row_wise-dense/ws2"} and set(dense.rows["status"]) == {"error"}
+    assert set(findings) <= {"torchrec-mc-unsharded-eviction-keeps-rows", "torchrec-rowwise-scaled-by-one-minus-2-pow-20",
+                             "torchrec-mc-dense-kernel-reset-fails"}
     # its script (no difftest importable) reproduces it; the same script with ample slots is left with the row-wise
     # scaling alone: no pooled value further from one process than 1e-5 (the eviction's are 1e-3 and more)
     from difftest.contracts.tolerance import Tolerance
@@ -857,6 +862,19 @@ def test_managed_collision_tables_shard_like_one_process_until_an_unsharded_evic
     emitted.path.write_text(text.replace("'capacity': 'scarce'", "'capacity': 'ample'", 1))
     ample = check_script(emitted.path, timeout_s=120)
     assert ample.exit_code in (0, 1) and worst(ample.output) < 1e-5, ample.output[-3000:]
+
+    setting = "torchrec-mc/row_wise-dense/ws2"
+    message = str(dense.rows["message"].iloc[0])
+    failing = emit(run_dir, "M1", "a dense-kernel failure", "error", run_dir / "models" / "dlrm-s0-i0", setting, "",
+                   {}, Tolerance(), check_timeout_s=120, message=message)
+    assert failing.path is not None and failing.checked is not None, failing.why_not
+    assert failing.checked.exit_code == 1 and "reset_embedding_weight_momentum" in failing.checked.output, \
+        failing.checked.output[-3000:]
+    whole = failing.path.with_name("standalone.full.py")  # the reduced script lost the fused branch, which never ran
+    failing.path.write_text((whole if whole.exists() else failing.path).read_text().replace(
+        "'kernel': 'dense'", "'kernel': 'fused'", 1))
+    fused = check_script(failing.path, timeout_s=120)
+    assert fused.exit_code == 0, fused.output[-3000:]
 
 
 def test_torchrecs_variable_batch_sends_fewer_bags_and_pools_as_every_bag_written_out(tmp_path: Path) -> None:

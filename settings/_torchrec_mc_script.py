@@ -27,7 +27,10 @@ BUCKETS = 4  # the planner wants a table's buckets to divide by the ranks (1, 2 
 EVICTION = {"ample": "LFU_EvictionPolicy", "scarce": "LRU_EvictionPolicy"}
 # how the sharded tables train: SGD fused into their backward (TorchRec's FUSED kernel), or no optimizer fused, so
 # that `construct_module_sharding_plan` gives them the DENSE kernel and torch.optim.SGD over DMP's parameters steps them
-KERNELS = {"fused": "fused SGD", "dense": "the DENSE kernel, torch.optim.SGD"}
+KERNELS = {"fused": "fused into backward", "dense": "the DENSE kernel, torch.optim over DMP's parameters"}
+# the tables' optimizer, as (module, class, options): TorchRec maps the class to fbgemm's fused kernel; the same class
+# trains the unsharded tables. Adagrad's eps is fbgemm's and the reference's alike (their defaults differ).
+OPTIMIZERS = {"sgd": ("torch.optim", "SGD", {}), "adagrad": ("torch.optim", "Adagrad", {"eps": 1e-8})}
 
 
 def managed_slots(capacity: str, rows: int) -> int:
@@ -59,8 +62,8 @@ def managed_holder(module: Any, capacity: str) -> Any:
         def forward(self, kjts: dict[str, Any]) -> dict[str, dict[str, Any]]:
             pooled = {}
             for path, kjt in kjts.items():
-                raw = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() + RAW_ID_BASE, lengths=kjt.lengths(),
-                                        weights=kjt.weights_or_none())
+                raw = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() + RAW_ID_BASE,
+                                        lengths=kjt.lengths(), weights=kjt.weights_or_none())
                 pooled[path] = self.get_submodule(path)(raw)[0].to_dict()
             return pooled
 
@@ -117,6 +120,14 @@ def managed_tables(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> An
     return managed_holder(tables.to(dtype), case["capacity"])
 
 
+def table_optimizer(case: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The tables' optimizer class (what TorchRec maps to its fused kernel) and its options."""
+    import importlib
+
+    module, name, options = OPTIMIZERS[case["optimizer"]]
+    return getattr(importlib.import_module(module), name), {"lr": case["lr"], **options}
+
+
 def pooled_phases(holder: Any, data: dict[str, Any], case: dict[str, Any], start: int, stop: int, dtype: Any,
                   step: Any) -> dict[str, np.ndarray]:
     """Samples start..stop pooled before the steps, then `case["steps"]` steps on the training batch (its loss the
@@ -137,11 +148,10 @@ def pooled_phases(holder: Any, data: dict[str, Any], case: dict[str, Any], start
 
 
 def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
-    """The reference: the managed tables unsharded, in `dtype`, trained by SGD on the whole batch."""
-    import torch
-
+    """The reference: the managed tables unsharded, in `dtype`, trained by the case's optimizer on the whole batch."""
     holder = managed_tables(data, case, dtype)
-    optimizer = torch.optim.SGD(list(holder.parameters()), lr=case["lr"])
+    optimizer_class, options = table_optimizer(case)
+    optimizer = optimizer_class(list(holder.parameters()), **options)
 
     def step() -> None:
         optimizer.step()
@@ -151,9 +161,9 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
 
 
 def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """The setting: DistributedModelParallel over the managed tables, every table row-wise, trained by SGD (fused
-    inside backward, or over DMP's parameters where `case["kernel"]` is dense); each rank on its share of the batch;
-    the shares gathered on rank 0."""
+    """The setting: DistributedModelParallel over the managed tables, every table row-wise, trained by the case's
+    optimizer (fused inside backward, or SGD over DMP's parameters where `case["kernel"]` is dense); each rank on its
+    share of the batch; the shares gathered on rank 0."""
     import torch
     import torch.distributed as dist
     from torchrec.distributed import DistributedModelParallel
@@ -164,7 +174,8 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     holder = managed_tables(data, case, torch.float32)
     state = {name: value.detach().numpy().copy() for name, value in holder.state_dict().items()}
     if case["kernel"] == "fused":
-        apply_optimizer_in_backward(torch.optim.SGD, list(holder.parameters()), {"lr": case["lr"]})
+        optimizer_class, options = table_optimizer(case)
+        apply_optimizer_in_backward(optimizer_class, list(holder.parameters()), options)
     sharder = ManagedCollisionEmbeddingBagCollectionSharder()
     plan = managed_plan(holder, sharder, world_size, case["local_world_size"], case["device"])
     dmp = DistributedModelParallel(holder, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,

@@ -30,10 +30,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest import RunContext, Setting, Unsupported, register_settings, traits_of
+from settings import _torchrec_mc_script as mc
 from settings._torchrec_mc_script import (
     BUCKETS,
     EVICTION,
     KERNELS,
+    OPTIMIZERS,
     RAW_ID_BASE,
     SCARCE_SLOTS,
     _constant_rows,
@@ -62,28 +64,30 @@ class ManagedCollisionSharding(HeldTablesSharding):
     """TorchRec DMP over the model's tables behind managed-collision modules, every table row-wise."""
 
     family: ClassVar[str] = "torchrec-mc"
-    tier_axes: ClassVar[tuple[str, ...]] = ("capacity", "kernel")
+    tier_axes: ClassVar[tuple[str, ...]] = ("capacity", "kernel", "optimizer")
     sharding: str = "row_wise"
     world_size: int = 2
     capacity: str = "ample"
     kernel: str = "fused"  # KERNELS
+    optimizer: str = "sgd"  # OPTIMIZERS
 
     @property
     def name(self) -> str:
-        label = "-".join([self.sharding] + [v for v in (self.capacity, self.kernel) if v not in ("ample", "fused")])
+        parts = (self.capacity, self.kernel, self.optimizer)
+        label = "-".join([self.sharding] + [v for v in parts if v not in ("ample", "fused", "sgd")])
         return f"torchrec-mc/{label}/ws{self.world_size}"
 
     @property
     def reference(self) -> str:  # type: ignore[override]
-        return ManagedCollisionReference(capacity=self.capacity).name
+        return ManagedCollisionReference(capacity=self.capacity, optimizer=self.optimizer).name
 
     def describe(self) -> str:
         return (f"TorchRec DMP over managed-collision bag collections ({self.capacity} slots, "
                 f"{EVICTION[self.capacity].removesuffix('_EvictionPolicy')} eviction), every table {self.sharding}, "
-                f"{KERNELS[self.kernel]}, {self.world_size} ranks")
+                f"{OPTIMIZERS[self.optimizer][1]} {KERNELS[self.kernel]}, {self.world_size} ranks")
 
     def table_optimizer(self, ctx: RunContext) -> tuple[type, dict[str, Any]] | None:
-        return super().table_optimizer(ctx) if self.kernel == "fused" else None
+        return mc.table_optimizer({"optimizer": self.optimizer, "lr": ctx.lr}) if self.kernel == "fused" else None
 
     def supports(self, spec: Any) -> str | None:
         return _supports(spec)
@@ -112,7 +116,6 @@ class ManagedCollisionSharding(HeldTablesSharding):
         """The managed tables alone (`managed_holder`, as the run built them), sharded row-wise on the script's
         ranks and unsharded in one process: the pooled embeddings of the phase the case first diverged in."""
         from difftest import Script, refuse_changed_hooks
-        from settings import _torchrec_mc_script as mc
         from settings._torchrec_script import (
             bag_runs_kjt,
             embedding_script_data,
@@ -138,52 +141,61 @@ class ManagedCollisionSharding(HeldTablesSharding):
         return Script(
             summary=f"The model's TorchRec tables behind managed-collision modules ({self.capacity} slots, "
                     f"{EVICTION[self.capacity].removesuffix('_EvictionPolicy')} eviction), sharded row-wise by "
-                    f"DistributedModelParallel over {self.world_size} CPU ranks (gloo), {KERNELS[self.kernel]}"
-                    + case.against("the same modules in one process trained by SGD: every sample's pooled "
-                                   f"embeddings at {phase}") + ".",
+                    f"DistributedModelParallel over {self.world_size} CPU ranks (gloo), {OPTIMIZERS[self.optimizer][1]} "
+                    f"{KERNELS[self.kernel]}"
+                    + case.against(f"the same modules in one process trained by {OPTIMIZERS[self.optimizer][1]}: "
+                                   f"every sample's pooled embeddings at {phase}") + ".",
             libraries=("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "numpy"),
             preamble=("import dataclasses", "import types", "", f"RAW_ID_BASE = {RAW_ID_BASE!r}",
-                      f"SCARCE_SLOTS = {SCARCE_SLOTS!r}", f"BUCKETS = {BUCKETS!r}", f"EVICTION = {EVICTION!r}"),
-            case={"capacity": self.capacity, "kernel": self.kernel, "local_world_size": case.local_world_size,
-                  "device": "cpu",
-                  "batch": case.inputs["eval"].size, "steps": case.steps, "lr": case.lr, "tables": listed},
+                      f"SCARCE_SLOTS = {SCARCE_SLOTS!r}", f"BUCKETS = {BUCKETS!r}", f"EVICTION = {EVICTION!r}",
+                      f"OPTIMIZERS = {OPTIMIZERS!r}"),
+            case={"capacity": self.capacity, "kernel": self.kernel, "optimizer": self.optimizer,
+                  "local_world_size": case.local_world_size,
+                  "device": "cpu", "batch": case.inputs["eval"].size, "steps": case.steps, "lr": case.lr,
+                  "tables": listed},
             functions=(managed_slots, _constant_rows, embedding_collections, table_configs, managed_holder,
                        standalone_tables, standalone_features, bag_runs_kjt, pooled_loss, mc.managed_tables,
-                       mc.pooled_phases, managed_plan, table_rows, _local_pieces, _load_full_state, mc.single_process,
-                       mc.on_rank),
+                       mc.table_optimizer, mc.pooled_phases, managed_plan, table_rows, _local_pieces,
+                       _load_full_state, mc.single_process, mc.on_rank),
             tensors={name: name for name in names}, data=data, world_size=self.world_size)
 
 
 @dataclass(frozen=True)
 class ManagedCollisionReference(Setting):
-    """The family's root: the model's tables behind the same managed-collision modules, unsharded, plain SGD."""
+    """The family's root: the model's tables behind the same managed-collision modules, unsharded, trained by the
+    optimizer's PyTorch class."""
 
     world_size: int = 1
     capacity: str = "ample"
+    optimizer: str = "sgd"
     family: ClassVar[str] = "torchrec-mc"
     deterministic: ClassVar[bool] = True
 
     @property
     def name(self) -> str:
-        return "torchrec-mc/single/ws1" if self.capacity == "ample" else f"torchrec-mc/single-{self.capacity}/ws1"
+        label = "-".join(["single"] + [v for v in (self.capacity, self.optimizer) if v not in ("ample", "sgd")])
+        return f"torchrec-mc/{label}/ws1"
 
     @property
     def reference(self) -> str:  # type: ignore[override]
         return self.name
 
     def describe(self) -> str:
-        return f"one process, the model's tables behind managed-collision modules ({self.capacity} slots), trained by SGD"
+        return (f"one process, the model's tables behind managed-collision modules ({self.capacity} slots), trained by "
+                f"{OPTIMIZERS[self.optimizer][1]}")
 
     def supports(self, spec: Any) -> str | None:
         return _supports(spec)
 
     def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         holder = managed_holder(build_for_training(model, ctx.device), self.capacity)
-        return train_alone(ctx, inputs, holder, dict)
+        return train_alone(ctx, inputs, holder, dict, mc.table_optimizer({"optimizer": self.optimizer, "lr": ctx.lr}))
 
 
 register_settings(
-    [ManagedCollisionReference(capacity=c) for c in EVICTION]
+    [ManagedCollisionReference(capacity=c, optimizer=o) for c in EVICTION for o in OPTIMIZERS]
     + [ManagedCollisionSharding(world_size=ws, kernel=k) for ws in (1, 2, 4) for k in KERNELS]
-    + [ManagedCollisionSharding(world_size=1, capacity="scarce", kernel=k) for k in KERNELS]
+    + [ManagedCollisionSharding(world_size=1, capacity="scarce")]
+    + [ManagedCollisionSharding(world_size=ws, optimizer="adagrad") for ws in (1, 2)]
+    + [ManagedCollisionSharding(world_size=1, capacity="scarce", optimizer="adagrad")]
 )

@@ -140,11 +140,14 @@ def sharded_pooled_steps(setting: Any, ctx: RunContext, dmp: Any, optimizer: Any
                         on_strides)
 
 
-def train_alone(ctx: RunContext, inputs: Inputs, holder: Any, full_state: Callable[[], dict | None]) -> Outputs | None:
-    """A holder of bag collections trained in one process by plain SGD, recorded as a family's root records."""
+def train_alone(ctx: RunContext, inputs: Inputs, holder: Any, full_state: Callable[[], dict | None],
+                optimizer_class: tuple[type, dict[str, Any]] | None = None) -> Outputs | None:
+    """A holder of bag collections trained in one process by `optimizer_class` (a class and its options; plain SGD
+    at the run's learning rate when None), recorded as a family's root records."""
     import torch
 
-    optimizer = torch.optim.SGD([p for p in holder.parameters() if p.requires_grad], lr=ctx.lr)
+    cls, options = optimizer_class or (torch.optim.SGD, {"lr": ctx.lr})
+    optimizer = cls([p for p in holder.parameters() if p.requires_grad], **options)
     train_step, evaluate = pooled_steps(ctx, holder, False, optimizer.zero_grad, optimizer.step)
     return record_training(ctx, inputs, evaluate, train_step, full_state)
 

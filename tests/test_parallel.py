@@ -809,7 +809,8 @@ def test_torchrecs_quantized_comms_round_to_fp16_and_stay_inside_the_fp16_envelo
 def test_managed_collision_tables_shard_like_one_process_until_an_unsharded_eviction_keeps_a_trained_row(
         tmp_path: Path) -> None:
     """The model's tables behind zero-collision hashes: sharded row-wise over 2 ranks with room for every id, each
-    sample pools as in one process, before and after the steps, but for the row-wise 1 - 2^-20 scaling; with 8 slots
+    sample pools as in one process, before and after the steps (fused SGD or Adagrad against the same class), but for
+    the row-wise 1 - 2^-20 scaling; with 8 slots
     and LRU eviction on one rank, the unsharded module's rows keep what evicted ids trained (its `evict` is a stub),
     a second cause that triage keeps apart from the small scaling found before it in the same case; its standalone
     script shows it and, given ample slots, agrees. Without an optimizer fused into them (the DENSE kernel the plan
@@ -821,12 +822,16 @@ def test_managed_collision_tables_shard_like_one_process_until_an_unsharded_evic
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
     run_sweep(run_dir, SweepOptions(
-        settings="torchrec-mc/row_wise/ws2,torchrec-mc/row_wise-scarce/ws1,torchrec-mc/row_wise-dense/ws2"))
+        settings="torchrec-mc/row_wise/ws2,torchrec-mc/row_wise-adagrad/ws2,torchrec-mc/row_wise-scarce/ws1,"
+                 "torchrec-mc/row_wise-dense/ws2"))
     analysis = analyze(run_dir)
-    rows = analysis.comparisons[analysis.comparisons["setting"] == "torchrec-mc/row_wise/ws2"]
+    # fused SGD and fused Adagrad against the same PyTorch class on the unsharded modules
+    rows = analysis.comparisons[analysis.comparisons["setting"].isin(
+        ["torchrec-mc/row_wise/ws2", "torchrec-mc/row_wise-adagrad/ws2"])]
     pooled = rows[rows["tensor"].str.startswith("pooled.")]
     assert {"eval_before", "eval_after_step1"} <= set(pooled["phase"]), pooled
     assert pooled["calibrated_ratio"].notna().all() and pooled["max_rel"].astype(float).max() < 1e-3, pooled
+    assert set(pooled["setting"]) == {"torchrec-mc/row_wise/ws2", "torchrec-mc/row_wise-adagrad/ws2"}, pooled
     scarce = analysis.comparisons[analysis.comparisons["setting"] == "torchrec-mc/row_wise-scarce/ws1"]
     after = scarce[scarce["phase"].str.startswith("eval_after") & scarce["tensor"].str.startswith("pooled.")]
     assert after["linf"].astype(float).max() > 1e-3, after

@@ -27,7 +27,7 @@ BUCKETS = 4  # the planner wants a table's buckets to divide by the ranks (1, 2 
 EVICTION = {"ample": "LFU_EvictionPolicy", "scarce": "LRU_EvictionPolicy"}
 # how the sharded tables train: SGD fused into their backward (TorchRec's FUSED kernel), or no optimizer fused, so
 # that `construct_module_sharding_plan` gives them the DENSE kernel and torch.optim.SGD over DMP's parameters steps them
-KERNELS = {"fused": "fused into backward", "dense": "the DENSE kernel, torch.optim over DMP's parameters"}
+KERNELS = {"fused": "fused into backward", "dense": "on the DENSE kernel, stepped over DMP's parameters"}
 # the tables' optimizer, as (module, class, options): TorchRec maps the class to fbgemm's fused kernel; the same class
 # trains the unsharded tables. Adagrad's eps is fbgemm's and the reference's alike (their defaults differ).
 OPTIMIZERS = {"sgd": ("torch.optim", "SGD", {}), "adagrad": ("torch.optim", "Adagrad", {"eps": 1e-8})}
@@ -62,8 +62,8 @@ def managed_holder(module: Any, capacity: str) -> Any:
         def forward(self, kjts: dict[str, Any]) -> dict[str, dict[str, Any]]:
             pooled = {}
             for path, kjt in kjts.items():
-                raw = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() + RAW_ID_BASE,
-                                        lengths=kjt.lengths(), weights=kjt.weights_or_none())
+                raw = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() + RAW_ID_BASE, lengths=kjt.lengths(),
+                                        weights=kjt.weights_or_none())
                 pooled[path] = self.get_submodule(path)(raw)[0].to_dict()
             return pooled
 

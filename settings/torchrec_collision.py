@@ -13,7 +13,8 @@ same whichever row holds it, and every sample's pooled embedding must agree.
 - `scarce`: 8 slots (7 and a miss slot) and least-recently-used eviction every step: ids evict each other. Only one
   rank runs it, where sharded and unsharded hand out rows alike; on more ranks each rank's share of the slots
   decides who is evicted, which differs by design.
-- `dense` (beside each): no optimizer fused into the tables, as a user who trains them with a torch.optim optimizer
+- `adagrad` (beside SGD): the tables trained by fused Adagrad, the root's by torch.optim.Adagrad (eps 1e-8 on both).
+- `dense` (beside fused): no optimizer fused into the tables, as a user who trains them with a torch.optim optimizer
   has them. `construct_module_sharding_plan` then gives every table TorchRec's DENSE kernel (its rule without an
   in-backward optimizer, although the collision sharder lists only fused kernels), and torch.optim.SGD over DMP's
   parameters steps them.

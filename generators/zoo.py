@@ -155,13 +155,15 @@ def _image_batch(seed: int, size: int) -> tuple[Any, Any]:
 
 
 class ZooKind(AdapterGenerator):
-    """A zoo model as a kind: the adapter's protocol, the library's findings (no "user" trait)."""
+    """A zoo model as a kind: the adapter's protocol, the library's findings (no "user" trait); its library is a
+    trait too, for the families that run that library's own parallelism (`settings/hf_distributed.py`)."""
 
     traits = frozenset({"torch", "zoo"})
 
     def __init__(self, adapter: ModelAdapter, library: str) -> None:
         super().__init__(adapter)
         self.library = library
+        self.traits = self.traits | {library}
 
     def available(self) -> str | None:
         return _missing(self.library)

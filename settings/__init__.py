@@ -37,6 +37,7 @@ from settings import dense_optimizers  # noqa: F401
 from settings import accumulation  # noqa: F401
 from settings import compiled  # noqa: F401
 from settings import titan  # noqa: F401
+from settings import hf_distributed  # noqa: F401
 from settings import dtensor_spmd  # noqa: F401
 from settings import device  # noqa: F401  (last: it registers CUDA runs of settings registered above)
 

@@ -46,6 +46,33 @@ def test_a_mixture_of_experts_trains_the_same_under_the_librarys_own_tensor_para
 
 
 @needs_zoo
+def test_transformers_own_distributed_config_trains_a_mixture_of_experts_as_one_process_does(tmp_path: Path) -> None:
+    """`from_pretrained(distributed_config=DistributedConfig(...))`: the experts spread over the data-parallel ranks
+    (tokens exchanged all-to-all) and over the tensor-parallel ranks (outputs all-reduced) train as one process does;
+    the library's CPU offload, which pins host memory, is refused on the CPU with that reason; and data parallelism
+    without the config (replicas never synchronised, a planted fault) is caught."""
+    out = tmp_path / "run"
+    settings = ("hf/fsdp2-ep2/all_to_all/ws2,hf/tp2-ep2/all_reduce/ws2,hf/fsdp2/cpu-offload/ws2,"
+                "faults/hf_data_parallel_without_sync/ws2")
+    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", "hf-mixtral",
+                           "--models", "1", "--settings", settings, "--plugin", "tests.faults.planted",
+                           "--minimise-budget", "0"], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = pd.read_csv(out / "summary.csv", index_col=0)
+    for setting in ("hf/fsdp2-ep2/all_to_all/ws2", "hf/tp2-ep2/all_reduce/ws2"):
+        assert cases.loc[setting, "ok"] == 1, cases.to_string()
+    assert cases.loc["faults/hf_data_parallel_without_sync/ws2", "inconsistent"] == 1, cases.to_string()
+    compared = pd.read_csv(out / "comparisons.csv")
+    notes = dict(zip(compared["setting"], compared["message"], strict=False))  # transformers applied its own plans
+    assert notes["hf/fsdp2-ep2/all_to_all/ws2"] == "plans: the model's ep_plan (3 rules), the model's fsdp_plan (4 rules)"
+    assert notes["hf/tp2-ep2/all_reduce/ws2"] == "plans: the model's tp_plan (9 rules), the model's ep_plan (3 rules)"
+    refused = pd.read_csv(out / "inconsistencies.csv").set_index("setting")
+    assert refused.loc["hf/fsdp2/cpu-offload/ws2", "status"] == "unsupported"
+    assert "pinned host memory needs a CUDA device" in refused.loc["hf/fsdp2/cpu-offload/ws2", "message"]
+
+
+@needs_zoo
 def test_an_architecture_without_a_plan_is_refused_for_tensor_parallel_with_that_reason(tmp_path: Path) -> None:
     done = _run(tmp_path / "run", "hf-gpt2")
     assert done.returncode == 0, done.stderr[-3000:]

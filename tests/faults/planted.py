@@ -668,3 +668,28 @@ class TitanLastStageSkipsStep(TorchtitanPipelineRecipe):
 
 
 register_settings([TitanLastStageSkipsStep(data_parallel=1)])
+
+
+from settings.hf_distributed import TransformersDistributed  # noqa: E402
+
+
+@dataclass(frozen=True)
+class HfDataParallelWithoutSync(TransformersDistributed):
+    """Each rank trains on its share of the batch, but the model is loaded without the `DistributedConfig`: plain
+    replicas whose gradients are never synchronised (rank 0's weights are one share's training)."""
+
+    family: ClassVar[str] = "faults"
+
+    @property
+    def name(self) -> str:
+        return f"faults/hf_data_parallel_without_sync/ws{self.ranks}"
+
+    @property
+    def reference(self) -> str:  # type: ignore[override]
+        return "reference"
+
+    def config(self) -> dict[str, Any]:
+        return {}
+
+
+register_settings([HfDataParallelWithoutSync(fsdp=2)])

@@ -7,7 +7,10 @@ weights drawn from the seed (nothing is downloaded). Their batch is what the lib
 plan as the library applies it: `transformers.distributed.tensor_parallel.apply_tensor_parallelism` with the plan the
 model resolves for the world size (`_resolve_parallel_plans`, what `from_pretrained(tp_plan=…)` runs); an
 architecture that ships no plan is refused with that reason. FSDP2's units and activation checkpointing take the
-decoder or encoder layers.
+decoder or encoder layers. The decoder-only architectures (Llama, Qwen2, Qwen3, Mixtral) are a chain of pipeline units
+— the embedding, each decoder layer (its causal mask and rotary embeddings made as the model's forward makes them),
+the norm and output projection — checked to compose to the model's forward before a pipeline cuts them into stages;
+the `hf` family (`settings/hf_distributed.py`) runs transformers' own `DistributedConfig`.
 
 `timm-<model>`: small `timm` vision models (a ResNet with BatchNorm, a ViT, a ConvNeXt) from
 `timm.create_model(…, pretrained=False)`, classifying 32×32 images; FSDP2 and checkpointing take their blocks. The
@@ -138,6 +141,52 @@ def _library_plan(module: Any, world_size: int) -> dict[str, Any]:
     return {"lm": TransformersTensorParallel()}
 
 
+def _decoder_chain(module: Any) -> list[Any]:
+    """A causal language model's forward as pipeline units, its decoder layers each one unit: the token embedding;
+    each decoder layer given what the model's forward gives it (its causal mask — sliding where the config says —
+    the rotary position embeddings, the positions), built from the padding mask the units hand on; the final norm
+    and the output projection. `ModelAdapter(chain=…)` checks that they compose to the model's forward."""
+    import torch
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    lm = module.lm
+    config = lm.config
+
+    class Embedding(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = lm.model.embed_tokens
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> tuple[Any, Any]:
+            return self.embed_tokens(input_ids), attention_mask
+
+    class Decoder(torch.nn.Module):
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.layer, self.rotary_emb = lm.model.layers[index], lm.model.rotary_emb
+            kind = config.layer_types[index] if getattr(config, "layer_types", None) else (
+                "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention")
+            self.mask = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+
+        def forward(self, hidden: Any, attention_mask: Any) -> tuple[Any, Any]:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            mask = self.mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+                             position_ids=positions)
+            hidden = self.layer(hidden, attention_mask=mask, position_embeddings=self.rotary_emb(hidden, positions),
+                                position_ids=positions)
+            return hidden, attention_mask
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.lm_head = lm.model.norm, lm.lm_head
+
+        def forward(self, hidden: Any, attention_mask: Any) -> Any:
+            return self.lm_head(self.norm(hidden))
+
+    return [Embedding(), *(Decoder(i) for i in range(config.num_hidden_layers)), Head()]
+
+
 def _image_model(name: str, seed: int) -> Any:
     import timm
     import torch
@@ -175,7 +224,8 @@ def _register() -> None:
     for architecture, (_, _, _, blocks) in HUGGING_FACE.items():
         adapter = ModelAdapter(f"hf-{architecture}", partial(_hugging_face_model, architecture),
                                partial(_token_batch, architecture), _class_loss,
-                               blocks=tuple(f"lm.{blocks}.{i}" for i in range(LAYERS)), tp_plan=_library_plan)
+                               blocks=tuple(f"lm.{blocks}.{i}" for i in range(LAYERS)), tp_plan=_library_plan,
+                               chain=_decoder_chain if blocks == "model.layers" else None)
         register_generator(adapter.name, ZooKind(adapter, "transformers"))
     for name, (_, _, blocks) in TIMM.items():
         adapter = ModelAdapter(f"timm-{name}", partial(_image_model, name), _image_batch, _class_loss, blocks=blocks)

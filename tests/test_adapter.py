@@ -153,6 +153,53 @@ def test_a_loss_that_sums_is_told_from_one_that_averages() -> None:
     assert not loss_sums_over_the_batch(cross_entropy, prediction, labels)
 
 
+def test_a_chain_of_units_runs_a_pipeline_only_where_it_composes_to_the_forward() -> None:
+    """`ModelAdapter(chain=…)`: units for a forward that is more than its layers in order (here keyword inputs and a
+    mask applied between them); a chain that does not compute the forward is refused with the difference."""
+    import torch
+
+    from difftest import ModelAdapter, Unsupported
+    from difftest.contracts.adapter import AdapterGenerator
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.second(torch.tanh(self.first(x)) * mask)
+
+    class First(torch.nn.Module):
+        def __init__(self, module: Masked, masked: bool) -> None:
+            super().__init__()
+            self.layer, self.masked = module.first, masked
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.layer(x)) * mask if self.masked else torch.tanh(self.layer(x))
+
+    def make_model(seed: int) -> Masked:
+        torch.manual_seed(seed)
+        return Masked()
+
+    def make_batch(seed: int, size: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        mask = (torch.rand(size, 1, generator=generator) > 0.5).float()
+        return {"x": torch.randn(size, 4, generator=generator), "mask": mask}, torch.randn(size, 1, generator=generator)
+
+    def kind(masked: bool) -> AdapterGenerator:
+        return AdapterGenerator(ModelAdapter("masked", make_model, make_batch, torch.nn.functional.mse_loss,
+                                             chain=lambda module: [First(module, masked), module.second]))
+
+    right = kind(True)
+    spec = right.spec(0, 0)
+    chain = right.chain(spec, right.init_state(spec), "cpu")
+    assert [type(unit).__name__ for unit in chain.units] == ["FedUnit", "Linear"]
+    assert set(chain.parameters_of(chain.units)) == {"first.weight", "first.bias", "second.weight", "second.bias"}
+    wrong = kind(False)  # the mask forgotten: the units compute another function
+    with pytest.raises(Unsupported, match="its chain of units does not compute the module's forward"):
+        wrong.chain(spec, wrong.init_state(spec), "cpu")
+
+
 @pytest.mark.parametrize(("source", "said"), [
     ("adapter = 3\n", "has no ModelAdapter named 'adapter'"),
     ("from difftest import ModelAdapter\nadapter = ModelAdapter('My Model', None, None, None)\n", "lower-case"),

@@ -51,7 +51,10 @@ class ModelAdapter:
     loss; `blocks` names the repeated blocks (FSDP2's units, activation checkpointing), `frozen` the parameters that
     do not train, `layers` the submodules whose composition is the forward (pipelines), `tp_plan(module, world_size)`
     the model's own tensor-parallel plan; `prediction(output)` the prediction tensor of a module whose forward
-    returns an object (a dataclass, a model output), taken outside the setting's wrapper as a training loop does."""
+    returns an object (a dataclass, a model output), taken outside the setting's wrapper as a training loop does;
+    `chain(module)` the module as a list of units for pipelines where its forward is more than its layers in order
+    (the first unit takes the batch's inputs as the module does, by position or keyword, every next one what the
+    previous returned, the last the prediction): checked to compute the module's forward before a pipeline uses it."""
 
     name: str
     model: Callable[[int], Any]
@@ -62,6 +65,7 @@ class ModelAdapter:
     layers: tuple[str, ...] = ()
     tp_plan: Callable[[Any, int], dict[str, Any]] | None = None
     prediction: Callable[[Any], Any] | None = None
+    chain: Callable[[Any], list[Any]] | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -308,29 +312,61 @@ class AdapterGenerator(Generator):
         return set()  # the adapter says what is frozen; difftest draws no frozen variant of a user's model
 
     def chain(self, spec: ModelSpec, init_state: dict[str, np.ndarray], device: str, model_dir: Any = None) -> Any:
-        """The model cut at its `layers`: the first unit reads the batch's inputs at the positions it is given and runs
-        the first layer, every next unit is the next layer."""
+        """The model cut at its `layers` (or into the adapter's `chain` of units): the first unit reads the batch's
+        inputs at the positions it is given and runs the first layer, every next unit is the next layer."""
 
         from difftest.contracts.chain import BatchSource, FedUnit, LayerChain
 
-        if not self.adapter.layers:
+        if not self.adapter.layers and self.adapter.chain is None:
             raise Unsupported(f"adapter {self.kind!r} gives no layer list: a pipeline needs "
                               "ModelAdapter(layers=(...)), the submodules whose composition is the forward")
         module = self.build(spec, init_state, device)
-        layers = [module.get_submodule(name) for name in self.adapter.layers]
+        if self.adapter.chain is not None:
+            layers = list(self.adapter.chain(module))
+        else:
+            layers = [module.get_submodule(name) for name in self.adapter.layers]
+            if any(not name.startswith(POSITIONAL) for name in self.inputs(spec, 2)["train"].named):
+                raise Unsupported(f"adapter {self.kind!r}: its first layer takes keyword inputs; a pipeline stage is "
+                                  "fed one tensor or positional ones")
         held = {id(p) for layer in layers for p in layer.parameters()}
         outside = [name for name, p in module.named_parameters() if id(p) not in held]
         if outside:
             raise Unsupported(f"adapter {self.kind!r}: parameters outside its layers ({', '.join(outside[:3])}): a "
                               "pipeline stage would not own them")
-        if any(not name.startswith(POSITIONAL) for name in self.inputs(spec, 2)["train"].named):
-            raise Unsupported(f"adapter {self.kind!r}: its first layer takes keyword inputs; a pipeline stage is fed "
-                              "one tensor or positional ones")
         source = BatchSource()
         dtype = _input_dtype(module)
-        return LayerChain([FedUnit(lambda positions: _inputs(source.samples(positions), device, dtype)[0], layers[0]),
-                           *layers[1:]], source,
-                          lambda: dict(module.named_parameters()), "prediction")
+
+        def inputs_at(positions: Any) -> Any:
+            positional, keywords = _inputs(source.samples(positions), device, dtype)
+            return keywords or positional
+
+        chain = LayerChain([FedUnit(inputs_at, layers[0]), *layers[1:]], source,
+                           lambda: dict(module.named_parameters()), "prediction")
+        if self.adapter.chain is not None:
+            self._check_chain(spec, module, chain, device)
+        return chain
+
+    def _check_chain(self, spec: ModelSpec, module: Any, chain: Any, device: str) -> None:
+        """The adapter's units, composed, must compute what the module's forward does on a batch (to the bit: the same
+        operations in the same order), else a pipeline would be judged for the adapter's mistake."""
+        import torch
+
+        batch = self.inputs(spec, 2)["train"]
+        chain.feed(batch)
+        module.eval()
+        try:
+            with torch.no_grad():
+                value: Any = torch.arange(2, device=device)
+                for unit in chain.units:
+                    value = unit(*value) if isinstance(value, tuple) else unit(value)
+                whole = self.forward(module, batch, device)
+        finally:
+            module.train()
+        if not (isinstance(value, torch.Tensor) and value.shape == whole.shape and torch.equal(value, whole)):
+            off = float((value - whole).abs().max()) if isinstance(value, torch.Tensor) and \
+                value.shape == whole.shape else float("nan")
+            raise Unsupported(f"adapter {self.kind!r}: its chain of units does not compute the module's forward "
+                              f"(largest difference {off:.3g}): a pipeline would be judged for the chain's mistake")
 
     def tp_plan(self, module: Any, world_size: int, sequence_parallel: bool,
                 loss_parallel: bool) -> dict[str, Any] | None:

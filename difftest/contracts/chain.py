@@ -55,7 +55,8 @@ class LayerChain:
 
 class FedUnit(torch.nn.Module):
     """A chain's first unit where the model's first layer takes the batch's inputs as they are: those at the positions
-    it is given (one tensor, or a tuple of the layer's positional arguments), through `layer`."""
+    it is given (one tensor, a tuple of the layer's positional arguments or a dict of its keyword ones), through
+    `layer`."""
 
     def __init__(self, inputs_at: Callable[[torch.Tensor], Any], layer: torch.nn.Module) -> None:
         super().__init__()
@@ -63,6 +64,8 @@ class FedUnit(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor) -> Any:
         inputs = self.inputs_at(positions)
+        if isinstance(inputs, dict):
+            return self.layer(**inputs)
         return self.layer(*inputs) if isinstance(inputs, tuple) else self.layer(inputs)
 
 

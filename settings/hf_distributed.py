@@ -125,9 +125,8 @@ class TransformersDistributed(Setting):
         from settings._resumable import train_in_new_processes
 
         self._refusal(build_for_training(model, "cpu").lm)  # what the library refuses, before any process starts
-        if self.cpu_offload and not ctx.device.startswith("cuda"):
-            raise Unsupported("fsdp_cpu_offload builds CPUOffloadPolicy() (transformers/distributed/fsdp.py), whose "
-                              "pinned host memory needs a CUDA device: computing on the CPU, nothing is offloaded")
+        if self.cpu_offload:
+            _pinnable()
         return train_in_new_processes(self, ctx, model, self.ranks, "transformers' distributed training")
 
     def _refusal(self, library_model: Any) -> None:
@@ -136,9 +135,6 @@ class TransformersDistributed(Setting):
         for axis, (plan, size) in plans.items():
             if size > 1 and not getattr(library_model, plan, None):
                 raise Unsupported(f"{type(library_model).__name__} ships no {plan} ({axis}_size={size} needs one)")
-        if self.tp > 1 and library_model.config.num_attention_heads % self.tp:
-            raise Unsupported(f"{library_model.config.num_attention_heads} attention heads do not split over "
-                              f"tp_size={self.tp}")
 
     def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         """One process's part: the library loads the case's weights into its own layout, then SGD on the rank's
@@ -171,6 +167,19 @@ class TransformersDistributed(Setting):
         """Which data-parallel share of the batch `rank` trains on: its place on transformers' mesh (pp, dp_replicate,
         fsdp, tp), the tensor-parallel ranks of a replica sharing one."""
         return (rank // self.tp) % self.data_parallel
+
+
+def _pinnable() -> None:
+    """`fsdp_cpu_offload` builds `CPUOffloadPolicy()` (transformers/distributed/fsdp.py), which pins host memory: where
+    this machine cannot pin (no CUDA driver), the setting is `unsupported` with torch's words."""
+    import torch
+
+    try:
+        torch.empty(1).pin_memory()
+    except RuntimeError as exc:
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise Unsupported(f"fsdp_cpu_offload pins host memory (transformers builds CPUOffloadPolicy()), which this "
+                          f"machine cannot: {said}") from None
 
 
 register_settings(

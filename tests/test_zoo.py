@@ -49,7 +49,7 @@ def test_a_mixture_of_experts_trains_the_same_under_its_librarys_tp_plan_and_in_
 def test_transformers_own_distributed_config_trains_a_mixture_of_experts_as_one_process_does(tmp_path: Path) -> None:
     """`from_pretrained(distributed_config=DistributedConfig(...))`: the experts spread over the data-parallel ranks
     (tokens exchanged all-to-all) and over the tensor-parallel ranks (outputs all-reduced) train as one process does;
-    the library's CPU offload, which pins host memory, is refused on the CPU with that reason; and data parallelism
+    the library's CPU offload, which pins host memory, is refused where the machine cannot pin memory, in torch's words; and data parallelism
     without the config (replicas never synchronised, a planted fault) is caught."""
     out = tmp_path / "run"
     settings = ("hf/fsdp2-ep2/all_to_all/ws2,hf/tp2-ep2/all_reduce/ws2,hf/fsdp2/cpu-offload/ws2,"
@@ -69,7 +69,7 @@ def test_transformers_own_distributed_config_trains_a_mixture_of_experts_as_one_
     assert notes["hf/tp2-ep2/all_reduce/ws2"] == "plans: the model's tp_plan (9 rules), the model's ep_plan (3 rules)"
     refused = pd.read_csv(out / "inconsistencies.csv").set_index("setting")
     assert refused.loc["hf/fsdp2/cpu-offload/ws2", "status"] == "unsupported"
-    assert "pinned host memory needs a CUDA device" in refused.loc["hf/fsdp2/cpu-offload/ws2", "message"]
+    assert "fsdp_cpu_offload pins host memory" in refused.loc["hf/fsdp2/cpu-offload/ws2", "message"]
 
 
 @needs_zoo

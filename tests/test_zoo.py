@@ -49,8 +49,8 @@ def test_a_mixture_of_experts_trains_the_same_under_its_librarys_tp_plan_and_in_
 def test_transformers_own_distributed_config_trains_a_mixture_of_experts_as_one_process_does(tmp_path: Path) -> None:
     """`from_pretrained(distributed_config=DistributedConfig(...))`: the experts spread over the data-parallel ranks
     (tokens exchanged all-to-all) and over the tensor-parallel ranks (outputs all-reduced) train as one process does;
-    the library's CPU offload, which pins host memory, is refused where the machine cannot pin memory, in torch's words; and data parallelism
-    without the config (replicas never synchronised, a planted fault) is caught."""
+    the library's CPU offload, which pins host memory, is refused where the machine cannot pin memory, in torch's
+    words; and data parallelism without the config (replicas never synchronised, a planted fault) is caught."""
     out = tmp_path / "run"
     settings = ("hf/fsdp2-ep2/all_to_all/ws2,hf/tp2-ep2/all_reduce/ws2,hf/fsdp2/cpu-offload/ws2,"
                 "faults/hf_data_parallel_without_sync/ws2")

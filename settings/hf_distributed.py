@@ -40,9 +40,6 @@ from difftest import (
 from settings._training import build_for_training, gathered_parameters, train_data_parallel
 from settings.fsdp import BF16_TOLERANCE
 
-# how the experts receive their tokens under expert parallelism (`DistributedConfig.ep_implementation`)
-EP_IMPLEMENTATIONS = ("auto", "all_to_all", "all_reduce")
-
 
 @dataclass(frozen=True)
 class TransformersDistributed(Setting):
@@ -53,7 +50,8 @@ class TransformersDistributed(Setting):
     tp: int = 1
     ep: int = 1
     replicate: int = 1
-    ep_implementation: str = "auto"  # a value of EP_IMPLEMENTATIONS
+    # how the experts receive their tokens (`DistributedConfig.ep_implementation`): auto, all_to_all, all_reduce
+    ep_implementation: str = "auto"
     mixed_precision: bool = False  # `fsdp_mixed_precision`: bf16 compute, judged by the root's bf16 envelope
     cpu_offload: bool = False  # `fsdp_cpu_offload`
     world_size: int = 1  # the sweep's process only starts the library's own group

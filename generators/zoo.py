@@ -38,7 +38,7 @@ VOCABULARY, POSITIONS, CLASSES = 64, 8, 5
 # recomputation would attend over the keys twice (HF's own gradient checkpointing turns it off for that reason)
 _SMALL = dict(vocab_size=VOCABULARY, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4 * POSITIONS, use_cache=False)
-HUGGING_FACE = {
+HUGGING_FACE: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _SMALL, "model.layers"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _SMALL, "model.layers"),
     # Qwen 3 normalises each head's queries and keys (its plan replicates those norms, their gradients all-reduced)
@@ -59,7 +59,7 @@ HUGGING_FACE = {
              "bert.encoder.layer"),
 }
 # timm model → its options and its blocks' module names
-TIMM = {
+TIMM: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
     "resnet": ("resnet10t", dict(channels=(8, 16, 24, 32), stem_width=8, zero_init_last=False),
                ("layer1", "layer2", "layer3", "layer4")),
     "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4),
@@ -94,14 +94,35 @@ def _module_class() -> Any:
     return LibraryModel
 
 
+def _hugging_face_params(architecture: str) -> dict[str, Any]:
+    config_class, model_class, fields, _ = HUGGING_FACE[architecture]
+    return {"library": "transformers", "config": config_class, "model": model_class, "fields": dict(fields)}
+
+
+def _timm_params(name: str) -> dict[str, Any]:
+    model, options, _ = TIMM[name]
+    return {"library": "timm", "model": model, "options": dict(options), "classes": CLASSES}
+
+
+def _build_module(params: dict[str, Any], device: str) -> Any:
+    """The zoo's model as its library builds it from `params` (`_hugging_face_params`, `_timm_params`): the kind's
+    and its standalone script's (which then loads the case's weights), on `device`."""
+    if params["library"] == "transformers":
+        import transformers
+
+        config = getattr(transformers, params["config"])(**params["fields"])
+        return _module_class()(getattr(transformers, params["model"])(config), "logits").to(device)
+    import timm
+
+    return timm.create_model(params["model"], pretrained=False, num_classes=params["classes"],
+                             **params["options"]).to(device)
+
+
 def _hugging_face_model(architecture: str, seed: int) -> Any:
     import torch
-    import transformers
 
-    config_class, model_class, fields, _ = HUGGING_FACE[architecture]
-    config = getattr(transformers, config_class)(**fields)
     torch.manual_seed(seed)
-    return _module_class()(getattr(transformers, model_class)(config), "logits")
+    return _build_module(_hugging_face_params(architecture), "cpu")
 
 
 def _token_batch(architecture: str, seed: int, size: int) -> tuple[dict[str, Any], Any]:
@@ -116,7 +137,7 @@ def _token_batch(architecture: str, seed: int, size: int) -> tuple[dict[str, Any
     return {"input_ids": ids, "attention_mask": mask}, torch.roll(ids, -1, dims=1)
 
 
-def _class_loss(prediction: Any, target: Any) -> Any:
+def prediction_loss(prediction: Any, target: Any) -> Any:
     """The mean cross-entropy over every position's (or sample's) classes."""
     import torch
 
@@ -188,12 +209,10 @@ def _decoder_chain(module: Any) -> list[Any]:
 
 
 def _image_model(name: str, seed: int) -> Any:
-    import timm
     import torch
 
-    model, options, _ = TIMM[name]
     torch.manual_seed(seed)
-    return timm.create_model(model, pretrained=False, num_classes=CLASSES, **options)
+    return _build_module(_timm_params(name), "cpu")
 
 
 def _image_batch(seed: int, size: int) -> tuple[Any, Any]:
@@ -201,6 +220,58 @@ def _image_batch(seed: int, size: int) -> tuple[Any, Any]:
 
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(size, 3, 32, 32, generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
+
+
+# --- the model in a standalone script (difftest.scripts.emit): its data holds the weights and the training batch -------
+def _unwrap(module: Any) -> Any:
+    """The zoo's model inside DDP or legacy FSDP (FSDP2 and tensor parallelism leave it in place)."""
+    while type(module).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
+        module = module.module
+    return module
+
+
+def _batch_inputs(data: dict[str, Any], split: str, start: int, stop: int, dtype: Any) -> Any:
+    """Samples start..stop of the script's batch `split` as the model takes them: its keyword tensors (token ids and
+    masks), or its images in `dtype`."""
+    import torch
+
+    prefix = f"{split}.named."
+    named = {k[len(prefix):]: torch.from_numpy(v[start:stop]) for k, v in data.items() if k.startswith(prefix)}
+    return named or torch.from_numpy(data[f"{split}.dense"][start:stop]).to(dtype)
+
+
+def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> Any:
+    """The loss on training samples start..stop of the script's data, as the kind's forward and loss compute it."""
+    import torch
+
+    inputs = _batch_inputs(data, "train", start, stop, dtype)
+    labels = torch.from_numpy(data["train.labels"][start:stop])
+    return prediction_loss(module(**inputs) if isinstance(inputs, dict) else module(inputs), labels)
+
+
+def model_tp_plan(module: Any, world_size: int, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+    """The model's own tensor-parallel plan, applied by its library (`_library_plan`); it has no sequence- or
+    loss-parallel form (the settings that need one refuse the kind)."""
+    return _library_plan(_unwrap(module), world_size)
+
+
+def model_chain(module: Any, data: dict[str, Any], fed: dict[str, str], dtype: Any) -> list[Any]:
+    """The decoder as the chain of units a pipeline splits into stages (`_decoder_chain`), its first unit reading the
+    inputs of the script's batch `fed["split"]` at the positions it is given."""
+    import torch
+
+    units = _decoder_chain(_unwrap(module))
+
+    class Fed(torch.nn.Module):
+        def __init__(self, unit: Any) -> None:
+            super().__init__()
+            self.unit = unit
+
+        def forward(self, positions: Any) -> Any:
+            start = int(positions[0])
+            return self.unit(**_batch_inputs(data, fed["split"], start, start + len(positions), dtype))
+
+    return [Fed(units[0]), *units[1:]]
 
 
 class ZooKind(AdapterGenerator):
@@ -217,18 +288,43 @@ class ZooKind(AdapterGenerator):
     def available(self) -> str | None:
         return _missing(self.library)
 
+    def standalone_model(self, spec: Any, init_state: dict[str, Any], model_dir: Any, train: Any) -> Any:
+        """The model as its library builds it from its config (`_build_module`), the case's weights loaded into it."""
+        from difftest import ModelCode
+        from generators.dlrm import build_model, model_parameters, with_state  # they call this kind's by their names
+
+        name = self.kind.split("-", 1)[1]
+        hugging_face = self.library == "transformers"
+        params = _hugging_face_params(name) if hugging_face else _timm_params(name)
+        if hugging_face:
+            built = f"transformers' {params['model']} from a {params['config']} ({params['fields']})"
+            task = "next-token" if params["model"].endswith("CausalLM") else f"{CLASSES}-class"
+        else:
+            built = f"timm's {params['model']} (create_model with {params['options']}) on 32×32 images"
+            task = f"{CLASSES}-class"
+        own = (_module_class, _build_module, _unwrap, with_state, build_model, _batch_inputs, prediction_loss,
+               model_loss, model_parameters)
+        return ModelCode(
+            summary=f"The model is {built}, its weights the case's; mean {task} cross-entropy.",
+            libraries=(self.library,), preamble=("import functools",),  # `_module_class` caches with it
+            functions=(*own, *((_library_plan, model_tp_plan) if self.adapter.tp_plan is not None else ())),
+            chain=(_decoder_chain, model_chain) if self.adapter.chain is not None else (),
+            case={"model": params, "frozen": list(spec.frozen)},
+            data={**{f"state.{k}": v for k, v in init_state.items()}, **train.to_arrays("train")},
+            parameters=tuple(self.parameters(self.build(spec, init_state, "cpu"))))
+
 
 def _register() -> None:
     from functools import partial
 
     for architecture, (_, _, _, blocks) in HUGGING_FACE.items():
         adapter = ModelAdapter(f"hf-{architecture}", partial(_hugging_face_model, architecture),
-                               partial(_token_batch, architecture), _class_loss,
+                               partial(_token_batch, architecture), prediction_loss,
                                blocks=tuple(f"lm.{blocks}.{i}" for i in range(LAYERS)), tp_plan=_library_plan,
                                chain=_decoder_chain if blocks == "model.layers" else None)
         register_generator(adapter.name, ZooKind(adapter, "transformers"))
-    for name, (_, _, blocks) in TIMM.items():
-        adapter = ModelAdapter(f"timm-{name}", partial(_image_model, name), _image_batch, _class_loss, blocks=blocks)
+    for name, (_, _, units) in TIMM.items():
+        adapter = ModelAdapter(f"timm-{name}", partial(_image_model, name), _image_batch, prediction_loss, blocks=units)
         register_generator(adapter.name, ZooKind(adapter, "timm"))
 
 

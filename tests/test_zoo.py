@@ -132,7 +132,52 @@ def test_a_resnets_batchnorm_is_one_cause_with_its_fix_and_its_library_bugs_are_
     assert known.get("fsdp2-mixed-precision-batchnorm") == "known", findings.to_string()
     refused = pd.read_csv(out / "inconsistencies.csv").set_index("setting")
     assert "torch refuses SyncBatchNorm on cpu" in refused.loc["ddp/sync-batchnorm/ws2", "message"]
+    # the FSDP2 bug's script builds the ResNet as timm does and fails as the setting did, without difftest; the
+    # library the model's other branch builds with is not imported by its ranks
+    bf16 = findings[findings["known_issue"] == "fsdp2-mixed-precision-batchnorm"].iloc[0]
+    verdict = (out / "findings" / bf16["id"] / "standalone.txt").read_text()
+    assert verdict.startswith("standalone.py reproduces (exit 1)"), verdict
+    script = (out / "findings" / bf16["id"] / "standalone.py").read_text()
+    assert "timm.create_model(" in script and "'transformers'" not in script and "import difftest" not in script
     assert "BatchNorm normalises each micro-batch" in refused.loc["calib-microbatch/reference", "message"]
+
+
+@needs_zoo
+@pytest.mark.heavy
+def test_a_zoo_models_script_builds_it_from_its_config_and_judges_the_librarys_own_plans(tmp_path: Path) -> None:
+    """A Hugging Face model's standalone scripts (no difftest) build it from its config class, then train it under the
+    model's own tensor-parallel plan and as its decoder chain in a pipeline: they agree with one process, as the sweep
+    did (exit 0); the same tensor-parallel script with the ranks' loss planted 1.5 times larger says BUG PRESENT."""
+    import generators  # noqa: F401 -- the zoo's kinds, registered
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.check import check_script
+    from difftest.scripts.write import emit
+
+    out, model = tmp_path / "run", "hf-llama-s0-i0"
+    tp, pipeline = "tp/colwise-rowwise/ws2", "pipeline/gpipe/ws2/stages2/mb2/balanced"
+    done = _run(out, "hf-llama", f"{tp},{pipeline}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (pd.read_csv(out / "summary.csv", index_col=0).loc[[tp, pipeline], "ok"] == 1).all()
+    scripts = []
+    for number, setting in enumerate((tp, pipeline)):
+        spread = envelope_spread(out, model, setting)
+        emitted = emit(out, f"Z{number}", "a zoo model's case", "inconsistent", out / "models" / model, setting,
+                       "param_after_step1/lm.lm_head.weight", spread, Tolerance(), check_timeout_s=120)
+        assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+        text = emitted.path.read_text()
+        assert "getattr(transformers, params[\"config\"])" in text and "import difftest" not in text
+        assert emitted.checked.exit_code == 0 and "what rounding explains" in emitted.checked.output, \
+            emitted.checked.output[-3000:]
+        scripts.append(emitted.path)
+    text = scripts[0].read_text()
+    assert "model_tp_plan(module, *setting[\"own_plan\"])" in text  # the model's own plan, as transformers applies it
+    loss = "    return prediction_loss(module(**inputs) if isinstance(inputs, dict) else module(inputs), labels)"
+    assert text.count(loss) == 1
+    larger = "return (1 + 0.5 * torch.distributed.is_initialized()) * "
+    scripts[0].write_text(text.replace(loss, loss.replace("return ", larger)))
+    planted = check_script(scripts[0], timeout_s=120)
+    assert planted.exit_code == 1 and "BUG PRESENT" in planted.output, planted.output[-3000:]
 
 
 @needs_zoo

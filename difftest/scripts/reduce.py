@@ -653,10 +653,29 @@ def tidy(source: str) -> str:
     return re.sub(r"\n{4,}", "\n\n\n", source)
 
 
+def narrow_rank_imports(source: str) -> str:
+    """`RANK_IMPORTS` less the modules no code left in the script imports: the ranks are not made to import a library
+    that only a removed branch used (a timm model's script, the transformers its kind's other branch builds with)."""
+    tree = parse(source)
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["RANK_IMPORTS"]
+                and isinstance(node.value, ast.Tuple)):
+            kept = tuple(e.value for e in node.value.elts if isinstance(e, ast.Constant) and e.value in imported)
+            first, last = _span(node)
+            lines = source.splitlines()
+            lines[first - 1:last] = [f"RANK_IMPORTS = {kept!r}"]
+            return "\n".join(lines) + "\n"
+    return source
+
+
 def reduce_source(source: str, executed: set[int]) -> str:
     """What never ran (before the shared part), the loops left idle, every docstring but the script's, then what
-    nothing refers to."""
-    return tidy(drop_unused(drop_docstrings(drop_idle_blocks(prune_unexecuted(source, executed)))))
+    nothing refers to, and the ranks' imports of what is gone."""
+    return tidy(narrow_rank_imports(drop_unused(drop_docstrings(drop_idle_blocks(prune_unexecuted(source,
+                                                                                                   executed))))))
 
 
 # The same bug --------------------------------------------------------------------------------------------------------

@@ -19,9 +19,7 @@ activations carry no gradient), not as training.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import tempfile
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,7 +28,9 @@ from difftest import (
     ModelSpec,
     Outputs,
     RunContext,
+    Script,
     Setting,
+    StandaloneCase,
     Tolerance,
     Unsupported,
     across,
@@ -137,34 +137,55 @@ class TransformersDistributed(Setting):
     def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         """One process's part: the library loads the case's weights into its own layout, then SGD on the rank's
         share."""
-        import torch
-        from transformers import DistributedConfig
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()  # a bar per rank and load in the case's log says nothing
-        plain = build_for_training(model, ctx.device)
         config = self.config()
-        # transformers writes a checkpoint on rank 0 only (`should_save_on_this_rank`): one folder, every rank loads it
-        with tempfile.TemporaryDirectory() if ctx.rank == 0 else contextlib.nullcontext() as mine:
-            folder = [mine]
-            torch.distributed.broadcast_object_list(folder, src=0)
-            plain.lm.save_pretrained(folder[0])
-            torch.distributed.barrier()
-            distributed = type(plain.lm).from_pretrained(folder[0], distributed_config=DistributedConfig(
-                **config), dtype=torch.float32)
-            torch.distributed.barrier()  # every rank has read it before rank 0 removes it
-        module = type(plain)(distributed, plain.output)  # the kind's own wrapper: its forward, loss and names
+        module = distribute(build_for_training(model, ctx.device), None, ctx.device, {"config": config})
         applied = {"tp_plan": config.get("tp_size", 1), "ep_plan": config.get("ep_size", 1),
                    "fsdp_plan": config.get("fsdp_size", 1) * config.get("dp_replicate_size", 1)}
-        ctx.notes["plans"] = ", ".join(f"the model's {plan} ({len(getattr(distributed, plan) or {})} rules)"
+        ctx.notes["plans"] = ", ".join(f"the model's {plan} ({len(getattr(module.lm, plan) or {})} rules)"
                                        for plan, size in applied.items() if size > 1) or "none"
         return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module),
                                    data_shard=(self.share_of(ctx.rank), self.data_parallel))
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        from settings._training import full_parameters
+        from settings._training_script import training_script
+
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return training_script(case, f"transformers' own distributed training (from_pretrained(..., "
+                                     f"distributed_config=DistributedConfig({fields})))", self.ranks,
+                               (distribute, full_parameters), {"config": self.config(),
+                                                               "data_parallel": self.data_parallel},
+                               libraries=("accelerate",))
 
     def share_of(self, rank: int) -> int:
         """Which data-parallel share of the batch `rank` trains on: its place on transformers' mesh (pp, dp_replicate,
         fsdp, tp), the tensor-parallel ranks of a replica sharing one."""
         return (rank // self.tp) % self.data_parallel
+
+
+def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
+    """The kind's model as transformers parallelizes it: saved, then loaded back by every rank through the library's
+    distributed path, `from_pretrained(folder, distributed_config=DistributedConfig(**setting["config"]))`, which lays
+    out its own mesh over the default group and applies the model's own plans; in the kind's wrapper (its forward,
+    loss and names)."""
+    import contextlib
+    import tempfile
+
+    import torch
+    from transformers import DistributedConfig
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a bar per rank, save and load would bury what the case says
+    # transformers writes a checkpoint on rank 0 only (`should_save_on_this_rank`): one folder, every rank loads it
+    with tempfile.TemporaryDirectory() if torch.distributed.get_rank() == 0 else contextlib.nullcontext() as mine:
+        folder = [mine]
+        torch.distributed.broadcast_object_list(folder, src=0)
+        module.lm.save_pretrained(folder[0])
+        torch.distributed.barrier()
+        distributed = type(module.lm).from_pretrained(folder[0], distributed_config=DistributedConfig(
+            **setting["config"]), dtype=torch.float32)
+        torch.distributed.barrier()  # every rank has read it before rank 0 removes it
+    return type(module)(distributed, module.output)
 
 
 def _pinnable() -> None:

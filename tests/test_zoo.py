@@ -70,6 +70,12 @@ def test_transformers_own_distributed_config_trains_a_mixture_of_experts_as_one_
     refused = pd.read_csv(out / "inconsistencies.csv").set_index("setting")
     assert refused.loc["hf/fsdp2/cpu-offload/ws2", "status"] == "unsupported"
     assert "fsdp_cpu_offload pins host memory" in refused.loc["hf/fsdp2/cpu-offload/ws2", "message"]
+    # the family's script loads the model through from_pretrained as the setting does, so the planted fault's
+    # replicas drift apart there too, without difftest
+    found = pd.read_csv(out / "findings.csv").set_index("example_setting")
+    folder = out / "findings" / found.loc["faults/hf_data_parallel_without_sync/ws2", "id"]
+    assert (folder / "standalone.txt").read_text().startswith("standalone.py reproduces (exit 1)")
+    assert "distributed_config=DistributedConfig(" in (folder / "standalone.py").read_text()
 
 
 @needs_zoo

@@ -49,12 +49,15 @@ def sgd_step(model: Any, module: Any, optimizer: Any, batch: Batch, device: str,
              stepping: Callable[[Any], Any] | None = None) -> float:
     """One plain SGD step on `batch`: forward, mean loss, backward, update; returns the loss. The forward and the
     backward run inside `stepping(module)` where a setting gives one (Compiled Autograd's, for instance)."""
+    from torch.distributed.tensor import DTensor
+
     optimizer.zero_grad()
     with stepping(module) if stepping is not None else contextlib.nullcontext():
         loss = model.loss(model.forward(module, batch, device), batch)
         loss.backward()
     optimizer.step()
-    return loss.item()
+    # a loss computed on DTensors may be a pending reduction (Partial), whose `item()` is this rank's part alone
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
 
 
 @dataclass(frozen=True)

@@ -46,17 +46,21 @@ class DTensorSpmd(Setting):
 
     world_size: int
     dim: str = "batch"
+    # the loss taken on the model's outputs as DTensor leaves them (sharded like its inputs: a DTensor program's own
+    # loss), not on the whole outputs
+    sharded_loss: bool = False
     family: ClassVar[str] = "dtensor"
-    tier_axes: ClassVar[tuple[str, ...]] = ("dim",)
+    tier_axes: ClassVar[tuple[str, ...]] = ("dim", "sharded_loss")
 
     @property
     def name(self) -> str:
-        return f"dtensor/{self.dim}-sharded/ws{self.world_size}"
+        return f"dtensor/{self.dim}-sharded{'/sharded-loss' if self.sharded_loss else ''}/ws{self.world_size}"
 
     def describe(self) -> str:
         where = "the batch dimension" if self.dim == "batch" else "the last dimension"
+        loss = "; the loss taken on the sharded outputs" if self.sharded_loss else ""
         return (f"DTensor over {self.world_size} ranks: parameters replicated, the model's inputs sharded on {where}, "
-                f"every operator under DTensor's rules")
+                f"every operator under DTensor's rules{loss}")
 
     @property
     def collectives(self) -> frozenset[str]:
@@ -66,7 +70,7 @@ class DTensorSpmd(Setting):
     def options(self) -> dict[str, Any]:
         """What `distribute` takes; `data_parallel` 1: every rank is called with the whole batch, which DTensor
         shards (a standalone script feeds it so)."""
-        return {"dim": self.dim, "data_parallel": 1}
+        return {"dim": self.dim, "data_parallel": 1, "sharded_loss": self.sharded_loss}
 
     def supports(self, spec: ModelSpec) -> str | None:
         if "torchrec" in traits_of(spec.kind):
@@ -86,15 +90,17 @@ class DTensorSpmd(Setting):
         from settings._training_script import training_script
 
         where = "the batch dimension" if self.dim == "batch" else "the last dimension"
+        loss = "; the loss on the outputs as DTensor leaves them, sharded" if self.sharded_loss else ""
         return training_script(case, f"DTensor SPMD (distribute_module: parameters replicated; the model's inputs "
-                                     f"sharded on {where} by distribute_tensor)", self.world_size,
+                                     f"sharded on {where} by distribute_tensor{loss})", self.world_size,
                                (distribute, stepping, full_parameters), self.options)
 
 
 def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
     """Every parameter and buffer a replicated DTensor over `group`; every tensor the module is called with a DTensor
     sharded on `setting["dim"]` (its first or its last dimension: each rank keeps its chunk), and every DTensor it
-    returns whole again."""
+    returns whole again, except, with `setting["sharded_loss"]`, while it trains (gradients enabled: an evaluation runs
+    without): then its outputs reach the loss as DTensor leaves them."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
@@ -108,6 +114,8 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
         return distribute_tensor(value, mesh, [Shard(0 if setting["dim"] == "batch" else value.dim() - 1)])
 
     def whole(value: Any) -> Any:
+        if setting.get("sharded_loss") and torch.is_grad_enabled():
+            return value
         return value.full_tensor() if isinstance(value, DTensor) else value
 
     distribute_module(module, mesh)  # no partition function: every parameter and buffer replicated
@@ -127,4 +135,5 @@ class EmptyShardSpmd(DTensorSpmd):
 
 
 register_settings([*(DTensorSpmd(ws, dim) for dim in SHARDED_DIMS for ws in (2, 3)),
+                   *(DTensorSpmd(ws, "batch", sharded_loss=True) for ws in (2, 3)),
                    *(EmptyShardSpmd(4, dim) for dim in SHARDED_DIMS)])

@@ -52,9 +52,12 @@ def test_the_documented_adapter_runs_under_every_setting_that_takes_it_and_agree
     assert cases.loc["ac/single/selective/ws1", "unsupported"] == 2  # no blocks given: refused with the reason
     # a model of Linear layers alone keeps no parameter once dynamically quantized: still called in float
     assert cases.loc["quant/dynamic/qint8/onednn", "ok"] == 2
-    assert (cases["ok"] + cases["unsupported"] == cases["cases"]).all(), cases[cases["ok"] + cases["unsupported"]
-                                                                                < cases["cases"]].to_string()
-    assert "no findings" in done.stdout
+    # every setting agrees but where the loss is taken on DTensors: there torch's mse_loss gradient is off, a
+    # library bug the manifest knows (the built-in kinds, trained with cross_entropy, agree there)
+    agreeing = cases["ok"] + cases["unsupported"] == cases["cases"]
+    assert set(cases.index[~agreeing]) == {"dtensor/batch-sharded/sharded-loss/ws2"}, cases[~agreeing].to_string()
+    findings = pd.read_csv(tmp_path / command[command.index("--out") + 1] / "findings.csv")
+    assert list(findings["known_issue"]) == ["dtensor-loss-backward-local-numel"], findings.to_string()
 
 
 # two mistakes of a model's training setup, each planted in the documented example: the text it replaces, the text

@@ -174,6 +174,7 @@ def test_a_run_records_its_stack_and_keeps_an_earlier_one(tmp_path: Path) -> Non
     ("dcp-empty-shard-old-checkpoint-heuristic", "dcp_empty_shard_old_checkpoint_heuristic.py"),
     ("torchrec-mc-unsharded-eviction-keeps-rows", "torchrec_mc_eviction_keeps_rows.py"),
     ("torchrec-mc-dense-kernel-reset-fails", "torchrec_mc_dense_kernel_fails.py"),
+    ("dtensor-loss-backward-local-numel", "dtensor_loss_backward_local_numel.py"),
 ])
 def test_a_reproducer_shows_its_bug_exactly_where_the_manifest_says(entry: str, repro: str) -> None:
     """The traced library line behind a finding, run alone: it exits 1 on every release the entry affects and 0

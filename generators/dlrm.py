@@ -296,8 +296,13 @@ def with_state(module: Any, state: dict[str, np.ndarray], frozen: Any) -> Any:
 
 # --- the model in a standalone script (difftest.scripts.emit): its data holds the weights and the training batch -------
 def build_model(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> Any:
+    import torch
+
     state = {name[len("state."):]: value for name, value in data.items() if name.startswith("state.")}
-    return with_state(_build_module(case["model"], "cpu"), state, case["frozen"]).to(dtype)
+    module = with_state(_build_module(case["model"], "cpu"), state, case["frozen"])
+    # its floating tensors in `dtype`, as Module.double() and .float() cast them: `.to(dtype)` would also cast a
+    # complex buffer (a rotary cache) to its real part
+    return module.double() if dtype == torch.float64 else module.float()
 
 
 def model_inputs(module: Any, data: dict[str, Any], split: str, start: int, stop: int, dtype: Any) -> tuple[Any, ...]:

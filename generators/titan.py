@@ -95,7 +95,7 @@ def _token_batch(seed: int, size: int) -> tuple[Any, Any]:
     return ids, torch.roll(ids, -1, dims=1)
 
 
-def _token_loss(prediction: Any, target: Any) -> Any:
+def prediction_loss(prediction: Any, target: Any) -> Any:
     """The mean cross-entropy over every position (torchtitan's: the sum over tokens over the global token count)."""
     import torch
 
@@ -103,6 +103,17 @@ def _token_loss(prediction: Any, target: Any) -> Any:
     logits = prediction.reshape(-1, prediction.shape[-1])
     return torch.nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
                                              target.reshape(-1))
+
+
+def _build_module(params: dict[str, Any], device: str) -> Any:
+    """The torchtitan model of `params["name"]` from its config, its buffers (the rotary cache) initialised by its
+    own `init_weights`: a standalone script's, which then loads the case's weights."""
+    import torch
+
+    model = (llama3_config() if params["name"] == "llama3" else qwen3_config()).build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model.to(device)
 
 
 class TitanKind(AdapterGenerator):
@@ -113,12 +124,32 @@ class TitanKind(AdapterGenerator):
     def available(self) -> str | None:
         return None if importlib.util.find_spec("torchtitan") else f"needs torchtitan ({EXTRA})"
 
+    def standalone_model(self, spec: Any, init_state: dict[str, Any], model_dir: Any, train: Any) -> Any:
+        """The model as torchtitan builds it from its own config, the case's weights loaded into it."""
+        from difftest import ModelCode
+        from generators.dlrm import build_model, model_parameters, with_state  # they call this kind's by their names
+        from generators.zoo import _batch_inputs, _unwrap, model_loss
+
+        name = self.kind.split("-", 1)[1]
+        return ModelCode(
+            summary=f"The model is torchtitan's {name} built from its own config classes ({LAYERS} layers, width "
+                    f"{WIDTH}, {HEADS} heads of which {KV_HEADS} key/value, vocabulary {VOCABULARY}, {POSITIONS} "
+                    "positions), its weights the case's; mean next-token cross-entropy.",
+            libraries=("torchtitan",),
+            preamble=(f"VOCABULARY, POSITIONS = {VOCABULARY}, {POSITIONS}",
+                      f"WIDTH, HEADS, KV_HEADS, LAYERS = {WIDTH}, {HEADS}, {KV_HEADS}, {LAYERS}"),
+            functions=(llama3_config, qwen3_config, _build_module, _unwrap, with_state, build_model, _batch_inputs,
+                       prediction_loss, model_loss, model_parameters),
+            case={"model": {"name": name}, "frozen": list(spec.frozen)},
+            data={**{f"state.{k}": v for k, v in init_state.items()}, **train.to_arrays("train")},
+            parameters=tuple(self.parameters(self.build(spec, init_state, "cpu"))))
+
 
 def _register() -> None:
     from functools import partial
 
     for name in CONFIGS:
-        adapter = ModelAdapter(f"titan-{name}", partial(_model, name), _token_batch, _token_loss,
+        adapter = ModelAdapter(f"titan-{name}", partial(_model, name), _token_batch, prediction_loss,
                                blocks=tuple(f"layers.{i}" for i in range(LAYERS)))
         register_generator(adapter.name, TitanKind(adapter))
 

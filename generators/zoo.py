@@ -232,12 +232,13 @@ def _unwrap(module: Any) -> Any:
 
 def _batch_inputs(data: dict[str, Any], split: str, start: int, stop: int, dtype: Any) -> Any:
     """Samples start..stop of the script's batch `split` as the model takes them: its keyword tensors (token ids and
-    masks), or its images in `dtype`."""
+    masks), or its one input (images in `dtype`, token ids as they are)."""
     import torch
 
     prefix = f"{split}.named."
     named = {k[len(prefix):]: torch.from_numpy(v[start:stop]) for k, v in data.items() if k.startswith(prefix)}
-    return named or torch.from_numpy(data[f"{split}.dense"][start:stop]).to(dtype)
+    dense = None if named else torch.from_numpy(data[f"{split}.dense"][start:stop])
+    return named or (dense.to(dtype) if dense.is_floating_point() else dense)
 
 
 def model_loss(module: Any, data: dict[str, Any], start: int, stop: int, dtype: Any) -> Any:

@@ -22,9 +22,11 @@ schedule and AdamW, which the trainer adds around the recipe, are not part of it
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -34,10 +36,13 @@ from difftest import (
     ModelSpec,
     Outputs,
     RunContext,
+    Script,
     Setting,
+    StandaloneCase,
     Tolerance,
     Unsupported,
     across,
+    refuse_changed_hooks,
     register_settings,
     traits_of,
 )
@@ -141,21 +146,13 @@ class TorchtitanRecipe(Setting):
     def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
         """One process's part of the recipe's training, in the recipe's own group."""
         import torch
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor import DTensor
 
         from difftest import gather_to_rank0, record_training, to_numpy
 
         plain = build_for_training(model, ctx.device)
         recipe = _Recipe(self, ctx, plain, share=len(inputs.train.dense) // self.data_parallel)
-        parameters = recipe.parameters()
-        with torch.no_grad():  # the case's weights, laid out as the recipe sharded them
-            for name, parameter in parameters.items():
-                whole = plain.get_parameter(name).detach().to(parameter.dtype)
-                if isinstance(parameter, DTensor):
-                    parameter.to_local().copy_(distribute_tensor(whole, parameter.device_mesh,
-                                                                 parameter.placements).to_local())
-                else:
-                    parameter.copy_(whole)
+        parameters = lay_out(recipe, plain)
         optimizer = torch.optim.SGD([p for p in parameters.values() if p.requires_grad], lr=ctx.lr)
 
         def train_step(batch: Any) -> float:
@@ -176,6 +173,38 @@ class TorchtitanRecipe(Setting):
 
     # whether the model is evaluated before and after training (`TorchtitanPipelineTrainedOnly`: not)
     evaluates: ClassVar[bool] = True
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        """The recipe as a script: torchtitan's `_Recipe` (copied) over the plain model with the case's weights,
+        evaluated and trained as the setting does, against the steps on the whole batch in one process."""
+        from difftest import Script, to_numpy
+        from settings._training_script import (
+            backward_on_share,
+            parameters_after,
+            sgd_on_share,
+            single_process,
+            stepping,
+            trained_parameters,
+        )
+
+        refuse_changed_hooks(self, TorchtitanRecipe, "optimizer_step")
+        model, steps, tensors = trained_parameters(case)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        evaluated = "evaluated before and after, " if self.evaluates else ""
+        return Script(
+            summary=f"{self.describe()}: {evaluated}{steps} step(s) of plain SGD (lr {case.lr:g}), each data-parallel "
+                    f"share of the batch fed as torchtitan's trainer feeds it, over {self.ranks} CPU ranks (gloo)"
+                    + case.against("the same steps on the whole batch in one process: the parameters after them")
+                    + f". {model.summary}",
+            libraries=("torch", *model.libraries, "numpy"),
+            preamble=(*model.preamble, "import copy", "import importlib", "import tempfile",
+                      "from types import SimpleNamespace", f"_WRAPPED = {_WRAPPED!r}"),
+            case={**model.case, "setting": {**fields, "ranks": self.ranks, "evaluates": self.evaluates},
+                  "device": "cpu", "lr": case.lr, "steps": steps, "batch": case.inputs["train"].size},
+            functions=(*model.functions, to_numpy, stepping, backward_on_share, sgd_on_share, parameters_after,
+                       single_process, _all_gather, _use_device, _model_spec, _checkpointing, _parallel_dims,
+                       _Recipe, lay_out, on_rank),
+            tensors=tensors, data={**model.data, **case.inputs["eval"].to_arrays("eval")}, world_size=self.ranks)
 
     def optimizer_step(self, ctx: RunContext, optimizer: Any) -> None:
         """The step after each backward (a hook for planted faults)."""
@@ -395,6 +424,67 @@ class _Recipe:
             raise RuntimeError(f"difftest: the recipe's logits of a share came back {tuple(logits.shape)}, not "
                                f"{whole}, and gathering over the tensor-parallel ranks did not make them whole")
         return {"prediction": logits}
+
+
+def lay_out(recipe: Any, plain: Any) -> dict[str, Any]:
+    """The recipe's parameters (`_Recipe.parameters`), each holding the plain model's weights as the recipe sharded
+    them."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    parameters = recipe.parameters()
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            whole = plain.get_parameter(name).detach().to(parameter.dtype)
+            if isinstance(parameter, DTensor):
+                parameter.to_local().copy_(distribute_tensor(whole, parameter.device_mesh,
+                                                             parameter.placements).to_local())
+            else:
+                parameter.copy_(whole)
+    return parameters
+
+
+# what a standalone script defines before `on_rank` (declared here so that this module checks on its own): the model's
+# `build_model`, the training script's `parameters_after`
+build_model: Callable[..., Any]
+parameters_after: Callable[..., dict[str, Any]]
+
+
+def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, Any] | None:
+    """A standalone script's rank: the recipe over the plain model with the case's weights, evaluated before and after
+    (where the setting evaluates), trained by plain SGD on this rank's data-parallel share; every parameter whole on
+    rank 0 (a pipeline rank's, its stages')."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    setting = SimpleNamespace(**case["setting"])
+    ctx = SimpleNamespace(device=case["device"], backend="gloo", rank=rank)
+    share = case["batch"] // setting.data_parallel
+    plain = build_model(data, case, torch.float32)  # noqa: F821 -- the script's, declared above
+    recipe = _Recipe(setting, ctx, plain, share)
+    parameters = lay_out(recipe, plain)
+    optimizer = torch.optim.SGD([p for p in parameters.values() if p.requires_grad], lr=case["lr"])
+
+    def batch(split: str) -> Any:
+        size = len(data[f"{split}.labels"]) // setting.data_parallel
+        rows = slice(recipe.data_index * size, (recipe.data_index + 1) * size)
+        return SimpleNamespace(dense=data[f"{split}.dense"][rows], labels=data[f"{split}.labels"][rows])
+
+    def evaluate() -> None:  # as difftest evaluates: without gradients
+        if setting.evaluates:
+            with torch.no_grad():
+                recipe.evaluate(batch("eval"))
+
+    evaluate()
+    for _ in range(case["steps"]):
+        optimizer.zero_grad()
+        recipe.step(batch("train"))
+        optimizer.step()
+    evaluate()
+    whole = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in parameters.items()}
+    pieces = [None] * world_size if rank == 0 else None
+    torch.distributed.gather_object(parameters_after(whole, case), pieces, dst=0)  # noqa: F821 -- the script's
+    return {name: t for piece in pieces for name, t in piece.items()} if pieces else None
 
 
 def _all_gather(tensor: Any, dim: int, group: Any) -> Any:

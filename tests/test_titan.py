@@ -79,12 +79,46 @@ def test_torchtitans_recipes_train_its_llama_as_one_process_does_and_a_skipped_s
     load_plugins()
     explained = known.match(NON_CONTIGUOUS, "error", str(failed["message"].iloc[0]), traits_of("titan-llama3"))
     assert explained is not None and explained.id == "pipelining-noncontiguous-send", failed["message"].iloc[0]
+    # its script runs torchtitan's recipe without difftest and fails there as it did here
+    found = pd.read_csv(tmp_path / "run" / "findings.csv").set_index("example_setting")
+    said = (tmp_path / "run" / "findings" / found.loc[NON_CONTIGUOUS, "id"] / "standalone.txt").read_text()
+    assert said.startswith("standalone.py reproduces (exit 1)"), said[:3000]
     # torchtitan's default bf16 parameters really compute in bf16 (off by bf16's rounding, not fp32's) and are judged
     # by the bf16 envelope
     worst = compared.groupby("setting")["linf"].max()
     assert worst["titan/spmd_types/dp2-tp1/ac-none/bf16/ws2"] > 1e-3 > 1e-5 > worst["titan/full_dtensor/dp2-tp1/ac-none/ws2"]
     # the negative control: rank 1 of the FSDP2 recipe skips its step, so its shard of the weights stays
     assert cases.loc[PLANTED, "inconsistent"] == 1, cases.to_string()
+
+
+@pytest.mark.heavy
+@needs_titan
+def test_a_recipes_script_trains_as_the_recipe_does_without_difftest(tmp_path: Path) -> None:
+    """A recipe's standalone script builds the model from torchtitan's config classes and runs torchtitan's own
+    recipe on it: where the sweep agreed, so does the script (exit 0); with its ranks' loss planted 1.5 times larger
+    it says BUG PRESENT."""
+    import generators  # noqa: F401 -- the titan kinds, registered
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.check import check_script
+    from difftest.scripts.write import emit
+
+    out, model, recipe = tmp_path / "run", "titan-llama3-s0-i0", "titan/full_dtensor/dp2-tp1/ac-none/ws2"
+    cases, _ = _run(out, "titan-llama3", (recipe,))
+    assert cases.loc[recipe, "ok"] == 1, cases.to_string()
+    emitted = emit(out, "T0", "a recipe's case", "inconsistent", out / "models" / model, recipe,
+                   "param_after_step1/tok_embeddings.weight", envelope_spread(out, model, recipe), Tolerance(),
+                   check_timeout_s=180)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    text = emitted.path.read_text()
+    assert "class _Recipe" in text and "import difftest" not in text and "from settings" not in text
+    assert emitted.checked.exit_code == 0 and "what rounding explains" in emitted.checked.output, \
+        emitted.checked.output[-3000:]
+    backward = "                loss.backward()\n"
+    assert text.count(backward) == 1
+    emitted.path.write_text(text.replace(backward, backward.replace("loss.backward", "(1.5 * loss).backward")))
+    planted = check_script(emitted.path, timeout_s=180)
+    assert planted.exit_code == 1 and "BUG PRESENT" in planted.output, planted.output[-3000:]
 
 
 @needs_titan

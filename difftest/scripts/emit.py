@@ -41,7 +41,8 @@ RUNTIME_IMPORTS = ("from __future__ import annotations", "",
                    'if "--verbose" not in sys.argv:',
                    '    warnings.filterwarnings("ignore")',
                    "    logging.disable(logging.WARNING)",
-                   '    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")', "",
+                   '    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")',
+                   '    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow, where a library imports it', "",
                    "import numpy as np", "import torch")
 
 

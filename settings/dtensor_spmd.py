@@ -47,10 +47,10 @@ class DTensorSpmd(Setting):
     world_size: int
     dim: str = "batch"
     # the loss taken on the model's outputs as DTensor leaves them (sharded like its inputs: a DTensor program's own
-    # loss), not on the whole outputs
+    # loss), not on the whole outputs (`ShardedLossSpmd`)
     sharded_loss: bool = False
     family: ClassVar[str] = "dtensor"
-    tier_axes: ClassVar[tuple[str, ...]] = ("dim", "sharded_loss")
+    tier_axes: ClassVar[tuple[str, ...]] = ("dim",)
 
     @property
     def name(self) -> str:
@@ -85,7 +85,7 @@ class DTensorSpmd(Setting):
                                        data_shard=(0, 1))
 
     def standalone(self, case: StandaloneCase) -> Script:
-        refuse_changed_hooks(self, DTensorSpmd)
+        refuse_changed_hooks(self, DTensorSpmd)  # ShardedLossSpmd changes a field, no hook
 
         from settings._training_script import training_script
 
@@ -126,6 +126,14 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
 
 
 @dataclass(frozen=True)
+class ShardedLossSpmd(DTensorSpmd):
+    """Inputs sharded on the batch, and the loss taken on the outputs as DTensor leaves them: a class of its own, so
+    that the default tier runs it beside the plain batch-sharded setting, not in its place."""
+
+    sharded_loss: bool = True
+
+
+@dataclass(frozen=True)
 class EmptyShardSpmd(DTensorSpmd):
     """Over 4 ranks: a dimension of 5, 6 or 9 chunks as 2+2+1+0, 2+2+2+0 or 3+3+3+0, so that one rank holds an empty
     shard of the inputs and of what follows from them; over 3 ranks only widths of 1, 2 and 4 leave one (the full
@@ -135,5 +143,5 @@ class EmptyShardSpmd(DTensorSpmd):
 
 
 register_settings([*(DTensorSpmd(ws, dim) for dim in SHARDED_DIMS for ws in (2, 3)),
-                   *(DTensorSpmd(ws, "batch", sharded_loss=True) for ws in (2, 3)),
+                   *(ShardedLossSpmd(ws) for ws in (2, 3)),
                    *(EmptyShardSpmd(4, dim) for dim in SHARDED_DIMS)])

@@ -34,6 +34,7 @@ from difftest import (
     Tolerance,
     Unsupported,
     across,
+    refuse_changed_hooks,
     register_settings,
     traits_of,
 )
@@ -150,6 +151,7 @@ class TransformersDistributed(Setting):
         from settings._training import full_parameters
         from settings._training_script import training_script
 
+        refuse_changed_hooks(self, TransformersDistributed, "train")
         fields = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return training_script(case, f"transformers' own distributed training (from_pretrained(..., "
                                      f"distributed_config=DistributedConfig({fields})))", self.ranks,

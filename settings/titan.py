@@ -187,7 +187,7 @@ class TorchtitanRecipe(Setting):
             trained_parameters,
         )
 
-        refuse_changed_hooks(self, TorchtitanRecipe, "optimizer_step")
+        refuse_changed_hooks(self, TorchtitanRecipe, "train", "optimizer_step")
         model, steps, tensors = trained_parameters(case)
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         evaluated = "evaluated before and after, " if self.evaluates else ""

@@ -15,6 +15,7 @@ from difftest.scripts.reduce import (
     SHARED_MARKER,
     drop_docstrings,
     drop_unused,
+    narrow_rank_imports,
     prune_unexecuted,
     reduce_source,
     same_bug,
@@ -93,6 +94,18 @@ def test_the_tracer_sees_what_ran_and_the_reduction_keeps_only_that_before_the_s
     script.write_text(reduced)
     again, _ = traced_check(script, 60)
     assert again.exit_code == 1 and same_bug(checked.output, again.output)
+
+
+def test_the_ranks_import_only_what_the_reduced_script_still_imports() -> None:
+    """A branch removed takes its library out of RANK_IMPORTS (a timm model's script, the transformers its kind's other
+    branch builds with); what the code left imports, anywhere in it, stays, in its order."""
+    source = ("RANK_IMPORTS = ('timm', 'transformers', 'torch.distributed', 'torch.multiprocessing')\n"
+              "def build():\n    import timm\n    return timm\n"
+              "def start():\n    import torch.multiprocessing as mp\n    from torch.distributed import barrier\n")
+    narrowed = narrow_rank_imports(source)
+    assert narrowed.splitlines()[0] == "RANK_IMPORTS = ('timm', 'torch.distributed', 'torch.multiprocessing')"
+    assert narrowed.splitlines()[1:] == source.splitlines()[1:]
+    assert narrow_rank_imports("x = 1\n") == "x = 1\n"  # a script without the tuple is left as it is
 
 
 def test_an_else_taken_replaces_its_if_and_a_block_left_empty_keeps_a_pass() -> None:

@@ -205,6 +205,7 @@ def test_a_chain_of_units_runs_a_pipeline_only_where_it_composes_to_the_forward(
 
 @pytest.mark.parametrize(("source", "said"), [
     ("adapter = 3\n", "has no ModelAdapter named 'adapter'"),
+    ("adapter = (\n", "broken_model.py, line 1: '(' was never closed; fix the module"),
     ("from difftest import ModelAdapter\nadapter = ModelAdapter('My Model', None, None, None)\n", "lower-case"),
     ("from difftest import ModelAdapter\nadapter = ModelAdapter('broken', lambda seed: 3, lambda seed, size: (1, 2), "
      "None)\n", "not a torch.nn.Module"),

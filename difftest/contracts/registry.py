@@ -147,6 +147,9 @@ def load_plugins(extra: Iterable[str] = ()) -> tuple[str, ...]:
             if exc.name and module.startswith(exc.name):
                 raise UserError(f"plugin {module!r} is not importable; check --plugin/--model and PYTHONPATH") from None
             raise
+        except SyntaxError as exc:  # the user's own file: where, and what Python says
+            raise UserError(f"plugin {module!r} does not compile: {exc.filename}, line {exc.lineno}: {exc.msg}; fix "
+                            "the module and run again") from None
         if attribute:
             adapter = getattr(imported, attribute, None)
             if not callable(getattr(adapter, "register_as_kind", None)):

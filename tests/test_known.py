@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from difftest.contracts.adapter import MODEL_FEATURES, OUTPUT_OBJECT
+from difftest.contracts.adapter import MODEL_FEATURES, OUTPUT_OBJECT, AdapterGenerator
 from difftest.contracts.errors import UserError
 from difftest.contracts.registry import all_settings, generator_kinds, load_plugins, traits_of
 from difftest.findings import known
@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_entry_still_names_settings_and_traits_that_exist() -> None:
     load_plugins()
     names = [s.name for s in all_settings()]
-    # and what a user's adapter declares: its layer kinds, a forward that returns an object
-    traits = set().union(*(traits_of(k) for k in generator_kinds())) | set(MODEL_FEATURES) | {OUTPUT_OBJECT}
+    # and what a user's adapter declares: its kind's traits ("user"), its layer kinds, a forward that returns an object
+    traits = (set().union(*(traits_of(k) for k in generator_kinds())) | set(AdapterGenerator.traits)
+              | set(MODEL_FEATURES) | {OUTPUT_OBJECT})
     issues = known.manifest()
     assert len(issues) >= 10 and len({i.id for i in issues}) == len(issues)
     stale = [f"{i.id}: {glob}" for i in issues for glob in i.settings if not fnmatch.filter(names, glob)]

@@ -302,7 +302,7 @@ def build_model(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> Any:
     module = with_state(_build_module(case["model"], "cpu"), state, case["frozen"])
     # its floating tensors in `dtype`, as Module.double() and .float() cast them: `.to(dtype)` would also cast a
     # complex buffer (a rotary cache) to its real part
-    return module.double() if dtype == torch.float64 else module.float()
+    return {torch.float64: module.double, torch.float32: module.float}[dtype]()
 
 
 def model_inputs(module: Any, data: dict[str, Any], split: str, start: int, stop: int, dtype: Any) -> tuple[Any, ...]:

@@ -77,14 +77,22 @@ def qwen3_config() -> Any:
 CONFIGS = {"llama3": llama3_config, "qwen3": qwen3_config}
 
 
-def _model(name: str, seed: int) -> Any:
+def _build_module(params: dict[str, Any], device: str, seed: int | None = None) -> Any:
+    """The torchtitan model of `params["name"]` from its config, initialised by its own `init_weights` (the weights
+    drawn from `seed`, set once the model is built; the kind's) or for its buffers alone (the rotary cache: a
+    standalone script's, which then loads the case's weights)."""
     import torch
 
-    model = CONFIGS[name]().build()
-    torch.manual_seed(seed)
+    model = (llama3_config() if params["name"] == "llama3" else qwen3_config()).build()
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    return model
+    return model.to(device)
+
+
+def _model(name: str, seed: int) -> Any:
+    return _build_module({"name": name}, "cpu", seed)
 
 
 def _token_batch(seed: int, size: int) -> tuple[Any, Any]:
@@ -103,17 +111,6 @@ def prediction_loss(prediction: Any, target: Any) -> Any:
     logits = prediction.reshape(-1, prediction.shape[-1])
     return torch.nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
                                              target.reshape(-1))
-
-
-def _build_module(params: dict[str, Any], device: str) -> Any:
-    """The torchtitan model of `params["name"]` from its config, its buffers (the rotary cache) initialised by its
-    own `init_weights`: a standalone script's, which then loads the case's weights."""
-    import torch
-
-    model = (llama3_config() if params["name"] == "llama3" else qwen3_config()).build()
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    return model.to(device)
 
 
 class TitanKind(AdapterGenerator):

@@ -165,6 +165,36 @@ def test_bad_input_lines(swept: Path) -> None:
     assert code == 0 and "(needs the [tf]" in words and "(the [ray]" in words, words  # not eaten as markup
 
 
+_LEAVES_WITH_A_DEAF_RANK = """
+import multiprocessing, signal, sys, time
+
+def deaf_rank():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a rank started after the signal, waiting on peers that left
+    time.sleep(600)
+
+if __name__ == "__main__":
+    rank = multiprocessing.get_context("spawn").Process(target=deaf_rank)
+    rank.start()
+    print(rank.pid, flush=True)
+    time.sleep(1)
+    from difftest.cli.main import _leave_interrupted
+    _leave_interrupted()
+"""
+
+
+def test_leaving_after_ctrl_c_takes_the_ranks_a_sweep_started_along(tmp_path: Path) -> None:
+    """The terminal gets its prompt back when difftest says it was interrupted: no rank it started (which shares
+    its output) outlives it."""
+
+    script = tmp_path / "leave.py"
+    script.write_text(_LEAVES_WITH_A_DEAF_RANK)
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    # returns once both pipes are closed by every process that held them (the rank would hold them for 600 s)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "difftest: interrupted" in stderr + stdout, stderr[-2000:]
+
+
 @pytest.mark.heavy
 def test_ctrl_c_is_one_line_that_says_how_to_resume_and_the_rerun_loses_nothing(tmp_path: Path) -> None:
     """Ctrl-C at a terminal signals the whole foreground process group: the sweep and its ranks."""

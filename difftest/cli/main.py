@@ -967,6 +967,7 @@ def _leave_interrupted() -> None:
     committed: the store's transactions are durable when they return)."""
     import os
 
+    _kill_children()
     where = _SWEPT[-1] if _SWEPT else None
     done = _committed(where) if where is not None else None
     console.print("difftest: interrupted" + (f" with {done} case(s) of {shown(where)} committed" if where and
@@ -975,6 +976,27 @@ def _leave_interrupted() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(130)
+
+
+def _kill_children() -> None:
+    """Every rank process this command started, killed: a rank a sweep thread started after the signal (a spare
+    group, a broken group's replacement) never had it, and one that waits on its peers (a store, a collective) for
+    the collective timeout would hold the terminal's output open for minutes after this process left."""
+    import multiprocessing
+
+    for _ in range(3):  # another thread may start or reap one while the set is read
+        try:
+            children = multiprocessing.active_children()
+            break
+        except RuntimeError:
+            continue
+    else:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except (OSError, ValueError):  # gone already, or closed by its group meanwhile
+            pass
 
 
 def main() -> None:

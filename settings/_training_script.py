@@ -69,15 +69,16 @@ def trained_parameters(case: StandaloneCase) -> tuple[ModelCode, int, dict[str, 
 
     from difftest import Unsupported
 
-    # an optimizer's state diverges with the weights it moves in that step: the script compares those weights
-    step = re.match(r"(?:param|state)_after_step(\d+)/", case.first_divergence)
+    # an optimizer's state diverges with the weights it moves in that step, and a step's loss with the gradients it
+    # gives (per-rank BatchNorm statistics, a loss that sums): the script compares the weights after that step
+    step = re.match(r"(?:param|state)_after_step(\d+)/|train_step(\d+)/loss$", case.first_divergence)
     if not case.failure and step is None:
         raise Unsupported(f"it first diverges at {case.first_divergence}, not at a parameter (or an optimizer's state) "
-                          "after a training step or by failing, which is what a training script shows")
+                          "after a training step, a step's loss or by failing, which is what a training script shows")
     model = case.generator.standalone_model(case.spec, case.init_state, case.model_dir, case.inputs["train"])
     if model is None:
         raise Unsupported(f"{case.spec.kind} models have no standalone form (Generator.standalone_model)")
-    steps = int(step[1]) if step else case.steps
+    steps = int(step[1] or step[2]) if step else case.steps
     phase = f"param_after_step{steps}"
     names = [n for n in model.parameters if f"{phase}/{n}" in case.spread] or list(model.parameters)
     return model, steps, {f"{phase}/{n}": f"{phase}/{n}" for n in names}

@@ -58,6 +58,16 @@ def test_the_documented_adapter_runs_under_every_setting_that_takes_it_and_agree
     assert set(cases.index[~agreeing]) == {"dtensor/batch-sharded/sharded-loss/ws2"}, cases[~agreeing].to_string()
     findings = pd.read_csv(tmp_path / command[command.index("--out") + 1] / "findings.csv")
     assert list(findings["known_issue"]) == ["dtensor-loss-backward-local-numel"], findings.to_string()
+    # its script builds the user's model from the user's own code, copied (the module imports difftest)
+    _assert_script_reproduces(tmp_path / command[command.index("--out") + 1], findings.iloc[0]["id"], "def make_model")
+
+
+def _assert_script_reproduces(out: Path, finding: str, copied: str) -> None:
+    folder = out / "findings" / finding
+    said = (folder / "standalone.txt").read_text()
+    assert said.startswith("standalone.py reproduces (exit 1)"), said[:3000]
+    script = (folder / "standalone.py").read_text()
+    assert copied in script and "difftest import" not in script and "ModelAdapter" not in script
 
 
 # two mistakes of a model's training setup, each planted in the documented example: the text it replaces, the text
@@ -85,6 +95,8 @@ def test_a_mistake_of_the_users_model_is_a_finding_marked_as_possibly_the_models
     assert title in findings.iloc[0]["title"] and findings.iloc[0]["settings"] == 2
     said = (out / "findings.md").read_text()
     assert "not a library's bug" in said and fix in said
+    # the user's model, mistake and all (a lambda loss too), in a script that shows it without difftest
+    _assert_script_reproduces(out, findings.iloc[0]["id"], planted)
 
 
 # a model whose forward returns a dataclass, as many users' models do; its adapter takes the prediction from it
@@ -329,3 +341,98 @@ def test_a_batch_of_several_inputs_is_split_by_every_setting(tmp_path: Path, giv
         refused = pd.read_csv(out / "inconsistencies.csv")
         assert refused["message"].str.contains("takes keyword inputs").any()
     assert "no findings" in done.stdout
+
+
+# a user's model file as users write them: imports, a constant, a helper, a class, the factory, the adapter itself
+USER_MODULE = '''
+"""A user's model file."""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from difftest import ModelAdapter
+
+WIDTH = 16  # the hidden width
+
+
+def _scaled(x):
+    return x / math.sqrt(WIDTH)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, WIDTH), nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        return self.second(_scaled(torch.tanh(self.first(x))))
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def make_batch(seed, size):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 8, generator=generator), torch.randn(size, 1, generator=generator)
+
+
+def reads_the_adapter(seed):
+    return adapter.model(seed)
+
+
+def nested():
+    def inner(seed):
+        return Net()
+    return inner
+
+
+adapter = ModelAdapter("net", make_model, make_batch, torch.nn.functional.mse_loss,
+                       prediction=lambda output: output * WIDTH / WIDTH)
+partial_model = functools.partial(make_model)
+
+if __name__ == "__main__":
+    print(adapter)
+'''
+
+
+def test_a_users_callables_are_copied_with_what_they_read_and_run_without_difftest(tmp_path: Path) -> None:
+    """A standalone script of a user's model copies the factory, the lambda and what they read from the user's module
+    (never the adapter, nor what uses difftest), imports a library's loss, and refuses what it cannot copy with why."""
+    import importlib.util
+
+    import torch
+
+    from difftest import Unsupported
+    from difftest.contracts.user_code import user_code
+
+    (tmp_path / "users_net.py").write_text(USER_MODULE)
+    spec = importlib.util.spec_from_file_location("users_net", tmp_path / "users_net.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["users_net"] = module
+    try:
+        spec.loader.exec_module(module)
+        adapter = module.adapter
+        code = user_code("net", {"model": adapter.model, "loss": adapter.loss, "prediction": adapter.prediction})
+        assert [d.__name__ for d in code.definitions] == ["WIDTH", "_scaled", "Net", "make_model"]
+        assert code.imports == ["import math", "from torch import nn"]  # `import torch`: every script has it
+        assert code.named == {"model": "make_model", "loss": "torch.nn.functional.mse_loss",
+                              "prediction": "(lambda output: output * WIDTH / WIDTH)"}
+        assert "# the hidden width" in code.definitions[0].text
+        # what the script runs: the copied code alone builds the same module and computes the same prediction
+        namespace: dict = {"torch": torch}
+        exec("\n".join([*code.imports, *(d.text for d in code.definitions), code.binding().text]), namespace)
+        copied, original = namespace["ADAPTER"]["model"](0), module.make_model(0)
+        x = torch.randn(3, 8)
+        assert torch.equal(namespace["ADAPTER"]["prediction"](copied(x)), adapter.prediction(original(x)))
+        for value, why in [(module.reads_the_adapter, "uses difftest"), (module.nested(), "defined inside another"),
+                           (module.partial_model, "partial")]:
+            with pytest.raises(Unsupported, match=why):
+                user_code("net", {"model": value, "loss": adapter.loss})
+    finally:
+        del sys.modules["users_net"]

@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from difftest.contracts import adapter_script
 from difftest.contracts.batch import POSITIONAL, Batch
 from difftest.contracts.errors import Unsupported, UserError
-from difftest.contracts.generator import Generator
+from difftest.contracts.generator import Generator, ModelCode
 from difftest.contracts.spec import ModelSpec
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -252,12 +253,7 @@ class AdapterGenerator(Generator):
                 parameter.requires_grad_(False)
         return module.to(device)
 
-    @staticmethod
-    def _unwrap(module: Any) -> Any:
-        """The user's module inside DDP or legacy FSDP (FSDP2 keeps its class: nothing to unwrap)."""
-        while type(module).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
-            module = module.module
-        return module
+    _unwrap = staticmethod(adapter_script._unwrap)
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         return self._prediction(_call(module, batch, device, _input_dtype(module)))
@@ -367,6 +363,30 @@ class AdapterGenerator(Generator):
                 value.shape == whole.shape else float("nan")
             raise Unsupported(f"adapter {self.kind!r}: its chain of units does not compute the module's forward "
                               f"(largest difference {off:.3g}): a pipeline would be judged for the chain's mistake")
+
+    def standalone_model(self, spec: ModelSpec, init_state: dict[str, np.ndarray], model_dir: Any,
+                         train: Batch) -> ModelCode:
+        """The user's model as a script builds it without difftest: the adapter's callables copied from the user's
+        module (with what they read there) or imported from their library (`difftest.contracts.user_code`), the
+        case's weights and training batch in the script's data."""
+        from difftest.contracts import adapter_script as script
+        from difftest.contracts.user_code import user_code
+
+        adapter = self.adapter
+        code = user_code(self.kind, {"model": adapter.model, "loss": adapter.loss, "prediction": adapter.prediction,
+                                     "tp_plan": adapter.tp_plan, "chain": adapter.chain})
+        module = self.build(spec, init_state, "cpu")
+        return ModelCode(
+            summary=f"The model is the user's {type(module).__name__} ({code.named['model']}(seed) of its module, "
+                    f"the case's weights loaded), trained with {code.named['loss']}.",
+            libraries=(), preamble=(*code.imports, f"POSITIONAL = {POSITIONAL!r}  # an input passed by position"),
+            functions=(*code.definitions, code.binding(), script._unwrap, script._batch_inputs, script.build_model,
+                       script.prediction_loss, script.model_loss, script.model_parameters,
+                       *((script.model_tp_plan,) if adapter.tp_plan is not None else ())),
+            chain=(script.model_chain,) if adapter.layers or adapter.chain is not None else (),
+            case={"seed": _seeds(spec)[0], "frozen": list(spec.frozen), "layers": list(adapter.layers)},
+            data={**{f"state.{k}": v for k, v in init_state.items()}, **train.to_arrays("train")},
+            parameters=tuple(self.parameters(module)))
 
     def tp_plan(self, module: Any, world_size: int, sequence_parallel: bool,
                 loss_parallel: bool) -> dict[str, Any] | None:

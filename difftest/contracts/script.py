@@ -70,6 +70,19 @@ class StandaloneCase:
         return failure_pattern(self.status, self.message)
 
 
+class SourceText:
+    """A definition a script copies as text rather than from a function of difftest's (`inspect.getsource`): a
+    statement of a user's own module (a class, a function, a constant), or a line that binds a user's callables. It
+    stands in a `functions` tuple by the name it defines."""
+
+    def __init__(self, name: str, text: str) -> None:
+        self.__name__ = name
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"SourceText({self.__name__!r})"
+
+
 @dataclass(frozen=True)
 class Script:
     """The setting's part of a standalone script."""

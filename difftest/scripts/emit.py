@@ -27,6 +27,7 @@ from difftest.contracts.script import (
     DATA_FILE,
     STANDALONE_FILE,
     Script,
+    SourceText,
     StandaloneCase,
 )
 from difftest.scripts.syntax import parse, source_of
@@ -57,7 +58,9 @@ _IMPORTED_FIRST = re.compile(r"^\s+(?:import torch|import numpy as np)\n", re.MU
 def _source(function: Callable[..., Any]) -> str:
     """The function as its module has it, less mypy's comments (the script is not type-checked) and the blank line
     after its local imports, of which those of torch and numpy go (the script imports them first): its length is a
-    promise, and the code is unchanged."""
+    promise, and the code is unchanged. A `SourceText` is copied as it is."""
+    if isinstance(function, SourceText):
+        return function.text.rstrip() + "\n"
     text = _TYPE_IGNORE.sub("", textwrap.dedent(source_of(function)))
     return _IMPORTED_FIRST.sub("", _AFTER_LOCAL_IMPORTS.sub(r"\1", text)).rstrip() + "\n"
 
@@ -85,6 +88,7 @@ def render_script(case: StandaloneCase, script: Script) -> str:
     runtime = [getattr(standalone_runtime, name) for name in standalone_runtime.RUNTIME_FUNCTIONS]
     entry = "main_failing" if failure else "main_twice" if script.twice else "main"
     own = {f.__name__ for f in script.functions}  # a setting's own `run_distributed` replaces the runtime's
+    _refuse_two_definitions(script.functions)
     sources = {f.__name__: _source(f) for f in (*script.functions, *(f for f in runtime if f.__name__ not in own))}
     called, names = _called_from(entry, sources)
     constants = [f"LIBRARIES = {tuple(script.libraries)!r}", f"WORLD_SIZE = {script.world_size}",
@@ -120,6 +124,17 @@ def render_script(case: StandaloneCase, script: Script) -> str:
                  'script failing on its own, not the bug\n        sys.exit(traceback.print_exc() or 2)\n')
     # one blank line between definitions: the script is read top to bottom, and its length is a promise
     return "\n\n".join(part.rstrip("\n") for part in parts) + "\n"
+
+
+def _refuse_two_definitions(functions: Iterable[Any]) -> None:
+    """Two different definitions of one name (a user's model code and the setting's) would leave the script the one
+    copied last: refused, with the name."""
+    seen: dict[str, Any] = {}
+    for function in functions:
+        earlier = seen.setdefault(function.__name__, function)
+        if earlier is not function and _source(earlier) != _source(function):
+            raise Unsupported(f"the script would define {function.__name__!r} twice (the model's code and the "
+                              "setting's): rename it in the model's module")
 
 
 def _called_from(entry: str, sources: dict[str, str]) -> tuple[set[str], set[str]]:

@@ -64,7 +64,7 @@ def managed_holder(module: Any, capacity: str) -> Any:
             for path, kjt in kjts.items():
                 raw = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() + RAW_ID_BASE, lengths=kjt.lengths(),
                                         weights=kjt.weights_or_none())
-                pooled[path] = self.get_submodule(path)(raw)[0].to_dict()
+                pooled[path] = self.get_submodule(path.replace(".", "_"))(raw)[0].to_dict()  # as held below
             return pooled
 
     holder = Collections()

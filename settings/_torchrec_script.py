@@ -28,7 +28,8 @@ def embedding_script_data(case: StandaloneCase, tables: list[Any],
 
 # --- what a standalone script runs (plain torch/torchrec: copied into the script as they are) ------------------------
 def standalone_tables(case: dict[str, Any]) -> Any:
-    """The model's embedding collections alone, each under the name the model gives it."""
+    """The model's embedding collections alone, each under the path the model gives it (a collection nested inside
+    the model, `sparse_arch.embedding_bag_collection`, under empty modules of those names)."""
     import torch
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -42,7 +43,13 @@ def standalone_tables(case: dict[str, Any]) -> Any:
         mine = [t for t in case["tables"] if t["collection"] == path]
         configs = [EmbeddingBagConfig(name=t["name"], num_embeddings=t["num_embeddings"], embedding_dim=t["embedding_dim"],
                                       feature_names=list(t["features"]), pooling=PoolingType[t["pooling"]]) for t in mine]
-        module.add_module(path, EmbeddingBagCollection(tables=configs, is_weighted=mine[0]["weighted"],
+        *outer, name = path.split(".")
+        parent = module
+        for part in outer:
+            if part not in parent._modules:
+                parent.add_module(part, torch.nn.Module())
+            parent = parent.get_submodule(part)
+        parent.add_module(name, EmbeddingBagCollection(tables=configs, is_weighted=mine[0]["weighted"],
                                                        device=torch.device(case["device"])))
     return module
 

@@ -163,8 +163,6 @@ class QuantizedEmbeddings(Setting):
         tables = case.generator.embedding_tables(case.spec)
         if tables is None:
             raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")
-        if any("." in t.collection for t in tables):
-            raise Unsupported("its embedding collections are nested inside the model; the script holds them at its top")
         pooled = {f"eval_before/{name}": name for t in tables for name in t.outputs}
         phase, _, tensor = case.first_divergence.partition("/")
         if not case.failure:

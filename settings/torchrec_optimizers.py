@@ -140,11 +140,13 @@ class FusedOptimizerSharding(TorchRecSharding):
         if self.sharding == "data_parallel":
             raise Unsupported("a data-parallel table is trained unfused, by DDP and the optimizer's PyTorch class, "
                               "not by the fused kernel the script shows")
+        if not case.first_divergence.startswith(("param_after_step", "state_after_step")):
+            # a lookup that pools wrongly before any step (grid_shard's MEAN) is the sharding family's script's
+            raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not at a table or its "
+                              "optimizer state after the fused step, which is what the script compares")
         tables = case.generator.embedding_tables(case.spec)
         if tables is None:
             raise Unsupported(f"model kind {case.spec.kind!r} does not declare its embedding tables")
-        if any("." in t.collection for t in tables):
-            raise Unsupported("its embedding collections are nested inside the model; the script holds them at its top")
         data, table_list = embedding_script_data(case, tables)
         spec = OPTIMIZERS[self.optimizer]
         return Script(

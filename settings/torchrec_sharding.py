@@ -247,8 +247,6 @@ class TorchRecSharding(Setting):
         if phase != EVAL_BEFORE or case.generator.tensor_class(tensor) not in kinds:
             raise Unsupported(f"it first diverges at {case.first_divergence or 'no tensor'}, not at a pooled embedding "
                               "of the first evaluation, which is what the script compares")
-        if any("." in t.collection for t in tables):
-            raise Unsupported("its embedding collections are nested inside the model; the script holds them at its top")
         batch = case.inputs["eval"]
         data, table_list = embedding_script_data(case, tables)
         plan = {"planner": "the plan TorchRec's EmbeddingShardingPlanner chooses",

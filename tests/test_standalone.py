@@ -424,3 +424,21 @@ def test_a_rerun_script_runs_its_base_twice_and_says_when_the_runs_differ(fresh_
     drawn = check_script(emitted.path, timeout_s=120)
     assert drawn.exit_code == 1 and "BUG PRESENT: two runs of the setting differ" in drawn.output, drawn.output[-3000:]
     assert "elements differ; at" in drawn.output
+
+
+def test_a_script_holds_collections_nested_inside_the_model_where_the_model_has_them(tmp_path: Path) -> None:
+    """TorchRec's own DLRM keeps its tables at `sparse_arch.embedding_bag_collection`: the script builds them under that
+    path (plan and weights keyed as the model's), and shows the row-wise scaling the setting shows."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
+
+    run, model, setting = tmp_path / "run", "torchrec-dlrm-s5-i0", "torchrec/ebc/row_wise/ws2"
+    generate(run, RunConfig(seed=5, models=1, kinds=("torchrec-dlrm",)))
+    run_sweep(run, SweepOptions(pairs=((model, setting),), timeout_s=120))
+    cases = analyze(run).cases.set_index(["model", "setting"])
+    assert cases.loc[(model, setting), "verdict"] == "inconsistent"
+    emitted = emit(run, "T0", "a TorchRec finding", "inconsistent", run / "models" / model, setting,
+                   "eval_before/pooled.f0", envelope_spread(run, model, setting), Tolerance(), check_timeout_s=120)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert "'collection': 'sparse_arch.embedding_bag_collection'" in emitted.path.read_text()
+    assert emitted.checked.exit_code == 1 and "BUG PRESENT" in emitted.checked.output, emitted.checked.output[-3000:]

@@ -357,10 +357,11 @@ from torch import nn
 from difftest import ModelAdapter
 
 WIDTH = 16  # the hidden width
+SCALE, UNUSED = 2.0, 3.0
 
 
 def _scaled(x):
-    return x / math.sqrt(WIDTH)
+    return x / math.sqrt(WIDTH) * SCALE
 
 
 class Net(nn.Module):
@@ -419,7 +420,7 @@ def test_a_users_callables_are_copied_with_what_they_read_and_run_without_diffte
         spec.loader.exec_module(module)
         adapter = module.adapter
         code = user_code("net", {"model": adapter.model, "loss": adapter.loss, "prediction": adapter.prediction})
-        assert [d.__name__ for d in code.definitions] == ["WIDTH", "_scaled", "Net", "make_model"]
+        assert [d.__name__ for d in code.definitions] == ["WIDTH", "SCALE", "_scaled", "Net", "make_model"]
         assert code.imports == ["import math", "from torch import nn"]  # `import torch`: every script has it
         assert code.named == {"model": "make_model", "loss": "torch.nn.functional.mse_loss",
                               "prediction": "(lambda output: output * WIDTH / WIDTH)"}
@@ -436,3 +437,47 @@ def test_a_users_callables_are_copied_with_what_they_read_and_run_without_diffte
                 user_code("net", {"model": value, "loss": adapter.loss})
     finally:
         del sys.modules["users_net"]
+
+
+# what a script cannot copy as the module has it: each a factory reading one such name, and the reason it is refused
+UNCOPYABLE = {
+    "try:\n    from apex.normalization import FusedLayerNorm as Norm\nexcept ImportError:\n    Norm = None\n":
+        ("Norm", "top-level try statement"),
+    "TABLE = {'a': 1}\nTABLE['b'] = 2\n": ("TABLE", "changed by a top-level statement"),
+    "from math import *\n": ("sqrt", "a star import"),
+    "def load_data():\n    return 1\n": ("load_data", "every standalone script has"),
+    "from typing import Any as np\n": ("np", "every standalone script has"),
+    "from users_layers import Block\n": ("Block", "a module of the user's own"),
+}
+
+
+@pytest.mark.parametrize("defined", UNCOPYABLE)
+def test_what_a_script_cannot_copy_is_refused_with_the_reason(tmp_path: Path, defined: str) -> None:
+    import importlib.util
+
+    from difftest import Unsupported
+    from difftest.contracts.user_code import user_code
+
+    name, why = UNCOPYABLE[defined]
+    (tmp_path / "users_layers.py").write_text("Block = 1\n")
+    (tmp_path / "users_model.py").write_text(f"{defined}\n\ndef make_model(seed):\n    return {name}\n")
+    sys.path.insert(0, str(tmp_path))
+    spec = importlib.util.spec_from_file_location("users_model", tmp_path / "users_model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["users_model"] = module
+    try:
+        spec.loader.exec_module(module)
+        with pytest.raises(Unsupported, match=why):
+            user_code("net", {"model": module.make_model})
+    finally:
+        del sys.modules["users_model"]
+        sys.modules.pop("users_layers", None)
+        sys.path.remove(str(tmp_path))
+
+
+def test_a_statement_binding_several_names_is_copied_for_any_of_them() -> None:
+    from difftest.scripts.emit import _called_from
+
+    sources = {"main": "def main():\n    return DEPTH\n", "HIDDEN": "HIDDEN, DEPTH = 64, 4\n"}
+    assert _called_from("main", sources)[0] == {"main"}  # by its first name alone, it would be left out
+    assert _called_from("main", sources, {"DEPTH": "HIDDEN"})[0] == {"main", "HIDDEN"}

@@ -561,7 +561,7 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
 def test_the_engine_parses_python_only_under_one_lock() -> None:
     """Scripts are written, checked and reduced in threads, and CPython 3.11 cannot build two parses' syntax trees at
     once (python/cpython#106905: "AST constructor recursion depth mismatch", which ended a finding's check in CI):
-    every parse of source text in the engine goes through `difftest.scripts.syntax` (`parse`, `literal`, `source_of`:
+    every parse of source text in the engine goes through `difftest.contracts.syntax` (`parse`, `literal`, `source_of`:
     `inspect.getsource` of a class parses its module), which holds one lock. `ast.literal_eval` of a node already
     parsed parses nothing and is allowed."""
     import ast

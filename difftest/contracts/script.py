@@ -75,9 +75,10 @@ class SourceText:
     statement of a user's own module (a class, a function, a constant), or a line that binds a user's callables. It
     stands in a `functions` tuple by the name it defines."""
 
-    def __init__(self, name: str, text: str) -> None:
+    def __init__(self, name: str, text: str, also: tuple[str, ...] = ()) -> None:
         self.__name__ = name
         self.text = text
+        self.also = also  # the other names it binds (`HIDDEN, DEPTH = 64, 4`): reading one needs it too
 
     def __repr__(self) -> str:
         return f"SourceText({self.__name__!r})"

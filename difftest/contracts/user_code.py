@@ -12,8 +12,11 @@ how to give one.
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
+import importlib.util
 import inspect
+import re
 import symtable
 import sysconfig
 from collections.abc import Callable
@@ -23,6 +26,8 @@ from typing import Any
 
 from difftest.contracts.errors import Unsupported
 from difftest.contracts.script import SourceText
+from difftest.contracts.script_runtime import RUNTIME_FUNCTIONS
+from difftest.contracts.syntax import parse
 
 # the packages a user's module may import for its adapter, never copied into a script
 _OURS = ("difftest", "generators", "settings")
@@ -30,12 +35,15 @@ _OURS = ("difftest", "generators", "settings")
 ALREADY_IMPORTED = frozenset({"import torch", "import numpy as np"})
 # modules `import torch` (or numpy's) makes reachable by attribute: `torch.nn.functional.mse_loss` needs no line
 IMPORTED_WITH_TORCH = frozenset({"torch", "torch.nn", "torch.nn.functional", "numpy"})
-# names every script defines itself (its constants, the runtime's and the model's functions): a user's definition
-# of one of them is refused rather than shadowing it
-RESERVED = frozenset({"LIBRARIES", "WORLD_SIZE", "RANK_IMPORTS", "TENSORS", "SPREAD", "K", "ATOL", "RTOL", "CASE",
-                      "FAILURE", "ADAPTER", "POSITIONAL", "Unsupported", "np", "torch", "build_model", "model_loss",
-                      "model_parameters", "model_tp_plan", "model_chain", "prediction_loss", "_unwrap",
-                      "_batch_inputs", "single_process", "on_rank", "main", "main_failing", "main_twice"})
+# names every script binds at its top itself (the runtime's imports, its constants and functions, the model's and
+# the settings' functions a script copies): a user's definition or import of one of them is refused, not shadowed
+SCRIPT_NAMES = frozenset({
+    "annotations", "contextlib", "logging", "os", "re", "socket", "sys", "tempfile", "traceback", "warnings",
+    "metadata", "Path", "Any", "np", "torch", "LIBRARIES", "WORLD_SIZE", "RANK_IMPORTS", "TENSORS", "SPREAD", "K",
+    "ATOL", "RTOL", "CASE", "FAILURE", "ADAPTER", "POSITIONAL", "Unsupported", "build_model", "model_loss",
+    "model_parameters", "model_tp_plan", "model_chain", "prediction_loss", "_unwrap", "_batch_inputs",
+    "single_process", "on_rank", "distribute", "stepping", "full_parameters", "to_numpy", "sgd_on_share",
+    "backward_on_share", "parameters_after", *RUNTIME_FUNCTIONS})
 
 
 @dataclass
@@ -54,29 +62,96 @@ class UserCode:
                                      f"ADAPTER = {{{entries}}}\n")
 
 
-def _is_library(path: str | None) -> bool:
-    """Whether a module's file is an installed library's (site-packages, the standard library), which a script may
-    import wherever the same packages are installed, rather than a user's own file."""
+def _library_roots() -> list[Path]:
+    import site
+
+    roots = {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib", "platstdlib")}
+    roots |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    return [Path(root) for root in roots]
+
+
+def _is_library(module: Any) -> bool:
+    """Whether a module is an installed library's (site-packages, dist-packages, the standard library: by its path as
+    given or resolved, for installs made of links), which a script may import wherever the same packages are
+    installed, rather than a user's own file; a module that imports difftest is the user's wherever it lies."""
+    path = getattr(module, "__file__", None)
     if path is None:
         return True  # built in
-    resolved = Path(path).resolve()
-    roots = {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib", "platstdlib")}
-    return any(resolved.is_relative_to(Path(root).resolve()) for root in roots)
+    given = Path(path).absolute()
+    found = [given, given.resolve()]
+    inside = any(p.is_relative_to(root) or p.is_relative_to(root.resolve()) for p in found for root in _library_roots())
+    if not (inside or any(part in ("site-packages", "dist-packages") for part in given.parts)):
+        return False
+    try:
+        return not re.search(rf"^\s*(?:from|import)\s+(?:{'|'.join(_OURS)})\b", inspect.getsource(module), re.M)
+    except (OSError, TypeError):
+        return True
 
 
-def _statement_names(node: ast.stmt) -> list[str]:
-    """The names a top-level statement binds."""
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-        return [node.name]
-    if isinstance(node, ast.Import | ast.ImportFrom):
-        return [alias.asname or alias.name.split(".")[0] for alias in node.names]
+def _bound_names(node: ast.stmt) -> set[str]:
+    """Every name a top-level statement binds, in its own scope: assigned, imported, defined, a loop's or a `with`'s
+    target, in any branch of an `if` or `try` (not inside a function or class it defines)."""
+    names: set[str] = set()
+    pending: list[ast.AST] = [node]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(current.name)
+            pending.extend(current.decorator_list)
+            continue  # its body is its own scope
+        if isinstance(current, ast.Lambda):
+            continue
+        if isinstance(current, ast.Import | ast.ImportFrom):
+            names.update(alias.asname or alias.name.split(".")[0] for alias in current.names)
+        elif isinstance(current, ast.Name) and isinstance(current.ctx, ast.Store):
+            names.add(current.id)
+        pending.extend(ast.iter_child_nodes(current))
+    return names
+
+
+def _changed_names(node: ast.stmt) -> set[str]:
+    """The names a top-level statement changes without binding them anew: `TABLE["b"] = 2`, `Net.scale = 2`,
+    `X += 1`."""
     targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
-        if isinstance(node, ast.AnnAssign | ast.AugAssign) else []
-    return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+    changed = set()
+    for target in targets:
+        if isinstance(node, ast.AugAssign) and isinstance(target, ast.Name):
+            changed.add(target.id)
+        while isinstance(target, ast.Subscript | ast.Attribute):
+            target = target.value
+            if isinstance(target, ast.Name):
+                changed.add(target.id)
+    return changed
+
+
+class _NoAnnotations(ast.NodeTransformer):
+    """A statement less its annotations: the script has `from __future__ import annotations`, so they are never
+    evaluated, and a name only they read (one imported under TYPE_CHECKING) is not needed."""
+
+    def visit_arg(self, node: ast.arg) -> ast.arg:
+        node.annotation = None
+        return node
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.FunctionDef:
+        node.returns = None
+        self.generic_visit(node)
+        return node
+
+    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> ast.AsyncFunctionDef:
+        node.returns = None
+        self.generic_visit(node)
+        return node
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST:
+        if node.value is None:
+            return ast.Pass()
+        return ast.Assign(targets=[node.target], value=node.value, lineno=node.lineno)
 
 
 def _reads(text: str) -> set[str]:
-    """The module-level names a top-level statement reads (a function's locals and parameters are not)."""
+    """The module-level names a top-level statement reads when it runs (a function's locals and parameters are not,
+    nor its annotations)."""
     found: set[str] = set()
 
     def walk(table: symtable.SymbolTable) -> None:
@@ -86,14 +161,39 @@ def _reads(text: str) -> set[str]:
         for child in table.get_children():
             walk(child)
 
-    walk(symtable.symtable(text, "<user>", "exec"))
+    tree = ast.fix_missing_locations(_NoAnnotations().visit(parse(text)))
+    walk(symtable.symtable(ast.unparse(tree), "<user>", "exec"))
     return found
 
 
-def _imports_ours(node: ast.stmt) -> bool:
-    if isinstance(node, ast.Import):
-        return any(alias.name.split(".")[0] in _OURS for alias in node.names)
-    return isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in _OURS
+def _imports_ours(node: ast.AST) -> bool:
+    """Whether a statement imports difftest (or its plugins' packages), at its top or anywhere inside it."""
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Import) and any(a.name.split(".")[0] in _OURS for a in inner.names):
+            return True
+        if isinstance(inner, ast.ImportFrom) and (inner.module or "").split(".")[0] in _OURS:
+            return True
+    return False
+
+
+def _user_imports(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules an import statement takes from the user's own files (not an installed library's), which a script
+    run elsewhere cannot import."""
+    modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    found = []
+    for name in modules:
+        spec = importlib.util.find_spec(name.split(".")[0]) if name else None
+        origin = getattr(spec, "origin", None)
+        if origin not in (None, "built-in", "frozen") and not _is_library(_Located(origin)):
+            found.append(name)
+    return found
+
+
+@dataclass(frozen=True)
+class _Located:
+    """A module known by its file alone, for `_is_library`."""
+
+    __file__: str
 
 
 class _Module:
@@ -106,21 +206,35 @@ class _Module:
         except (OSError, TypeError) as exc:
             raise Unsupported(f"adapter {adapter!r}: the source of its module {module.__name__} cannot be read "
                               f"({exc}), so a script cannot copy its model") from None
-        tree = ast.parse(source)
+        tree = parse(source)
         self.source, self.tree = source, tree
-        ours = {name for node in tree.body if _imports_ours(node) for name in _statement_names(node)}
+        ours = {name for node in tree.body if _imports_ours(node) for name in _bound_names(node)}
         self.copyable: dict[str, tuple[ast.stmt, str]] = {}
         self.refused: dict[str, str] = {}  # name → why a script cannot have it
+        self.star = False  # `from x import *`: a name the module does not bind may come from it
         lines = source.splitlines()
+        bound_by: dict[str, int] = {}
         for node in tree.body:
             text = _text(lines, node)
-            names = _statement_names(node)
-            if _imports_ours(node) or (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
+            names = _bound_names(node)
+            for name in names:
+                bound_by[name] = bound_by.get(name, 0) + 1
+            for name in _changed_names(node):
+                self.refused.setdefault(name, "changed by a top-level statement after its definition, which a script "
+                                              "does not copy")
+            if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+                continue
+            if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+                self.star = True
+                continue
+            if _imports_ours(node) and isinstance(node, ast.Import | ast.ImportFrom):
                 continue
             if isinstance(node, ast.ImportFrom) and node.level:
                 why = "a relative import, which a script outside the package cannot make"
-            elif _reads(text) & ours:
+            elif _imports_ours(node) or _reads(text) & ours:
                 why = "a statement that uses difftest"
+            elif isinstance(node, ast.Import | ast.ImportFrom) and (theirs := _user_imports(node)):
+                why = f"imported from {theirs[0]}, a module of the user's own, which a script run elsewhere cannot import"
             elif not isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.AsyncFunctionDef |
                                 ast.ClassDef | ast.Assign | ast.AnnAssign):
                 why = f"bound by a top-level {type(node).__name__.lower()} statement, which a script does not copy"
@@ -130,6 +244,9 @@ class _Module:
                 continue
             for name in names:
                 self.refused[name] = why
+        for name, count in bound_by.items():
+            if count > 1:
+                self.refused.setdefault(name, "bound by more than one top-level statement")
 
     def lambda_text(self, value: Any, role: str) -> str:
         """The source of a lambda of this module (`prediction=lambda output: output.logits`), found by the line its
@@ -161,10 +278,14 @@ class _Module:
                 raise Unsupported(f"adapter {self.adapter!r}: {self.name}.{current}, which its model code reads, is "
                                   f"{self.refused[current]}")
             if current not in self.copyable:
-                continue  # a builtin, or a name the function binds itself
+                if hasattr(builtins, current):
+                    continue
+                where = "a star import" if self.star else "nothing at its top level"
+                raise Unsupported(f"adapter {self.adapter!r}: {self.name}.{current}, which its model code reads, is "
+                                  f"bound by {where}, which a script does not copy")
             node, text = self.copyable[current]
-            if current in RESERVED and not isinstance(node, ast.Import | ast.ImportFrom):
-                raise Unsupported(f"adapter {self.adapter!r}: {self.name}.{current} has the name of a definition "
+            if clash := _clash(node):
+                raise Unsupported(f"adapter {self.adapter!r}: {self.name}.{clash} has the name of a definition "
                                   "every standalone script has: rename it")
             wanted[id(node)] = (node, text)
             pending.extend(_reads(text))
@@ -173,7 +294,30 @@ class _Module:
                 if text.strip() not in ALREADY_IMPORTED and text.rstrip("\n") not in code.imports:
                     code.imports.append(text.rstrip("\n"))
             elif all(d.text != text for d in code.definitions):
-                code.definitions.append(SourceText(_statement_names(node)[0], text))
+                names = sorted(_bound_names(node))
+                code.definitions.append(SourceText(names[0], text, also=tuple(names[1:])))
+
+
+# what the names every script imports at its top are: a user's import binding one of them to the same object is
+# harmless
+RUNTIME_BINDINGS = {"contextlib": "contextlib", "logging": "logging", "os": "os", "re": "re", "socket": "socket",
+                    "sys": "sys", "tempfile": "tempfile", "traceback": "traceback", "warnings": "warnings",
+                    "metadata": "importlib.metadata", "Path": "pathlib.Path", "Any": "typing.Any", "np": "numpy",
+                    "torch": "torch"}
+
+
+def _clash(node: ast.stmt) -> str | None:
+    """A name the statement binds that a script binds otherwise (an import of the same object is no clash)."""
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        for alias in node.names:
+            bound = alias.asname or alias.name.split(".")[0]
+            target = alias.name if isinstance(node, ast.Import) else f"{node.module}.{alias.name}"
+            if isinstance(node, ast.Import) and not alias.asname:
+                target = bound
+            if bound in SCRIPT_NAMES and RUNTIME_BINDINGS.get(bound) != target:
+                return bound
+        return None
+    return next(iter(sorted(_bound_names(node) & SCRIPT_NAMES)), None)
 
 
 def _text(lines: list[str], node: ast.stmt) -> str:
@@ -194,7 +338,7 @@ def user_code(adapter: str, callables: dict[str, Callable[..., Any] | None]) -> 
             continue
         qualname = getattr(value, "__qualname__", None)
         module = inspect.getmodule(value)
-        if qualname == "<lambda>" and module is not None and not _is_library(getattr(module, "__file__", None)):
+        if qualname == "<lambda>" and module is not None and not _is_library(module):
             if module.__name__ not in modules:
                 modules[module.__name__] = _Module(module, adapter)
             text = modules[module.__name__].lambda_text(value, role)
@@ -208,12 +352,12 @@ def user_code(adapter: str, callables: dict[str, Callable[..., Any] | None]) -> 
                 if qualname and "<locals>" in qualname else f"a {type(value).__name__}"
             raise Unsupported(f"adapter {adapter!r}: its {role} is {what}; a standalone script copies or imports a "
                               f"function or class defined at a module's top level: define it with def")
-        if _is_library(getattr(module, "__file__", None)):
+        if _is_library(module):
             if getattr(importlib.import_module(module.__name__), qualname, None) is not value:
                 raise Unsupported(f"adapter {adapter!r}: its {role}, {module.__name__}.{qualname}, cannot be imported "
                                   "by that name")
             line = f"import {module.__name__}"
-            if module.__name__.split(".")[0] in RESERVED - {"torch", "np"}:
+            if module.__name__.split(".")[0] in SCRIPT_NAMES - {"torch"}:
                 raise Unsupported(f"adapter {adapter!r}: its {role}'s module {module.__name__} has the name of a "
                                   "definition every standalone script has")
             if line not in code.imports and module.__name__ not in IMPORTED_WITH_TORCH:

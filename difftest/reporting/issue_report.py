@@ -109,7 +109,7 @@ def script_libraries(script: Path) -> tuple[str, ...] | None:
     """The distributions a standalone script prints the releases of (its `LIBRARIES`): what its finding involves."""
     import re
 
-    from difftest.scripts.syntax import literal
+    from difftest.contracts.syntax import literal
 
     if not script.is_file():
         return None

@@ -30,7 +30,7 @@ from difftest.contracts.script import (
     SourceText,
     StandaloneCase,
 )
-from difftest.scripts.syntax import parse, source_of
+from difftest.contracts.syntax import parse, source_of
 
 MAX_LINES = 550  # a script a maintainer reads through (the library code is copied whole, never condensed; the longest,
 # a clipped hybrid pipeline's of FSDP2 stages on a transformer, has 532 lines before reduction, a resume's of a
@@ -90,7 +90,8 @@ def render_script(case: StandaloneCase, script: Script) -> str:
     own = {f.__name__ for f in script.functions}  # a setting's own `run_distributed` replaces the runtime's
     _refuse_two_definitions(script.functions)
     sources = {f.__name__: _source(f) for f in (*script.functions, *(f for f in runtime if f.__name__ not in own))}
-    called, names = _called_from(entry, sources)
+    aliases = {alias: f.__name__ for f in script.functions for alias in getattr(f, "also", ())}
+    called, names = _called_from(entry, sources, aliases)
     constants = [f"LIBRARIES = {tuple(script.libraries)!r}", f"WORLD_SIZE = {script.world_size}",
                  # in the order the definitions come (a set's order changes from one run to the next)
                  f"RANK_IMPORTS = {_local_imports(text for name, text in sources.items() if name in called)!r}"]
@@ -137,15 +138,19 @@ def _refuse_two_definitions(functions: Iterable[Any]) -> None:
                               "setting's): rename it in the model's module")
 
 
-def _called_from(entry: str, sources: dict[str, str]) -> tuple[set[str], set[str]]:
+def _called_from(entry: str, sources: dict[str, str],
+                 aliases: dict[str, str] | None = None) -> tuple[set[str], set[str]]:
     """The definitions among `sources` that `entry` uses, itself included, directly or through others (by the names
     their code reads): a script holds what it runs, and the same code a finding of the other sort would not. Also
-    every name those definitions read."""
+    every name those definitions read. `aliases`: a name another definition binds besides its own (`HIDDEN, DEPTH =
+    64, 4` read as `DEPTH`) → that definition's name."""
     reads = {name: {n.id for n in ast.walk(parse(text)) if isinstance(n, ast.Name)} for name, text in sources.items()}
     called: set[str] = set()
     pending = [entry]
     while pending:
-        if (name := pending.pop()) in reads and name not in called:
+        name = pending.pop()
+        name = (aliases or {}).get(name, name)
+        if name in reads and name not in called:
             called.add(name)
             pending.extend(reads[name])
     return called, {n for name in called for n in reads[name]}

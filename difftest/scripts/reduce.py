@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from difftest.scripts.syntax import parse
+from difftest.contracts.syntax import parse
 
 if TYPE_CHECKING:
     from difftest.scripts.check import Checked

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from difftest.contracts.syntax import parse
 from difftest.scripts.reduce import (
     NOT_THE_SAME_BUG,
     SHARED_MARKER,
@@ -44,7 +45,6 @@ from difftest.scripts.reduce import (
     tidy,
     traced_lines,
 )
-from difftest.scripts.syntax import parse
 from difftest.storage.paths import absolute
 
 if TYPE_CHECKING:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import symtable
 import threading
 from typing import Any
 
@@ -31,3 +32,9 @@ def source_of(code: Any) -> str:
     """`inspect.getsource` of a function or class, which parses the class's module to find it: one parse at a time."""
     with _ONE_AT_A_TIME:
         return inspect.getsource(code)
+
+
+def symbols(source: str) -> symtable.SymbolTable:
+    """`symtable.symtable` of Python source text, which compiles it: one parse at a time, as `parse`."""
+    with _ONE_AT_A_TIME:
+        return symtable.symtable(source, "<source>", "exec")

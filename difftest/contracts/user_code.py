@@ -27,7 +27,7 @@ from typing import Any
 from difftest.contracts.errors import Unsupported
 from difftest.contracts.script import SourceText
 from difftest.contracts.script_runtime import RUNTIME_FUNCTIONS
-from difftest.contracts.syntax import parse
+from difftest.contracts.syntax import parse, source_of, symbols
 
 # the packages a user's module may import for its adapter, never copied into a script
 _OURS = ("difftest", "generators", "settings")
@@ -83,7 +83,7 @@ def _is_library(module: Any) -> bool:
     if not (inside or any(part in ("site-packages", "dist-packages") for part in given.parts)):
         return False
     try:
-        return not re.search(rf"^\s*(?:from|import)\s+(?:{'|'.join(_OURS)})\b", inspect.getsource(module), re.M)
+        return not re.search(rf"^\s*(?:from|import)\s+(?:{'|'.join(_OURS)})\b", source_of(module), re.M)
     except (OSError, TypeError):
         return True
 
@@ -162,7 +162,7 @@ def _reads(text: str) -> set[str]:
             walk(child)
 
     tree = ast.fix_missing_locations(_NoAnnotations().visit(parse(text)))
-    walk(symtable.symtable(ast.unparse(tree), "<user>", "exec"))
+    walk(symbols(ast.unparse(tree)))
     return found
 
 
@@ -202,7 +202,7 @@ class _Module:
     def __init__(self, module: Any, adapter: str) -> None:
         self.name, self.adapter = module.__name__, adapter
         try:
-            source = inspect.getsource(module)
+            source = source_of(module)
         except (OSError, TypeError) as exc:
             raise Unsupported(f"adapter {adapter!r}: the source of its module {module.__name__} cannot be read "
                               f"({exc}), so a script cannot copy its model") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -62,25 +63,31 @@ class UserCode:
                                      f"ADAPTER = {{{entries}}}\n")
 
 
-def _library_roots() -> list[Path]:
+@functools.cache
+def _library_roots() -> tuple[Path, ...]:
+    """Where installed libraries lie: site-packages (the user's too) and the standard library, each as given and
+    resolved (installs made of links)."""
     import site
 
     roots = {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib", "platstdlib")}
     roots |= set(site.getsitepackages()) | {site.getusersitepackages()}
-    return [Path(root) for root in roots]
+    return tuple({p for root in roots for p in (Path(root), Path(root).resolve())})
+
+
+def _installed(path: str) -> bool:
+    """Whether a file lies where installed libraries do (by its path as given or resolved)."""
+    given = Path(path).absolute()
+    return any(part in ("site-packages", "dist-packages") for part in given.parts) or any(
+        p.is_relative_to(root) for p in (given, given.resolve()) for root in _library_roots())
 
 
 def _is_library(module: Any) -> bool:
-    """Whether a module is an installed library's (site-packages, dist-packages, the standard library: by its path as
-    given or resolved, for installs made of links), which a script may import wherever the same packages are
+    """Whether a module is an installed library's, which a script may import wherever the same packages are
     installed, rather than a user's own file; a module that imports difftest is the user's wherever it lies."""
     path = getattr(module, "__file__", None)
     if path is None:
         return True  # built in
-    given = Path(path).absolute()
-    found = [given, given.resolve()]
-    inside = any(p.is_relative_to(root) or p.is_relative_to(root.resolve()) for p in found for root in _library_roots())
-    if not (inside or any(part in ("site-packages", "dist-packages") for part in given.parts)):
+    if not _installed(path):
         return False
     try:
         return not re.search(rf"^\s*(?:from|import)\s+(?:{'|'.join(_OURS)})\b", source_of(module), re.M)
@@ -184,16 +191,9 @@ def _user_imports(node: ast.Import | ast.ImportFrom) -> list[str]:
     for name in modules:
         spec = importlib.util.find_spec(name.split(".")[0]) if name else None
         origin = getattr(spec, "origin", None)
-        if origin not in (None, "built-in", "frozen") and not _is_library(_Located(origin)):
+        if origin not in (None, "built-in", "frozen") and not _installed(origin):
             found.append(name)
     return found
-
-
-@dataclass(frozen=True)
-class _Located:
-    """A module known by its file alone, for `_is_library`."""
-
-    __file__: str
 
 
 class _Module:

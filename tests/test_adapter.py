@@ -447,7 +447,8 @@ UNCOPYABLE = {
     "from math import *\n": ("sqrt", "a star import"),
     "def load_data():\n    return 1\n": ("load_data", "every standalone script has"),
     "from typing import Any as np\n": ("np", "every standalone script has"),
-    "from users_layers import Block\n": ("Block", "a module of the user's own"),
+    "import users_layers\n": ("users_layers", "imported whole"),
+    "from users_layers import Block as Piece\n": ("Piece", "imported under another name"),
 }
 
 
@@ -481,3 +482,62 @@ def test_a_statement_binding_several_names_is_copied_for_any_of_them() -> None:
     sources = {"main": "def main():\n    return DEPTH\n", "HIDDEN": "HIDDEN, DEPTH = 64, 4\n"}
     assert _called_from("main", sources)[0] == {"main"}  # by its first name alone, it would be left out
     assert _called_from("main", sources, {"DEPTH": "HIDDEN"})[0] == {"main", "HIDDEN"}
+
+
+# a user's model spread over a package, as teams keep theirs: the layers in one module (with the planted mistake, a
+# BatchNorm trained on each rank's share), the model and its adapter in another that imports them relatively
+PACKAGE = {
+    "__init__.py": "",
+    "layers.py": """import torch
+from torch import nn
+
+HIDDEN = 16  # the block's width
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+""",
+    "model.py": """import torch
+
+from difftest import ModelAdapter
+
+from .layers import HIDDEN, Block
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(Block(), torch.nn.Linear(HIDDEN, 1))
+
+
+def make_batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 8, generator=generator), torch.randn(size, 1, generator=generator)
+
+
+adapter = ModelAdapter("shop-mlp", make_model, make_batch, torch.nn.functional.mse_loss)
+""",
+}
+
+
+def test_a_model_spread_over_the_users_package_is_copied_from_each_module_into_its_script(tmp_path: Path) -> None:
+    """What the model imports from the user's other modules (relatively too) is copied from there, before what reads
+    it, and the finding's script shows the planted mistake without difftest and without the package."""
+    (tmp_path / "shop").mkdir()
+    for name, text in PACKAGE.items():
+        (tmp_path / "shop" / name).write_text(text)
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--model", "shop.model:adapter",
+                           "--settings", "ddp/default/ws2", "--minimise-budget", "0"], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    findings = pd.read_csv(out / "findings.csv")
+    assert len(findings) == 1 and findings.iloc[0]["upstream"] == "your-model", findings.to_string()
+    _assert_script_reproduces(out, findings.iloc[0]["id"], "class Block(nn.Module):")
+    script = (out / "findings" / findings.iloc[0]["id"] / "standalone.py").read_text()
+    assert "HIDDEN = 16  # the block's width" in script and "import shop" not in script and "from ." not in script
+    assert script.index("class Block") < script.index("def make_model")

@@ -3,8 +3,10 @@
 A script must run without difftest, and a user's module imports difftest (it makes the adapter). So a callable
 defined in a user's module is copied: its definition and, transitively, every top-level definition, constant and
 import of that module it reads, as the module has them (its text, its comments); the statements that use difftest
-(the adapter itself) and `if __name__ == "__main__":` blocks never are. A callable of an installed library
-(`torch.nn.functional.mse_loss`) is imported from it. A lambda, a `functools.partial`, a method or a function defined
+(the adapter itself) and `if __name__ == "__main__":` blocks never are. A name the module imports from another module
+of the user's own (`from mypkg.layers import Block`, `from .layers import Block`) is copied from that module the same
+way, before what reads it: a model spread over a package's files fits in one script. A callable of an installed
+library (`torch.nn.functional.mse_loss`) is imported from it. A lambda, a `functools.partial`, a method or a function defined
 inside another has no top-level definition to copy: the model then has no standalone script, and the reason says
 how to give one.
 """
@@ -55,6 +57,16 @@ class UserCode:
     imports: list[str] = field(default_factory=list)
     definitions: list[SourceText] = field(default_factory=list)
     named: dict[str, str] = field(default_factory=dict)
+    # (module, name) copied or being copied: a name two modules read is copied once, and modules that import from
+    # each other end
+    copied: set[tuple[str, str]] = field(default_factory=set)
+    modules: dict[str, _Module] = field(default_factory=dict)  # the user's modules read so far, by name
+
+    def module(self, module: Any, adapter: str) -> _Module:
+        """The user's `module` read for copying, once."""
+        if module.__name__ not in self.modules:
+            self.modules[module.__name__] = _Module(module, adapter)
+        return self.modules[module.__name__]
 
     def binding(self) -> SourceText:
         """`ADAPTER = {role: callable, …}`: how the copied functions reach the user's callables."""
@@ -211,6 +223,7 @@ class _Module:
         ours = {name for node in tree.body if _imports_ours(node) for name in _bound_names(node)}
         self.copyable: dict[str, tuple[ast.stmt, str]] = {}
         self.refused: dict[str, str] = {}  # name → why a script cannot have it
+        self.elsewhere: dict[str, tuple[str, str]] = {}  # name → (the user's module it is imported from, its name there)
         self.star = False  # `from x import *`: a name the module does not bind may come from it
         lines = source.splitlines()
         bound_by: dict[str, int] = {}
@@ -229,12 +242,14 @@ class _Module:
                 continue
             if _imports_ours(node) and isinstance(node, ast.Import | ast.ImportFrom):
                 continue
-            if isinstance(node, ast.ImportFrom) and node.level:
-                why = "a relative import, which a script outside the package cannot make"
-            elif _imports_ours(node) or _reads(text) & ours:
+            if _imports_ours(node) or _reads(text) & ours:
                 why = "a statement that uses difftest"
-            elif isinstance(node, ast.Import | ast.ImportFrom) and (theirs := _user_imports(node)):
-                why = f"imported from {theirs[0]}, a module of the user's own, which a script run elsewhere cannot import"
+            elif isinstance(node, ast.ImportFrom) and (node.level or _user_imports(node)):
+                self._from_users_module(node, module)
+                continue
+            elif isinstance(node, ast.Import) and (theirs := _user_imports(node)):
+                why = (f"the module {theirs[0]} of the user's own, imported whole, which a script run elsewhere cannot "
+                       f"import: import from it the names the model uses (`from {theirs[0]} import …`)")
             elif not isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.AsyncFunctionDef |
                                 ast.ClassDef | ast.Assign | ast.AnnAssign):
                 why = f"bound by a top-level {type(node).__name__.lower()} statement, which a script does not copy"
@@ -247,6 +262,26 @@ class _Module:
         for name, count in bound_by.items():
             if count > 1:
                 self.refused.setdefault(name, "bound by more than one top-level statement")
+
+    def _from_users_module(self, node: ast.ImportFrom, module: Any) -> None:
+        """`from mypkg.layers import Block` (or `from .layers import Block`): each name to be copied from that module."""
+        try:
+            source = importlib.util.resolve_name("." * node.level + (node.module or ""), module.__package__) \
+                if node.level else node.module or ""
+        except (ImportError, ValueError) as exc:  # a relative import in a module outside any package
+            for alias in node.names:
+                self.refused[alias.asname or alias.name] = f"imported relatively where there is no package ({exc})"
+            return
+        for alias in node.names:
+            if alias.asname not in (None, alias.name):
+                self.refused[alias.asname] = (f"{source}.{alias.name} imported under another name, which a script "
+                                              "copying its definition cannot give it: import it by its own name")
+            elif importlib.util.find_spec(f"{source}.{alias.name}") if _is_package(source) else False:
+                self.refused[alias.name] = (f"the module {source}.{alias.name} of the user's own, imported whole, which "
+                                            f"a script run elsewhere cannot import: import from it the names the model "
+                                            f"uses (`from {source}.{alias.name} import …`)")
+            else:
+                self.elsewhere[alias.name] = (source, alias.name)
 
     def lambda_text(self, value: Any, role: str) -> str:
         """The source of a lambda of this module (`prediction=lambda output: output.logits`), found by the line its
@@ -266,14 +301,23 @@ class _Module:
 
     def copy(self, name: str, code: UserCode) -> None:
         """`name` and every top-level name its definition reads, transitively, into `code` (each statement once, in
-        the module's order)."""
+        the module's order; what it imports from another of the user's modules copied from there first)."""
         wanted: dict[int, tuple[ast.stmt, str]] = {}
-        pending, seen = [name], set()
+        pending = [name]
         while pending:
             current = pending.pop()
-            if current in seen:
+            if (self.name, current) in code.copied:
                 continue
-            seen.add(current)
+            code.copied.add((self.name, current))
+            if current in self.elsewhere:
+                source, original = self.elsewhere[current]
+                try:
+                    imported = importlib.import_module(source)
+                except Exception as exc:  # whatever the user's module raises, the reason says it
+                    raise Unsupported(f"adapter {self.adapter!r}: {self.name}.{current} is imported from {source}, "
+                                      f"which does not import here ({type(exc).__name__}: {exc})") from None
+                code.module(imported, self.adapter).copy(original, code)
+                continue
             if current in self.refused:
                 raise Unsupported(f"adapter {self.adapter!r}: {self.name}.{current}, which its model code reads, is "
                                   f"{self.refused[current]}")
@@ -328,22 +372,29 @@ def _text(lines: list[str], node: ast.stmt) -> str:
     return "\n".join(lines[start:node.end_lineno or node.lineno]) + "\n"
 
 
+def _is_package(name: str) -> bool:
+    """Whether the module `name` is a package (its names may be modules)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.submodule_search_locations is not None
+
+
 def user_code(adapter: str, callables: dict[str, Callable[..., Any] | None]) -> UserCode:
     """Everything a script needs to call the adapter's `callables` (role → callable; None: the adapter has none) by
     `ADAPTER[role]`; raises `Unsupported` with the reason where one cannot be copied or imported."""
     code = UserCode()
-    modules: dict[str, _Module] = {}
     for role, value in callables.items():
         if value is None:
             continue
         qualname = getattr(value, "__qualname__", None)
         module = inspect.getmodule(value)
         if qualname == "<lambda>" and module is not None and not _is_library(module):
-            if module.__name__ not in modules:
-                modules[module.__name__] = _Module(module, adapter)
-            text = modules[module.__name__].lambda_text(value, role)
+            users = code.module(module, adapter)
+            text = users.lambda_text(value, role)
             for name in _reads(f"_ = {text}"):
-                modules[module.__name__].copy(name, code)
+                users.copy(name, code)
             code.named[role] = text
             continue
         if not (inspect.isfunction(value) or inspect.isclass(value) or inspect.isbuiltin(value)) or module is None \
@@ -364,9 +415,7 @@ def user_code(adapter: str, callables: dict[str, Callable[..., Any] | None]) -> 
                 code.imports.append(line)
             code.named[role] = f"{module.__name__}.{qualname}"
             continue
-        if module.__name__ not in modules:
-            modules[module.__name__] = _Module(module, adapter)
-        modules[module.__name__].copy(qualname, code)
+        code.module(module, adapter).copy(qualname, code)
         code.named[role] = qualname
     names = [d.__name__ for d in code.definitions]
     if len(set(names)) < len(names):

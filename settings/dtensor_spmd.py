@@ -11,6 +11,12 @@ number of ranks: DTensor shards unevenly, as `torch.chunk` does. Plain tensors t
 position range) meet DTensors as replicated ones (`implicit_replication`, as tensor parallel runs). Judged against
 one process on the whole batch: evaluation before and after training, the losses and every parameter after each
 step.
+
+`dtensor/batch-sharded/fully-shard/…` and `…/replicate/…` hand such a model to FSDP2 on the mesh its DTensors already
+live on, the way torch documents it for a whole-model DTensor program (`fully_shard(module, mesh=mesh,
+dp_mesh_dims=DataParallelMeshDims(shard="dp"))`; `replicate_with_fsdp.replicate` with `replicate="dp"`): FSDP then
+owns the reduction of the gradients over the data-parallel dimension, which arrive as DTensor's pending sums. A
+release without `DataParallelMeshDims` has them `unsupported`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from difftest import (
     Outputs,
     RunContext,
     Setting,
+    Unsupported,
     across,
     refuse_changed_hooks,
     register_settings,
@@ -31,6 +38,7 @@ from difftest import (
 )
 from settings._tp_apply import stepping
 from settings._training import build_for_training, full_parameters, gathered_parameters, train_data_parallel
+from settings.fsdp import make_contiguous
 from settings.tensor_parallel import views_refused_by_design
 
 if TYPE_CHECKING:
@@ -49,18 +57,21 @@ class DTensorSpmd(Setting):
     # the loss taken on the model's outputs as DTensor leaves them (sharded like its inputs: a DTensor program's own
     # loss), not on the whole outputs (`ShardedLossSpmd`)
     sharded_loss: bool = False
+    wrap: str = ""  # a key of WRAPS: FSDP2 over the DTensors' own mesh; "": DTensor alone reduces the gradients
     family: ClassVar[str] = "dtensor"
     tier_axes: ClassVar[tuple[str, ...]] = ("dim",)
 
     @property
     def name(self) -> str:
-        return f"dtensor/{self.dim}-sharded{'/sharded-loss' if self.sharded_loss else ''}/ws{self.world_size}"
+        return (f"dtensor/{self.dim}-sharded{'/sharded-loss' if self.sharded_loss else ''}"
+                f"{'/' + self.wrap if self.wrap else ''}/ws{self.world_size}")
 
     def describe(self) -> str:
         where = "the batch dimension" if self.dim == "batch" else "the last dimension"
         loss = "; the loss taken on the sharded outputs" if self.sharded_loss else ""
+        wrap = f"; {WRAPS[self.wrap]} over the same mesh" if self.wrap else ""
         return (f"DTensor over {self.world_size} ranks: parameters replicated, the model's inputs sharded on {where}, "
-                f"every operator under DTensor's rules{loss}")
+                f"every operator under DTensor's rules{loss}{wrap}")
 
     @property
     def collectives(self) -> frozenset[str]:
@@ -70,7 +81,7 @@ class DTensorSpmd(Setting):
     def options(self) -> dict[str, Any]:
         """What `distribute` takes; `data_parallel` 1: every rank is called with the whole batch, which DTensor
         shards (a standalone script feeds it so)."""
-        return {"dim": self.dim, "data_parallel": 1, "sharded_loss": self.sharded_loss}
+        return {"dim": self.dim, "data_parallel": 1, "sharded_loss": self.sharded_loss, "wrap": self.wrap}
 
     def supports(self, spec: ModelSpec) -> str | None:
         if "torchrec" in traits_of(spec.kind):
@@ -85,15 +96,18 @@ class DTensorSpmd(Setting):
                                        data_shard=(0, 1))
 
     def standalone(self, case: StandaloneCase) -> Script:
-        refuse_changed_hooks(self, DTensorSpmd)  # ShardedLossSpmd changes a field, no hook
+        refuse_changed_hooks(self, DTensorSpmd)  # its subclasses change fields, no hook
+        return self._script(case, self.world_size)
 
+    def _script(self, case: StandaloneCase, ranks: int) -> Script:
         from settings._training_script import training_script
 
         where = "the batch dimension" if self.dim == "batch" else "the last dimension"
         loss = "; the loss on the outputs as DTensor leaves them, sharded" if self.sharded_loss else ""
+        wrap = f"; then {WRAPS[self.wrap]} on that mesh" if self.wrap else ""
         return training_script(case, f"DTensor SPMD (distribute_module: parameters replicated; the model's inputs "
-                                     f"sharded on {where} by distribute_tensor{loss})", self.world_size,
-                               (distribute, stepping, full_parameters), self.options)
+                                     f"sharded on {where} by distribute_tensor{loss}{wrap})", ranks,
+                               (make_contiguous, distribute, data_parallel_over_mesh, stepping, full_parameters), self.options)
 
 
 def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:
@@ -107,6 +121,8 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
     from torch.utils._pytree import tree_map
 
     mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
+    if setting.get("wrap"):
+        make_contiguous(module)  # FSDP2 refuses the transposed views a converted graph holds
 
     def sharded(value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0:
@@ -122,7 +138,34 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
     module.register_forward_pre_hook(lambda _m, args, kwargs: (tree_map(sharded, args), tree_map(sharded, kwargs)),
                                      with_kwargs=True)
     module.register_forward_hook(lambda _m, _args, output: tree_map(whole, output))
+    if setting.get("wrap"):  # FSDP2 takes over the gradients' reduction on the mesh dimension the batch is sharded on
+        data_parallel_over_mesh(setting["wrap"])(module, mesh)
     return module
+
+
+# what each `wrap` applies, as torch's documentation names it
+WRAPS = {"fully-shard": "fully_shard(dp_mesh_dims=DataParallelMeshDims(shard='dp'))",
+         "replicate": "replicate_with_fsdp.replicate(dp_mesh_dims=DataParallelMeshDims(replicate='dp'))"}
+
+
+def data_parallel_over_mesh(wrap: str) -> Any:
+    """`(module, mesh) -> None` applying FSDP2 (`fully-shard`) or its replicate (`replicate`) to a module whose
+    parameters are DTensors on `mesh`, with the mesh's `dp` dimension as the data-parallel one; a release without
+    `DataParallelMeshDims` raises Unsupported."""
+    import torch
+
+    try:
+        from torch.distributed.fsdp import DataParallelMeshDims
+    except ImportError:
+        raise Unsupported(f"torch {torch.__version__} has no DataParallelMeshDims: FSDP2 over parameters that are "
+                          "DTensors on its own mesh (fully_shard's dp_mesh_dims) came in a later release") from None
+    if wrap == "fully-shard":
+        from torch.distributed.fsdp import fully_shard
+
+        return lambda module, mesh: fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return lambda module, mesh: replicate(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
 
 
 @dataclass(frozen=True)
@@ -142,6 +185,47 @@ class EmptyShardSpmd(DTensorSpmd):
     in_default_tier: ClassVar[bool] = False
 
 
+@dataclass(frozen=True)
+class FsdpOverSpmd(DTensorSpmd):
+    """Inputs sharded on the batch, then FSDP2 (or its replicate) over the DTensors' own mesh, in `ranks` new
+    processes: FSDP2 keeps what it set up on a mesh in process state, and a second model wrapped in the same process
+    (the next case of a worker) met it ("Expected param's DTensor mesh to be the same mesh passed to fully_shard",
+    or gradients reduced otherwise than in a fresh process), which a user's program that wraps one model never meets.
+    In the full tier: new processes cost a case seconds of start-up and imports."""
+
+    world_size: int = 1  # the sweep's process only starts the new processes' group
+    wrap: str = "fully-shard"
+    ranks: int = 2
+    size_parameters: ClassVar[frozenset[str]] = frozenset()
+    in_default_tier: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return f"dtensor/{self.dim}-sharded/{self.wrap}/ws{self.ranks}"
+
+    @property
+    def scale(self) -> int:
+        return self.ranks
+
+    @property
+    def collectives(self) -> frozenset[str]:
+        return across(self.ranks, SHARDED | {"all_reduce"})
+
+    def run(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        from settings._resumable import train_in_new_processes
+
+        return train_in_new_processes(self, ctx, model, self.ranks, "FSDP2 over DTensors' own mesh")
+
+    def train(self, ctx: RunContext, model: Any, inputs: Any) -> Outputs | None:
+        """One new process's part: what `DTensorSpmd.run` does, on the new processes' group."""
+        return DTensorSpmd.run(self, ctx, model, inputs)
+
+    def standalone(self, case: StandaloneCase) -> Script:
+        refuse_changed_hooks(self, FsdpOverSpmd, "train")
+        return self._script(case, self.ranks)  # the script starts its ranks itself, as the new processes are
+
+
 register_settings([*(DTensorSpmd(ws, dim) for dim in SHARDED_DIMS for ws in (2, 3)),
                    *(ShardedLossSpmd(ws) for ws in (2, 3)),
+                   *(FsdpOverSpmd(wrap=wrap, ranks=ranks) for wrap in WRAPS for ranks in (2, 3)),
                    *(EmptyShardSpmd(4, dim) for dim in SHARDED_DIMS)])

@@ -440,7 +440,7 @@ def test_a_model_run_in_dtensor_end_to_end_trains_as_one_process_and_an_empty_sh
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=2, kinds=("sequential",)))
-    run_sweep(run_dir, SweepOptions(settings="dtensor/*"))
+    run_sweep(run_dir, SweepOptions(settings="dtensor/batch-sharded/ws*,dtensor/last-sharded/*,dtensor/*/sharded-loss/*"))
     analysis = analyze(run_dir)
     cases = analysis.cases[analysis.cases.setting.str.startswith("dtensor/")]
     verdicts = {(c.model, c.setting): c.verdict for c in cases.itertuples()}
@@ -456,6 +456,36 @@ def test_a_model_run_in_dtensor_end_to_end_trains_as_one_process_and_an_empty_sh
     emitted = emit(run_dir, "D1", found.title, "error", run_dir / "models" / failing[0], failing[1], "", {},
                    Tolerance(), check_timeout_s=180, message=str(found.example["message"]))
     assert emitted.checked is not None and emitted.checked.reproduces, emitted.checked
+
+
+@pytest.mark.needs_tf
+def test_fsdp2_over_the_dtensors_own_mesh_halves_a_batch_sharded_gradient_as_the_manifest_says(tmp_path: Path) -> None:
+    """The same whole-model DTensor program handed to FSDP2 on its own mesh (`fully_shard(dp_mesh_dims=...)`, and
+    `replicate_with_fsdp.replicate`), each case in new processes: the converted Keras model's parameters after a step
+    differ from one process's, a library bug the manifest knows, and the finding's script shows it without difftest."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.write import emit
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("sequential",)))
+    wrapped = ("dtensor/batch-sharded/fully-shard/ws2", "dtensor/batch-sharded/replicate/ws2")
+    run_sweep(run_dir, SweepOptions(settings=",".join(wrapped), tier="full"))
+    analysis = analyze(run_dir)
+    verdicts = {c.setting: c.verdict for c in analysis.cases.itertuples() if c.setting in wrapped}
+    assert verdicts == dict.fromkeys(wrapped, "inconsistent"), verdicts
+    findings = triage(run_dir, analysis)
+    assert [f.known.id if f.known else f.title for f in findings] == ["fsdp2-dp-mesh-dims-partial-grad-averaged"]
+    assert findings[0].first_divergence.startswith("param_after_step"), findings[0].first_divergence
+    model, setting = findings[0].example["model"], findings[0].example["setting"]
+    emitted = emit(run_dir, "D1", findings[0].title, "inconsistent", run_dir / "models" / model, setting,
+                   findings[0].first_divergence, envelope_spread(run_dir, model, setting, Tolerance()), Tolerance(),
+                   check_timeout_s=180)
+    assert emitted.checked is not None and emitted.checked.reproduces, emitted.checked
+    assert f"WORLD_SIZE = {setting[-1]}" in emitted.path.read_text()  # the ranks the new processes were, not the sweep's one
 
 
 @pytest.mark.heavy

@@ -570,3 +570,39 @@ def test_a_run_resumes_after_difftest_adds_a_kind_it_makes_no_model_of_and_refus
                   RunConfig(kinds=("dlrm", "hf-llama"), models_of={"hf-llama": 1}), RunConfig(kinds=("dlrm",), models=3)):
         with pytest.raises(UserError, match="holds a run made with other options"):
             prepare_run(tmp_path, other)
+
+
+def test_a_root_whose_kernels_refuse_float64_has_its_float64_calibration_unsupported_not_an_error(tmp_path: Path) -> None:
+    """The float64 calibration runs a root's own code on a float64 model: where a kernel has no float64 version
+    (transformers' experts call torch._grouped_mm) the noise cannot be measured, which is `unsupported` with torch's
+    words, never an error finding; any other failure of the root stays the root's."""
+    from difftest.contracts.errors import Unsupported
+    from difftest.contracts.setting import RunContext, Setting
+    from difftest.contracts.spec import RunConfig
+    from difftest.generation.generate import generate
+    from difftest.storage.artifacts import load_model
+    from settings.calibration import Calibration
+
+    @dataclasses.dataclass(frozen=True)
+    class Refusing(Setting):
+        message: str
+        world_size: int = 1
+        family = "refusing"
+
+        @property
+        def name(self) -> str:
+            return "refusing"
+
+        def run(self, ctx, model, inputs):  # type: ignore[no-untyped-def]
+            raise RuntimeError(self.message)
+
+    generate(tmp_path, RunConfig(seed=0, models=1, kinds=("transformer",)))
+    model, inputs = load_model(next((tmp_path / "models").iterdir()))
+    ctx = RunContext(0, 1, 1, "cpu", "gloo", None, 1, 0.1, 0)
+    refused = "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"
+    with pytest.raises(Unsupported, match="cannot run in float64 on this model: Expected mat_a"):
+        Calibration(Refusing(refused), "float64").run(ctx, model, inputs)
+    with pytest.raises(RuntimeError, match="got Double"):  # the root's own failure in fp32: the root's, not ours
+        Calibration(Refusing(refused), "threads").run(ctx, model, inputs)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        Calibration(Refusing("mat1 and mat2 shapes cannot be multiplied"), "float64").run(ctx, model, inputs)

@@ -70,7 +70,7 @@ class DTensorSpmd(Setting):
         where = "the batch dimension" if self.dim == "batch" else "the last dimension"
         loss = "; the loss taken on the sharded outputs" if self.sharded_loss else ""
         wrap = f"; {WRAPS[self.wrap]} over the same mesh" if self.wrap else ""
-        return (f"DTensor over {self.world_size} ranks: parameters replicated, the model's inputs sharded on {where}, "
+        return (f"DTensor over {self.scale} ranks: parameters replicated, the model's inputs sharded on {where}, "
                 f"every operator under DTensor's rules{loss}{wrap}")
 
     @property

@@ -606,3 +606,27 @@ def test_a_root_whose_kernels_refuse_float64_has_its_float64_calibration_unsuppo
         Calibration(Refusing(refused), "threads").run(ctx, model, inputs)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         Calibration(Refusing("mat1 and mat2 shapes cannot be multiplied"), "float64").run(ctx, model, inputs)
+
+
+def test_a_finding_whose_example_has_no_emitter_tries_its_cases_of_other_kinds_then_of_other_families() -> None:
+    """A finding's example under a family without an emitter (the BatchNorm-per-share finding's `accumulate` case on
+    timm-resnet) gets a script from another of its cases: another kind's first, then another family's on its kind."""
+    import types
+
+    import pandas as pd
+
+    from difftest.scripts.write import _other_cases
+
+    rows = pd.DataFrame([
+        {"model": "r0", "kind": "timm-resnet", "setting": "accumulate/mb4", "status": "inconsistent"},
+        {"model": "r0", "kind": "timm-resnet", "setting": "accumulate/mb2", "status": "inconsistent"},
+        {"model": "r0", "kind": "timm-resnet", "setting": "ddp/default/ws2", "status": "inconsistent"},
+        {"model": "r0", "kind": "timm-resnet", "setting": "ddp/default/ws3", "status": "inconsistent"},
+        {"model": "r0", "kind": "timm-resnet", "setting": "fsdp2/per-layer/reshard/fp32/ws2", "status": "error"},
+        {"model": "v0", "kind": "timm-vit", "setting": "ddp/default/ws2", "status": "inconsistent"},
+    ])
+    finding = types.SimpleNamespace(rows=rows, status="inconsistent",
+                                    example={"kind": "timm-resnet", "setting": "accumulate/mb4"})
+    picked = [(row.kind, row.setting) for row in _other_cases(finding, 4)]
+    assert picked == [("timm-vit", "ddp/default/ws2"), ("timm-resnet", "ddp/default/ws2")]
+    assert len(_other_cases(finding, 1)) == 1

@@ -451,9 +451,10 @@ class StandaloneScripts:
                        message=str(f.example.get("message", "")))
         if emitted.path is not None or emitted.defect:
             return emitted
-        # the example's kind has no script (a converted model has no layer chain): a case of the same finding on
-        # another kind may have one, unminimised, and it reproduces the same cause
-        for row in _one_case_per_other_kind(f, OTHER_KINDS_TRIED):
+        # the example's kind or family has no script (a converted model has no layer chain; a family without an
+        # emitter): a case of the same finding on another kind, or under another family, may have one, unminimised,
+        # and it reproduces the same cause
+        for row in _other_cases(f, OTHER_CASES_TRIED):
             other = emit(run_dir, f.id, title, f.status, run_dir / "models" / row.model, row.setting,
                          row.first_divergence or f.first_divergence,
                          envelope_spread(run_dir, row.model, row.setting, tolerance), tolerance, message=str(row.message))
@@ -462,11 +463,19 @@ class StandaloneScripts:
         return emitted
 
 
-# how many other kinds of a finding's cases are tried for a script when its example's kind has none
-OTHER_KINDS_TRIED = 3
+# how many other cases of a finding are tried for a script when its example has none
+OTHER_CASES_TRIED = 4
 
 
-def _one_case_per_other_kind(f: Finding, most: int) -> list[Any]:
-    """The first case of each kind but the example's among a finding's cases of its status, at most `most`."""
-    rows = f.rows[(f.rows["status"] == f.status) & (f.rows["kind"] != f.example["kind"])]
-    return list(rows.drop_duplicates("kind").head(most).itertuples())
+def _other_cases(f: Finding, most: int) -> list[Any]:
+    """Among a finding's cases of its status, at most `most`: the first case of each kind but the example's, then the
+    first of each family but the example's on the example's kind."""
+    from difftest.contracts.registry import get_setting
+
+    rows = f.rows[f.rows["status"] == f.status]
+    other_kinds = list(rows[rows["kind"] != f.example["kind"]].drop_duplicates("kind").itertuples())
+    family = get_setting(str(f.example["setting"])).family
+    same_kind = rows[rows["kind"] == f.example["kind"]]
+    other_families = [row for row in same_kind.itertuples() if get_setting(row.setting).family != family]
+    first_per_family = {get_setting(row.setting).family: row for row in reversed(other_families)}
+    return (other_kinds + sorted(first_per_family.values(), key=lambda row: row.Index))[:most]

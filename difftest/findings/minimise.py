@@ -83,7 +83,9 @@ class Minimisation:
 
     def size(self, trial: Trial | None = None) -> dict[str, int]:
         trial = trial or self.best
-        return {**_generator_size(trial.spec), "world_size": get_setting(trial.setting).world_size,
+        # the ranks or replicas the setting distributes over (`scale`), not the sweep processes it takes: a setting
+        # that starts its own processes, or simulates ranks in one, runs in one
+        return {**_generator_size(trial.spec), "world_size": get_setting(trial.setting).scale,
                 "batch": trial.batch_size}
 
     def to_json(self) -> dict[str, Any]:

@@ -107,7 +107,8 @@ class DTensorSpmd(Setting):
         wrap = f"; then {WRAPS[self.wrap]} on that mesh" if self.wrap else ""
         return training_script(case, f"DTensor SPMD (distribute_module: parameters replicated; the model's inputs "
                                      f"sharded on {where} by distribute_tensor{loss}{wrap})", ranks,
-                               (make_contiguous, distribute, data_parallel_over_mesh, stepping, full_parameters), self.options)
+                               (make_contiguous, distribute, data_parallel_over_mesh, stepping, full_parameters),
+                               self.options)
 
 
 def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) -> Any:

@@ -531,9 +531,10 @@ def test_a_model_spread_over_the_users_package_is_copied_from_each_module_into_i
     for name, text in PACKAGE.items():
         (tmp_path / "shop" / name).write_text(text)
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--model", "shop.model:adapter",
-                           "--settings", "ddp/default/ws2", "--minimise-budget", "0"], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--model",
+                           "shop.model:adapter", "--settings", "ddp/default/ws2", "--minimise-budget", "0"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     findings = pd.read_csv(out / "findings.csv")
     assert len(findings) == 1 and findings.iloc[0]["upstream"] == "your-model", findings.to_string()

@@ -440,7 +440,8 @@ def test_a_model_run_in_dtensor_end_to_end_trains_as_one_process_and_an_empty_sh
 
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=2, kinds=("sequential",)))
-    run_sweep(run_dir, SweepOptions(settings="dtensor/batch-sharded/ws*,dtensor/last-sharded/*,dtensor/*/sharded-loss/*"))
+    plain = "dtensor/batch-sharded/ws*,dtensor/last-sharded/*,dtensor/*/sharded-loss/*"  # DTensor alone, no FSDP2
+    run_sweep(run_dir, SweepOptions(settings=plain))
     analysis = analyze(run_dir)
     cases = analysis.cases[analysis.cases.setting.str.startswith("dtensor/")]
     verdicts = {(c.model, c.setting): c.verdict for c in cases.itertuples()}

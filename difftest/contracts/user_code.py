@@ -6,9 +6,9 @@ import of that module it reads, as the module has them (its text, its comments);
 (the adapter itself) and `if __name__ == "__main__":` blocks never are. A name the module imports from another module
 of the user's own (`from mypkg.layers import Block`, `from .layers import Block`) is copied from that module the same
 way, before what reads it: a model spread over a package's files fits in one script. A callable of an installed
-library (`torch.nn.functional.mse_loss`) is imported from it. A lambda, a `functools.partial`, a method or a function defined
-inside another has no top-level definition to copy: the model then has no standalone script, and the reason says
-how to give one.
+library (`torch.nn.functional.mse_loss`) is imported from it. A lambda, a `functools.partial`, a method or a function
+defined inside another has no top-level definition to copy: the model then has no standalone script, and the reason
+says how to give one.
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ class _Module:
         ours = {name for node in tree.body if _imports_ours(node) for name in _bound_names(node)}
         self.copyable: dict[str, tuple[ast.stmt, str]] = {}
         self.refused: dict[str, str] = {}  # name → why a script cannot have it
-        self.elsewhere: dict[str, tuple[str, str]] = {}  # name → (the user's module it is imported from, its name there)
+        # name → (the user's module it is imported from, its name there)
+        self.elsewhere: dict[str, tuple[str, str]] = {}
         self.star = False  # `from x import *`: a name the module does not bind may come from it
         lines = source.splitlines()
         bound_by: dict[str, int] = {}
@@ -264,7 +265,7 @@ class _Module:
                 self.refused.setdefault(name, "bound by more than one top-level statement")
 
     def _from_users_module(self, node: ast.ImportFrom, module: Any) -> None:
-        """`from mypkg.layers import Block` (or `from .layers import Block`): each name to be copied from that module."""
+        """`from mypkg.layers import Block` (or `from .layers import Block`): each name to be copied from there."""
         try:
             source = importlib.util.resolve_name("." * node.level + (node.module or ""), module.__package__) \
                 if node.level else node.module or ""
@@ -277,9 +278,9 @@ class _Module:
                 self.refused[alias.asname] = (f"{source}.{alias.name} imported under another name, which a script "
                                               "copying its definition cannot give it: import it by its own name")
             elif importlib.util.find_spec(f"{source}.{alias.name}") if _is_package(source) else False:
-                self.refused[alias.name] = (f"the module {source}.{alias.name} of the user's own, imported whole, which "
-                                            f"a script run elsewhere cannot import: import from it the names the model "
-                                            f"uses (`from {source}.{alias.name} import …`)")
+                self.refused[alias.name] = (f"the module {source}.{alias.name} of the user's own, imported whole, "
+                                            f"which a script run elsewhere cannot import: import from it the names "
+                                            f"the model uses (`from {source}.{alias.name} import …`)")
             else:
                 self.elsewhere[alias.name] = (source, alias.name)
 

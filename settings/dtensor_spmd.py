@@ -140,7 +140,7 @@ def distribute(module: Any, group: Any, device: str, setting: dict[str, Any]) ->
                                      with_kwargs=True)
     module.register_forward_hook(lambda _m, _args, output: tree_map(whole, output))
     if setting.get("wrap"):  # FSDP2 takes over the gradients' reduction on the mesh dimension the batch is sharded on
-        data_parallel_over_mesh(setting["wrap"])(module, mesh)
+        data_parallel_over_mesh(module, mesh, setting["wrap"])
     return module
 
 
@@ -149,10 +149,10 @@ WRAPS = {"fully-shard": "fully_shard(dp_mesh_dims=DataParallelMeshDims(shard='dp
          "replicate": "replicate_with_fsdp.replicate(dp_mesh_dims=DataParallelMeshDims(replicate='dp'))"}
 
 
-def data_parallel_over_mesh(wrap: str) -> Any:
-    """`(module, mesh) -> None` applying FSDP2 (`fully-shard`) or its replicate (`replicate`) to a module whose
-    parameters are DTensors on `mesh`, with the mesh's `dp` dimension as the data-parallel one; a release without
-    `DataParallelMeshDims` raises Unsupported."""
+def data_parallel_over_mesh(module: Any, mesh: Any, wrap: str) -> None:
+    """FSDP2 (`fully-shard`) or its replicate (`replicate`) applied to `module`, whose parameters are DTensors on
+    `mesh`, with the mesh's `dp` dimension as the data-parallel one; a release without `DataParallelMeshDims` raises
+    Unsupported."""
     import torch
 
     try:
@@ -163,10 +163,11 @@ def data_parallel_over_mesh(wrap: str) -> Any:
     if wrap == "fully-shard":
         from torch.distributed.fsdp import fully_shard
 
-        return lambda module, mesh: fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-    from torch.distributed._composable.replicate_with_fsdp import replicate
+        fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    return lambda module, mesh: replicate(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+        replicate(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
 
 
 @dataclass(frozen=True)

@@ -470,12 +470,13 @@ OTHER_CASES_TRIED = 4
 def _other_cases(f: Finding, most: int) -> list[Any]:
     """Among a finding's cases of its status, at most `most`: the first case of each kind but the example's, then the
     first of each family but the example's on the example's kind."""
+    import pandas as pd
+
     from difftest.contracts.registry import get_setting
 
     rows = f.rows[f.rows["status"] == f.status]
-    other_kinds = list(rows[rows["kind"] != f.example["kind"]].drop_duplicates("kind").itertuples())
-    family = get_setting(str(f.example["setting"])).family
-    same_kind = rows[rows["kind"] == f.example["kind"]]
-    other_families = [row for row in same_kind.itertuples() if get_setting(row.setting).family != family]
-    first_per_family = {get_setting(row.setting).family: row for row in reversed(other_families)}
-    return (other_kinds + sorted(first_per_family.values(), key=lambda row: row.Index))[:most]
+    rows = rows.assign(family=[get_setting(name).family for name in rows["setting"]])
+    kind, family = f.example["kind"], get_setting(str(f.example["setting"])).family
+    other_kinds = rows[rows["kind"] != kind].drop_duplicates("kind")
+    other_families = rows[(rows["kind"] == kind) & (rows["family"] != family)].drop_duplicates("family")
+    return list(pd.concat([other_kinds, other_families]).head(most).itertuples())

@@ -21,12 +21,47 @@ def table_optimizer(case: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     import importlib
 
     module, name = case["optimizer"]
-    return getattr(importlib.import_module(module), name), {"lr": case["lr"], **case["options"]}
+    return getattr(importlib.import_module(module), name), fbgemm_options({"lr": case["lr"], **case["options"]})
+
+
+def fbgemm_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options as TorchRec hands them to fbgemm's kernel: a weight-decay mode as fbgemm's `WeightDecayMode`
+    member of that name."""
+    if "weight_decay_mode" not in options:
+        return options
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+    return {**options, "weight_decay_mode": WeightDecayMode[options["weight_decay_mode"]]}
+
+
+def step_touched_rows(optimizer: Any) -> None:
+    """`optimizer.step()` on the rows a batch looked up (their gradient not all zero), every other row of each
+    parameter and of its state kept as it was (a state the step creates: zero there). fbgemm's embedding update is
+    sparse: it reads and writes only the rows a batch looks up, its weight decay too (FBGEMM#2516 calls it local)."""
+    import torch
+
+    kept = []
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if parameter.grad is None:
+                continue
+            untouched = (parameter.grad.reshape(parameter.shape[0], -1) == 0).all(dim=1)
+            states = optimizer.state.get(parameter, {})
+            saved = [(t, t[untouched].clone()) for t in [parameter.data, *states.values()]
+                     if torch.is_tensor(t) and t.dim() and t.shape[0] == parameter.shape[0]]
+            kept.append((parameter, untouched, saved, set(states)))
+    optimizer.step()
+    for parameter, untouched, saved, existed in kept:
+        for tensor, values in saved:
+            tensor[untouched] = values
+        for key, state in optimizer.state[parameter].items():
+            if key not in existed and torch.is_tensor(state) and state.dim() and state.shape[0] == parameter.shape[0]:
+                state[untouched] = 0
 
 
 def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> dict[str, np.ndarray]:
-    """The reference: the unsharded collections, in `dtype`, one step of the optimizer's PyTorch class on the whole
-    batch; every table after it."""
+    """The reference: the unsharded collections, in `dtype`, the case's steps of the optimizer's PyTorch class on the
+    whole batch (on the rows it looks up, where the case says fbgemm's update is sparse); every table after them."""
     import torch
 
     tables = standalone_tables(case)
@@ -34,15 +69,17 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
     tables = tables.to(dtype)
     optimizer_class, options = table_optimizer(case)
     optimizer = optimizer_class(list(tables.parameters()), **options)
-    pooled_loss(tables(standalone_features(data, case, 0, case["batch"], dtype)), case["batch"]).backward()
-    optimizer.step()
+    for _ in range(case["steps"]):
+        optimizer.zero_grad()
+        pooled_loss(tables(standalone_features(data, case, 0, case["batch"], dtype)), case["batch"]).backward()
+        step_touched_rows(optimizer) if case["touched_rows_only"] else optimizer.step()
     return {name: value.detach().cpu().numpy() for name, value in tables.state_dict().items()}
 
 
 def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, Any]) -> dict[str, np.ndarray] | None:
     """The setting: DistributedModelParallel over the collections, the tables trained inside backward by the fused
-    optimizer; one step, each rank on its share of the batch (its loss the mean over that share); every
-    table after it, whole, on rank 0 (its shards summed into zeros: they do not overlap)."""
+    optimizer; the case's steps, each rank on its share of the batch (its loss the mean over that share); every
+    table after them, whole, on rank 0 (its shards summed into zeros: they do not overlap)."""
     import torch
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -52,10 +89,11 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     apply_optimizer_in_backward(optimizer_class, list(module.parameters()), options)
     dmp = sharded_tables(module, EmbeddingBagCollectionSharder(), data, case, world_size)
     share = case["batch"] // world_size
-    pooled = dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32))
-    # the mean over this rank's share, as DDP's ranks have it: TorchRec divides the pooled embeddings' gradients by the
-    # world size in its all-to-all backward (torchrec.distributed.comm_ops.GRADIENT_DIVISION)
-    pooled_loss(pooled, share).backward()  # the tables step inside it
+    for _ in range(case["steps"]):
+        pooled = dmp(standalone_features(data, case, rank * share, (rank + 1) * share, torch.float32))
+        # the mean over this rank's share, as DDP's ranks have it: TorchRec divides the pooled embeddings' gradients
+        # by the world size in its all-to-all backward (torchrec.distributed.comm_ops.GRADIENT_DIVISION)
+        pooled_loss(pooled, share).backward()  # the tables step inside it
     found = whole_tables(dmp)
     return found if rank == 0 else None
 

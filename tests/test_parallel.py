@@ -620,8 +620,9 @@ def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does
     assert _state_name("momentum1", OPTIMIZERS["rowwise-adagrad"]) == "sum"
     run_dir = tmp_path / "run"
     generate(run_dir, RunConfig(seed=0, models=2, kinds=("dlrm",)))  # the second has frozen parameters
-    run_sweep(run_dir, SweepOptions(settings="torchrec-optim/*/table_wise/ws2,torchrec-optim/*/column_wise/ws4,"
-                                             "torchrec-optim/*/data_parallel/ws2"))
+    defaults = ("adagrad", "rowwise-adagrad", "adam")  # the options beyond eps: the next test
+    run_sweep(run_dir, SweepOptions(settings=",".join(f"torchrec-optim/{o}/{s}" for o in defaults for s in
+                                                      ("table_wise/ws2", "column_wise/ws4", "data_parallel/ws2"))))
     analysis = analyze(run_dir)
     both = analysis.cases.groupby("setting")["verdict"].agg(lambda v: sorted(set(map(str, v)))).to_dict()
     assert both["torchrec-optim/adagrad/data_parallel/ws2"] == both["torchrec-optim/adagrad/table_wise/ws2"] == ["ok"]
@@ -659,6 +660,52 @@ def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does
         assert "import difftest" not in emitted.path.read_text() and "apply_optimizer_in_backward" in \
             emitted.path.read_text()
         assert emitted.checked.exit_code == code, emitted.checked.output[-3000:]
+
+
+def test_fused_optimizers_drop_momentum_and_weight_decay_and_fbgemms_cpu_fast_path_drops_it_where_the_manifest_says(
+        tmp_path: Path) -> None:
+    """Options beside the learning rate: SGD's momentum is dropped by TorchRec's fused SGD (two steps, since it acts
+    from the second); row-wise Adagrad with fbgemm's L2 weight decay trains right on the tables that two features
+    share (fbgemm's CPU slow path) and wrong on single-feature tables (its fast path passes weight_decay=0); the
+    reference, stepping only the looked-up rows, agrees with torch.optim trained the same way under DMP's data
+    parallelism. Each finding is triaged to its manifest entry, and the fbgemm one's script reproduces."""
+    from difftest.contracts.registry import get_generator
+    from difftest.contracts.spec import RunConfig
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.storage.artifacts import load_spec
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
+    run_sweep(run_dir, SweepOptions(settings="torchrec-optim/rowwise-adagrad-l2/table_wise/ws2,"
+                                             "torchrec-optim/sgd-momentum/table_wise/ws2,"
+                                             "torchrec-optim/adagrad-weight-decay/data_parallel/ws2"))
+    analysis = analyze(run_dir)
+    verdicts = analysis.cases.set_index("setting")["verdict"].map(str).to_dict()
+    assert verdicts["torchrec-optim/adagrad-weight-decay/data_parallel/ws2"] == "ok", verdicts
+    assert verdicts["torchrec-optim/sgd-momentum/table_wise/ws2"] == "inconsistent", verdicts
+    compared = analysis.comparisons
+    momentum = compared[compared["setting"] == "torchrec-optim/sgd-momentum/table_wise/ws2"]
+    assert {"param_after_step2"} <= set(momentum["phase"])  # momentum needs the second step
+    assert (momentum[momentum["phase"] == "param_after_step1"]["status"] == "ok").all()
+    l2 = compared[(compared["setting"] == "torchrec-optim/rowwise-adagrad-l2/table_wise/ws2")
+                  & (compared["phase"] == "param_after_step1") & compared["tensor"].str.contains("embedding_bags")]
+    by_table = dict(zip(l2["tensor"].str.split(".").str[-2], l2["status"].map(str)))
+    tables = {t.name: t.features for t in get_generator("dlrm").embedding_tables(
+        load_spec(run_dir / "models" / "dlrm-s0-i0")) or []}
+    assert {t: by_table[t] for t in tables} == \
+        {t: "ok" if len(features) > 1 else "inconsistent" for t, features in tables.items()}, by_table
+    known = {f.known.id for f in triage(run_dir, analysis) if f.known is not None}
+    assert {"fbgemm-cpu-rowwise-adagrad-ignores-weight-decay",
+            "torchrec-fused-optimizer-drops-torch-optim-options"} <= known, known
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.scripts.write import emit
+
+    emitted = emit(run_dir, "O0", "fbgemm's CPU row-wise Adagrad drops weight decay", "inconsistent",
+                   run_dir / "models" / "dlrm-s0-i0", "torchrec-optim/rowwise-adagrad-l2/table_wise/ws2",
+                   "state_after_step1/sparse.embedding_bags.t1.weight.sum", {}, Tolerance(), check_timeout_s=120)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert emitted.checked.exit_code == 1, emitted.checked.output[-3000:]
 
 
 def test_a_torchrec_checkpoint_resumes_resharded_as_one_process_and_dcp_fails_on_a_rank_without_tables(

@@ -24,6 +24,45 @@ def table_optimizer(case: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     return getattr(importlib.import_module(module), name), fbgemm_options({"lr": case["lr"], **case["options"]})
 
 
+def second_tables(names: list[str], case: dict[str, Any]) -> set[str]:
+    """Those of the tables `names` that the case's second optimizer trains (`case["second_tables"]`)."""
+    return set(case.get("second_tables", ())) & set(names)
+
+
+def fuse_table_optimizers(tables: dict[str, Any], case: dict[str, Any]) -> None:
+    """Fuses the case's optimizer into the tables (name → weight), or, where the case has a second optimizer, that
+    one into `second_tables`: both given the one options dict, as a user who shares hyperparameters writes it."""
+    import importlib
+
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    optimizer_class, options = table_optimizer(case)
+    second = second_tables(list(tables), case)
+    apply_optimizer_in_backward(optimizer_class, [p for n, p in tables.items() if n not in second], options)
+    if second:
+        module, name = case["second"]
+        apply_optimizer_in_backward(getattr(importlib.import_module(module), name), [tables[n] for n in sorted(second)],
+                                    options)
+
+
+def unfused_table_optimizers(tables: dict[str, Any], case: dict[str, Any]) -> list[Any]:
+    """The PyTorch optimizers that train the tables (name → weight) as `fuse_table_optimizers` fuses them."""
+    import importlib
+
+    optimizer_class, options = table_optimizer(case)
+    second = second_tables(list(tables), case)
+    found = [optimizer_class([p for n, p in tables.items() if n not in second], **options)]
+    if second:
+        module, name = case["second"]
+        found.append(getattr(importlib.import_module(module), name)([tables[n] for n in sorted(second)], **options))
+    return found
+
+
+def table_name(parameter: str) -> str:
+    """A table's name from its weight's qualified name (`….embedding_bags.<table>.weight`)."""
+    return parameter.split(".")[-2]
+
+
 def fbgemm_options(options: dict[str, Any]) -> dict[str, Any]:
     """The options as TorchRec hands them to fbgemm's kernel: a weight-decay mode as fbgemm's `WeightDecayMode`
     member of that name."""
@@ -67,12 +106,12 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
     tables = standalone_tables(case)
     tables.load_state_dict({k[len("state."):]: torch.from_numpy(v) for k, v in data.items() if k.startswith("state.")})
     tables = tables.to(dtype)
-    optimizer_class, options = table_optimizer(case)
-    optimizer = optimizer_class(list(tables.parameters()), **options)
+    optimizers = unfused_table_optimizers({table_name(n): p for n, p in tables.named_parameters()}, case)
     for _ in range(case["steps"]):
-        optimizer.zero_grad()
+        tables.zero_grad()
         pooled_loss(tables(standalone_features(data, case, 0, case["batch"], dtype)), case["batch"]).backward()
-        step_touched_rows(optimizer) if case["touched_rows_only"] else optimizer.step()
+        for optimizer in optimizers:
+            step_touched_rows(optimizer) if case["touched_rows_only"] else optimizer.step()
     return {name: value.detach().cpu().numpy() for name, value in tables.state_dict().items()}
 
 
@@ -82,11 +121,9 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     table after them, whole, on rank 0 (its shards summed into zeros: they do not overlap)."""
     import torch
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     module = standalone_tables(case)
-    optimizer_class, options = table_optimizer(case)
-    apply_optimizer_in_backward(optimizer_class, list(module.parameters()), options)
+    fuse_table_optimizers({table_name(n): p for n, p in module.named_parameters()}, case)
     dmp = sharded_tables(module, EmbeddingBagCollectionSharder(), data, case, world_size)
     share = case["batch"] // world_size
     for _ in range(case["steps"]):

@@ -27,8 +27,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest import Outputs, RunContext, Setting, record_training, register_settings, to_numpy, traits_of
-from settings._torchrec_optim_script import fbgemm_options, step_touched_rows
-from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, gather_whole, plan_functions
+from settings._torchrec_optim_script import (
+    fbgemm_options,
+    fuse_table_optimizers,
+    step_touched_rows,
+    table_name,
+    unfused_table_optimizers,
+)
+from settings._torchrec_plan import SHARDING_TYPES, embedding_collections, gather_whole, plan_functions, table_configs
 from settings._training import build_for_training, canonical_parameters, sgd_step
 from settings.torchrec_sharding import TorchRecSharding
 
@@ -48,6 +54,7 @@ class TableOptimizer:
     rowwise: bool = False  # one accumulator per row: fbgemm keeps it as a vector, TorchRec's reference as a column
     touched_rows_only: bool = False  # the PyTorch optimizer steps only the rows a batch looks up, as fbgemm's does
     min_steps: int = 1  # momentum acts from the second step on
+    second: str = ""  # a key of OPTIMIZERS: every other table (by name) is trained by it, given the same options dict
 
     def load(self) -> type:
         import importlib
@@ -76,6 +83,10 @@ WITH_OPTIONS = {
     "rowwise-adagrad-l2": TableOptimizer("torchrec.optim", "RowWiseAdagrad",
                                          (("eps", EPS), ("weight_decay", WEIGHT_DECAY), ("weight_decay_mode", "L2")),
                                          ("sum",), rowwise=True, touched_rows_only=True),
+    # per-table optimizers sharing one hyperparameter dict, as a user writes them: row-wise Adagrad for some tables,
+    # Adagrad for the others
+    "rowwise-adagrad-and-adagrad": TableOptimizer("torchrec.optim", "RowWiseAdagrad", (("eps", EPS),), ("sum",),
+                                                  rowwise=True, second="adagrad"),
 }
 TABLE_OPTIMIZERS = {**OPTIMIZERS, **WITH_OPTIONS}
 WORLD_SIZES = (2, 4)
@@ -126,28 +137,34 @@ class FusedOptimizerSharding(TorchRecSharding):
         spec = TABLE_OPTIMIZERS[self.optimizer]
         return spec.load(), fbgemm_options({"lr": ctx.lr, **dict(spec.options)})
 
+    def fuse_table_optimizer(self, ctx: RunContext, module: Any, optimizer: type, options: dict[str, Any]) -> None:
+        tables = {table_name(n): p for collection in embedding_collections(module).values()
+                  for n, p in collection.named_parameters() if p.requires_grad}
+        fuse_table_optimizers(tables, optimizer_case(self.optimizer, ctx.lr, module))
+
     def dense_optimizer(self, ctx: RunContext, named: list[tuple[str, Any]]) -> Any:
         """Data-parallel tables come back from DMP as plain parameters with no fused optimizer: their users train them
-        with the same optimizer, unfused; the dense layers with SGD, as the root does."""
+        with the same optimizers, unfused; the dense layers with SGD, as the root does."""
         import torch
 
-        tables = [p for n, p in named if _is_table(n)]
-        table_optimizer, options = self.table_optimizer(ctx)
+        tables = {table_name(n): p for n, p in named if _is_table(n)}
         dense = [p for n, p in named if not _is_table(n)]
-        unfused = table_optimizer(tables, **options) if tables else None
-        return Optimizers(unfused, torch.optim.SGD(dense, lr=ctx.lr) if dense else None,
-                          touched_rows_only=(unfused,) if TABLE_OPTIMIZERS[self.optimizer].touched_rows_only else ())
+        unfused = unfused_table_optimizers(tables, optimizer_case(self.optimizer, ctx.lr, None, list(tables))) \
+            if tables else []
+        return Optimizers(*unfused, torch.optim.SGD(dense, lr=ctx.lr) if dense else None,
+                          touched_rows_only=tuple(unfused) if TABLE_OPTIMIZERS[self.optimizer].touched_rows_only else ())
 
     def optimizer_state(self, ctx: RunContext, dmp: Any, dense: Any) -> Callable[[], dict | None] | None:
-        spec = TABLE_OPTIMIZERS[self.optimizer]
+        specs = _specs(self.optimizer)
 
         def read() -> dict | None:
             values: dict[str, Any] = {}
             for parameter, states in dmp.fused_optimizer.state_dict()["state"].items():
                 for key, value in states.items():
-                    if (state := _state_name(key.rpartition(".")[2], spec)) is not None:
+                    named = (_state_name(key.rpartition(".")[2], spec) for spec in specs)
+                    if (state := next((n for n in named if n is not None), None)) is not None:
                         values[f"{_canonical(parameter)}.{state}"] = value
-            values |= unfused_state(dense, dict(dmp.named_parameters()), spec)
+            values |= unfused_state(dense, dict(dmp.named_parameters()), specs)
             return gather_whole(ctx, values)
 
         return read
@@ -167,7 +184,8 @@ class FusedOptimizerSharding(TorchRecSharding):
         )
         from settings.torchrec_vbe import pooled_loss
 
-        refuse_changed_hooks(self, FusedOptimizerSharding, "table_optimizer", "dense_optimizer", "optimizer_state",
+        refuse_changed_hooks(self, FusedOptimizerSharding, "table_optimizer", "fuse_table_optimizer",
+                             "dense_optimizer", "optimizer_state",
                              "load_initial_state", "sharded_module", "trainer", "full_state")
         if case.failure:
             raise Unsupported("the fused-optimizer script shows a disagreement; a failure reproduces through repro.py")
@@ -195,10 +213,11 @@ class FusedOptimizerSharding(TorchRecSharding):
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "local_world_size": case.local_world_size, "device": "cpu",
                   "batch": case.inputs["eval"].size, "lr": case.lr, "steps": max(case.steps, spec.min_steps),
-                  "optimizer": (spec.module, spec.cls), "options": dict(spec.options),
+                  **optimizer_case(self.optimizer, case.lr, None, [t.name for t in tables]),
                   "touched_rows_only": spec.touched_rows_only, "tables": table_list},
             functions=(*plan_functions(self.sharding, tables, 0, self.world_size), sharded_tables, standalone_tables,
                        standalone_features, bag_runs_kjt, pooled_loss, script.table_optimizer, fbgemm_options,
+                       script.second_tables, fuse_table_optimizers, unfused_table_optimizers, table_name,
                        step_touched_rows, script.whole_tables, script.single_process, script.on_rank),
             # named apart from the run's tensors: the envelope measured the model's loss, not the script's
             tensors={f"{t.state_key}": f"script/{t.state_key}" for t in tables}, data=data,
@@ -241,23 +260,28 @@ class FusedOptimizerReference(Setting):
         module = build_for_training(model, ctx.device)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         tables = {f"{path}.{n}" for path, c in embedding_collections(module).items() for n, _ in c.named_parameters()}
-        table_params = [p for n, p in named if n in tables]
+        table_params = {table_name(n): p for n, p in named if n in tables}
         dense = [p for n, p in named if n not in tables]
-        unfused = spec.load()(table_params, **fbgemm_options({"lr": ctx.lr, **dict(spec.options)})) if table_params else None
-        optimizer = Optimizers(unfused, torch.optim.SGD(dense, lr=ctx.lr) if dense else None,
-                               touched_rows_only=(unfused,) if spec.touched_rows_only else ())
+        unfused = unfused_table_optimizers(table_params, optimizer_case(self.optimizer, ctx.lr, module)) \
+            if table_params else []
+        optimizer = Optimizers(*unfused, torch.optim.SGD(dense, lr=ctx.lr) if dense else None,
+                               touched_rows_only=tuple(unfused) if spec.touched_rows_only else ())
+        specs = _specs(self.optimizer)
         return record_training(
             ctx, inputs, lambda b: model.evaluate(module, b, ctx.device),
             lambda b: sgd_step(model, module, optimizer, b, ctx.device),
             lambda: canonical_parameters(model, module),
-            optimizer_state=lambda: {n: to_numpy(v) for n, v in unfused_state(optimizer, dict(named), spec).items()})
+            optimizer_state=lambda: {n: to_numpy(v) for n, v in unfused_state(optimizer, dict(named), specs).items()})
 
 
-def unfused_state(optimizers: Any, parameters: dict[str, Any], spec: TableOptimizer) -> dict[str, Any]:
-    """`<table>.<state>` → the state a PyTorch optimizer (of `optimizers`) keeps for each table among `parameters`,
-    shaped as fbgemm keeps it (a row-wise accumulator as a vector)."""
+def unfused_state(optimizers: Any, parameters: dict[str, Any], specs: list[TableOptimizer]) -> dict[str, Any]:
+    """`<table>.<state>` → the state a PyTorch optimizer (of `optimizers`, each of a class in `specs`) keeps for each
+    table among `parameters`, shaped as fbgemm keeps it (a row-wise accumulator as a vector)."""
     found: dict[str, Any] = {}
     for optimizer in getattr(optimizers, "optimizers", [optimizers] if optimizers is not None else []):
+        spec = next((s for s in specs if type(optimizer).__name__ == s.cls), None)
+        if spec is None:  # the dense part's SGD
+            continue
         for name, parameter in parameters.items():
             if _is_table(name) and parameter in optimizer.state:
                 for key in spec.states:
@@ -291,6 +315,23 @@ class OptionedOptimizerReference(FusedOptimizerReference):
     in_default_tier: ClassVar[bool] = False
 
 
+def optimizer_case(optimizer: str, lr: float, module: Any, names: list[str] | None = None) -> dict[str, Any]:
+    """The optimizers as the script's functions take them (`fuse_table_optimizers`, `unfused_table_optimizers`): the
+    second optimizer's tables every other one, by name, of `module`'s tables (or of `names`)."""
+    spec = TABLE_OPTIMIZERS[optimizer]
+    if names is None:
+        names = [c.name for collection in embedding_collections(module).values() for c in table_configs(collection)]
+    second = OPTIMIZERS[spec.second] if spec.second else None
+    return {"optimizer": (spec.module, spec.cls), "options": dict(spec.options), "lr": lr,
+            "second": (second.module, second.cls) if second else None,
+            "second_tables": sorted(names)[1::2] if second else []}
+
+
+def _specs(optimizer: str) -> list[TableOptimizer]:
+    spec = TABLE_OPTIMIZERS[optimizer]
+    return [spec, OPTIMIZERS[spec.second]] if spec.second else [spec]
+
+
 def _enough_steps(ctx: RunContext, optimizer: str) -> RunContext:
     """`ctx` with at least the steps the optimizer needs to show what its options do."""
     import dataclasses
@@ -300,6 +341,8 @@ def _enough_steps(ctx: RunContext, optimizer: str) -> RunContext:
 
 def _options_said(spec: TableOptimizer) -> str:
     said = [f"{k}={v}" for k, v in spec.options if k != "eps"]
+    if spec.second:
+        said.append(f"every other table {OPTIMIZERS[spec.second].cls}, both given one options dict")
     return f" ({', '.join(said)})" if said else ""
 
 

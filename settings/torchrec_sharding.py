@@ -107,8 +107,7 @@ class TorchRecSharding(Setting):
         module = self.sharded_module(model, model.build("cpu"), inputs)
         tables = [p for collection in embedding_collections(module).values() for p in collection.parameters()]
         if (fused := self.table_optimizer(ctx)) is not None:
-            table_optimizer, options = fused
-            apply_optimizer_in_backward(table_optimizer, [p for p in tables if p.requires_grad], options)
+            self.fuse_table_optimizer(ctx, module, *fused)
             # a fused table is trained whatever its requires_grad says: without an optimizer of its own it gets the
             # sharder's default fused SGD (fbgemm's lr 0.01). TorchRec's way to freeze one is an optimizer that does
             # not move it (torchrec#1990): a frozen table takes gradients (the hook needs them) into SGD with lr 0,
@@ -185,6 +184,13 @@ class TorchRecSharding(Setting):
         import torch
 
         return torch.optim.SGD, {"lr": ctx.lr}
+
+    def fuse_table_optimizer(self, ctx: RunContext, module: Any, optimizer: type, options: dict[str, Any]) -> None:
+        """Fuses `table_optimizer`'s optimizer into the trainable tables of `module`, in one call."""
+        from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+        tables = [p for collection in embedding_collections(module).values() for p in collection.parameters()]
+        apply_optimizer_in_backward(optimizer, [p for p in tables if p.requires_grad], options)
 
     def dense_optimizer(self, ctx: RunContext, named: list[tuple[str, Any]]) -> Any:
         """What trains the parameters outside the fused tables (data-parallel tables among them): plain SGD."""

@@ -665,10 +665,11 @@ def test_fused_table_optimizers_train_and_keep_state_as_their_pytorch_class_does
 def test_fused_optimizers_drop_momentum_and_weight_decay_and_fbgemms_cpu_fast_path_drops_it_where_the_manifest_says(
         tmp_path: Path) -> None:
     """Options beside the learning rate: SGD's momentum is dropped by TorchRec's fused SGD (two steps, since it acts
-    from the second); row-wise Adagrad with fbgemm's L2 weight decay trains right on the tables that two features
+    from the second); two optimizer classes given one options dict train every table with one of them; row-wise Adagrad with fbgemm's L2 weight decay trains right on the tables that two features
     share (fbgemm's CPU slow path) and wrong on single-feature tables (its fast path passes weight_decay=0); the
     reference, stepping only the looked-up rows, agrees with torch.optim trained the same way under DMP's data
-    parallelism. Each finding is triaged to its manifest entry, and the fbgemm one's script reproduces."""
+    parallelism. Each finding is triaged to its manifest entry (the fbgemm and the shared-dict cases look alike, one
+    setting class and one first tensor: triage splits them by cause), and the fbgemm one's script reproduces."""
     from difftest.contracts.registry import get_generator
     from difftest.contracts.spec import RunConfig
     from difftest.findings.triage import triage
@@ -679,11 +680,13 @@ def test_fused_optimizers_drop_momentum_and_weight_decay_and_fbgemms_cpu_fast_pa
     generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
     run_sweep(run_dir, SweepOptions(settings="torchrec-optim/rowwise-adagrad-l2/table_wise/ws2,"
                                              "torchrec-optim/sgd-momentum/table_wise/ws2,"
+                                             "torchrec-optim/rowwise-adagrad-and-adagrad/table_wise/ws2,"
                                              "torchrec-optim/adagrad-weight-decay/data_parallel/ws2"))
     analysis = analyze(run_dir)
     verdicts = analysis.cases.set_index("setting")["verdict"].map(str).to_dict()
     assert verdicts["torchrec-optim/adagrad-weight-decay/data_parallel/ws2"] == "ok", verdicts
     assert verdicts["torchrec-optim/sgd-momentum/table_wise/ws2"] == "inconsistent", verdicts
+    assert verdicts["torchrec-optim/rowwise-adagrad-and-adagrad/table_wise/ws2"] == "inconsistent", verdicts
     compared = analysis.comparisons
     momentum = compared[compared["setting"] == "torchrec-optim/sgd-momentum/table_wise/ws2"]
     assert {"param_after_step2"} <= set(momentum["phase"])  # momentum needs the second step
@@ -696,8 +699,8 @@ def test_fused_optimizers_drop_momentum_and_weight_decay_and_fbgemms_cpu_fast_pa
     assert {t: by_table[t] for t in tables} == \
         {t: "ok" if len(features) > 1 else "inconsistent" for t, features in tables.items()}, by_table
     known = {f.known.id for f in triage(run_dir, analysis) if f.known is not None}
-    assert {"fbgemm-cpu-rowwise-adagrad-ignores-weight-decay",
-            "torchrec-fused-optimizer-drops-torch-optim-options"} <= known, known
+    assert {"fbgemm-cpu-rowwise-adagrad-ignores-weight-decay", "torchrec-fused-optimizer-drops-torch-optim-options",
+            "torchrec-shared-optimizer-options-dict"} <= known, known
     from difftest.contracts.tolerance import Tolerance
     from difftest.scripts.write import emit
 

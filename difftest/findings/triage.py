@@ -186,7 +186,10 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
             titles[signature] = title
     bounds = _worst_bound_ratios(analysis)
     findings = []
-    for signature, rows in keyed.items():
+    split = {signed: group for signature, rows in keyed.items()
+             for signed, group in _by_known_cause(signature, rows, versions, layer_kinds).items()}
+    titles |= {signed: titles[signed.rpartition(" | ")[0]] for signed in split if signed not in titles}
+    for signature, rows in split.items():
         frame = pd.DataFrame(rows).sort_values(["model", "setting"])
         frame = frame.assign(bound_ratio=[bounds.get((m, s), float("nan")) for m, s in zip(frame["model"], frame["setting"])])
         finding = Finding(id=f"F{hashlib.sha1(signature.encode()).hexdigest()[:8]}", status=frame.iloc[0]["status"],
@@ -252,13 +255,32 @@ def known_issue_of(rows: pd.DataFrame, versions: Mapping[str, str | None] | None
                    layer_kinds: Mapping[str, set[str]] | None = None) -> KnownIssue | None:
     """The known library bug that explains most of a finding's cases (all of them, in a finding of one cause), among
     those known on the run's releases (`versions`); an entry's traits match the kind's or the model's layer kinds."""
-    layers = layer_kinds or {}
     explained = Counter(issue for r in rows.itertuples()
-                        if (issue := match(getattr(r, "signed_as", r.setting), r.status, r.message,
-                                           capabilities_of(r.kind).traits | layers.get(r.model, set()),
-                                           r.d3_verdict, versions=versions,
-                                           relative=_number(getattr(r, "relative", None)))) is not None)
+                        if (issue := _explaining(r, versions, layer_kinds)) is not None)
     return explained.most_common(1)[0][0] if explained else None
+
+
+def _explaining(row: Any, versions: Mapping[str, str | None] | None,
+                layer_kinds: Mapping[str, set[str]] | None) -> KnownIssue | None:
+    """The known library bug that explains one case (a row of a finding), if any."""
+    layers = (layer_kinds or {}).get(row.model, set())
+    return match(getattr(row, "signed_as", row.setting), row.status, row.message,
+                 capabilities_of(row.kind).traits | layers, row.d3_verdict, versions=versions,
+                 relative=_number(getattr(row, "relative", None)))
+
+
+def _by_known_cause(signature: str, rows: list[dict[str, Any]], versions: Mapping[str, str | None] | None,
+                    layer_kinds: Mapping[str, set[str]] | None) -> dict[str, list[dict[str, Any]]]:
+    """A signature's cases split by the known library bug that explains each: cases that look alike (one setting
+    class, one first tensor) under settings with two known causes are two findings. One group keeps the signature;
+    several are signed apart by their cause."""
+    groups: dict[str | None, list[dict[str, Any]]] = {}
+    for row in rows:
+        issue = _explaining(pd.Series(row), versions, layer_kinds)
+        groups.setdefault(issue.id if issue is not None else None, []).append(row)
+    if len(groups) == 1:
+        return {signature: rows}
+    return {f"{signature} | {cause or 'no known cause'}": group for cause, group in groups.items()}
 
 
 def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance()) -> None:

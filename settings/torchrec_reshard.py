@@ -133,7 +133,7 @@ class ReshardedResume(FusedOptimizerSharding):
         loss is the tables' own, not the model's the envelope was measured on)."""
         from difftest import Script, Unsupported, refuse_changed_hooks
         from settings import _torchrec_reshard_script as script
-        from settings._torchrec_optim_script import table_optimizer, whole_tables
+        from settings._torchrec_optim_script import fbgemm_options, table_optimizer, whole_tables
         from settings._torchrec_plan import _plan_helpers, plan_functions
         from settings._torchrec_script import (
             bag_runs_kjt,
@@ -172,7 +172,8 @@ class ReshardedResume(FusedOptimizerSharding):
                   "optimizer": (spec.module, spec.cls), "options": dict(spec.options), "tables": table_list,
                   "steps": TOTAL_STEPS, "phases": phases},
             functions=(*dict.fromkeys(plans), sharded_tables, standalone_tables, standalone_features, bag_runs_kjt,
-                       pooled_loss, table_optimizer, whole_tables, script.single_process, script.on_rank, script.run_distributed),
+                       pooled_loss, table_optimizer, fbgemm_options, whole_tables, script.single_process, script.on_rank,
+                       script.run_distributed),
             # named apart from the run's tensors: the envelope measured the model's loss, not the script's
             tensors={name[len("state."):]: f"script/{name[len('state.'):]}" for name in data if name.startswith("state.")},
             data=data,

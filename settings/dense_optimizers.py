@@ -1,7 +1,8 @@
 """The optimizers today's recipes train dense models with, in place of plain SGD: AdamW (the multi-tensor `foreach`
 implementation and the `fused` kernel), Adam with AMSGrad, SGD with Nesterov momentum (foreach and fused), Adagrad
-(foreach and fused), RMSprop, NAdam, RAdam, Adamax and Adafactor, each under DDP, FSDP2, tensor parallel and FSDP2 ×
-tensor parallel, against the same optimizer in one process (the family's root, one per optimizer).
+(foreach and fused), RMSprop, NAdam, RAdam, Adamax, Rprop (foreach and single-tensor) and Adafactor, each under DDP,
+FSDP2, tensor parallel and FSDP2 × tensor parallel, against the same optimizer in one process (the family's root, one
+per optimizer).
 
 Under FSDP2 and tensor parallel the optimizer steps DTensor parameters, so every update runs through DTensor's
 sharding rules for the optimizer's `_foreach_*` and `_fused_*` operators (over two meshes at once under FSDP2 ×
@@ -52,6 +53,8 @@ OPTIMIZERS = {
                       ADAPTIVE_LR),
     "radam": Training("RAdam", (("foreach", True),), ADAPTIVE_LR),
     "adamax": Training("Adamax", (("foreach", True),), ADAPTIVE_LR),
+    "rprop": Training("Rprop", (("foreach", True),), ADAPTIVE_LR),
+    "rprop-single": Training("Rprop", (("foreach", False),), ADAPTIVE_LR),
     "adafactor": Training("Adafactor", (("foreach", True),), ADAPTIVE_LR),
 }
 WRAPS = ("single", "ddp", "fsdp2", "tp", "fsdp2-tp")

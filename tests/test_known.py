@@ -180,6 +180,7 @@ def test_a_run_records_its_stack_and_keeps_an_earlier_one(tmp_path: Path) -> Non
     ("fbgemm-cpu-rowwise-adagrad-ignores-weight-decay", "fbgemm_cpu_rowwise_adagrad_weight_decay.py"),
     ("torchrec-fused-optimizer-drops-torch-optim-options", "torchrec_fused_optimizer_drops_options.py"),
     ("torchrec-shared-optimizer-options-dict", "torchrec_shared_optimizer_options.py"),
+    ("dtensor-rprop-no-strategy", "dtensor_rprop_no_strategy.py"),
 ])
 def test_a_reproducer_shows_its_bug_exactly_where_the_manifest_says(entry: str, repro: str) -> None:
     """The traced library line behind a finding, run alone: it exits 1 on every release the entry affects and 0

@@ -305,7 +305,8 @@ def test_dense_optimizers_step_as_one_process_and_the_fused_kernels_bugs_are_the
     """AdamW (foreach) under tensor parallel and FSDP2 steps a converted Keras model as one process does, its moments
     compared too; the fused AdamW kernel under tensor parallel moves the column-wise weight by up to 2 x lr off (its
     DTensor gradient's local tensor is transposed: `fused-optimizer-cpu-grad-strides`), and the fused SGD kernel has
-    no DTensor rule at all; both are the manifest's, and the fused AdamW case's script shows it without difftest."""
+    no DTensor rule at all, nor Rprop's steps (foreach and single-tensor), which DDP runs; all are the manifest's, and
+    the fused AdamW case's script shows it without difftest."""
     from difftest.contracts.tolerance import Tolerance
     from difftest.findings.triage import triage
     from difftest.judging.analysis import envelope_spread
@@ -313,16 +314,20 @@ def test_dense_optimizers_step_as_one_process_and_the_fused_kernels_bugs_are_the
 
     run_dir = fresh_sequential_run
     run_sweep(run_dir, SweepOptions(settings="optim/adamw/tp/ws2,optim/adamw-fused/tp/ws2,optim/adamw/fsdp2/ws2,"
-                                             "optim/sgd-fused/fsdp2/ws2", models="*-i1-frozen", timeout_s=60))
+                                             "optim/sgd-fused/fsdp2/ws2,optim/rprop/fsdp2/ws2,optim/rprop-single/tp/ws2,"
+                                             "optim/rprop/ddp/ws2", models="*-i1-frozen", timeout_s=60))
     analysis = analyze(run_dir)
     verdicts = analysis.cases.set_index("setting")["verdict"].to_dict()
     assert verdicts["optim/adamw/tp/ws2"] == verdicts["optim/adamw/fsdp2/ws2"] == "ok", verdicts
     assert verdicts["optim/adamw-fused/tp/ws2"] == "inconsistent" and verdicts["optim/sgd-fused/fsdp2/ws2"] == "error"
+    assert verdicts["optim/rprop/ddp/ws2"] == "ok", verdicts
+    assert verdicts["optim/rprop/fsdp2/ws2"] == verdicts["optim/rprop-single/tp/ws2"] == "error", verdicts
     judged = analysis.comparisons[analysis.comparisons["setting"] == "optim/adamw/fsdp2/ws2"]
     assert {"exp_avg", "exp_avg_sq"} <= {t.rsplit(".", 1)[-1] for t in judged[judged["phase"] == "state_after_step1"]
                                          ["tensor"]}, judged[["phase", "tensor"]].to_string()  # the state is judged too
     found = {f.known.id: f for f in triage(run_dir, analysis) if f.known is not None}
-    assert set(found) == {"fused-optimizer-cpu-grad-strides", "dtensor-fused-sgd-adagrad-no-strategy"}, found
+    assert set(found) == {"fused-optimizer-cpu-grad-strides", "dtensor-fused-sgd-adagrad-no-strategy",
+                          "dtensor-rprop-no-strategy"}, found
     wrong = found["fused-optimizer-cpu-grad-strides"]
     model = str(wrong.example["model"])
     emitted = emit(run_dir, "O1", wrong.title, "inconsistent", run_dir / "models" / model, "optim/adamw-fused/tp/ws2",

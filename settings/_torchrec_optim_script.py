@@ -51,7 +51,8 @@ def unfused_table_optimizers(tables: dict[str, Any], case: dict[str, Any]) -> li
 
     optimizer_class, options = table_optimizer(case)
     second = second_tables(list(tables), case)
-    found = [optimizer_class([p for n, p in tables.items() if n not in second], **options)]
+    first = [p for n, p in tables.items() if n not in second]
+    found = [optimizer_class(first, **options)] if first else []  # a frozen model's trainable tables may all be second
     if second:
         module, name = case["second"]
         found.append(getattr(importlib.import_module(module), name)([tables[n] for n in sorted(second)], **options))

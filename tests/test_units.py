@@ -631,3 +631,24 @@ def test_a_finding_whose_example_has_no_emitter_tries_its_cases_of_other_kinds_t
     picked = [(row.kind, row.setting) for row in _other_cases(finding, 4)]
     assert picked == [("timm-vit", "ddp/default/ws2"), ("timm-resnet", "ddp/default/ws2")]
     assert len(_other_cases(finding, 1)) == 1
+
+
+def test_tables_given_two_optimizers_get_each_its_own_and_touched_rows_alone_move() -> None:
+    """The fused-optimizer family's reference: the second optimizer trains the tables the case names it (with the one
+    options dict), even when a frozen model leaves the first none; a sparse step moves only the rows that had a
+    gradient, and a state the step creates stays zero elsewhere."""
+    import torch
+
+    from settings._torchrec_optim_script import step_touched_rows, unfused_table_optimizers
+
+    weight = torch.nn.Parameter(torch.ones(3, 2))
+    case = {"optimizer": ("torch.optim", "SGD"), "options": {"weight_decay": 0.5}, "lr": 0.1,
+            "second": ("torch.optim", "Adagrad"), "second_tables": ["t1"]}
+    (only,) = unfused_table_optimizers({"t1": weight}, case)
+    assert type(only).__name__ == "Adagrad"
+    (sgd,) = unfused_table_optimizers({"t0": weight}, {**case, "options": {"weight_decay": 0.5, "momentum": 0.9}})
+    weight.grad = torch.tensor([[1.0, 1.0], [0.0, 0.0], [2.0, 0.0]])
+    step_touched_rows(sgd)
+    assert torch.equal(weight.data[1], torch.ones(2))  # untouched: no weight decay, no momentum buffer
+    assert (weight.data[[0, 2]] != 1).all()
+    assert torch.equal(sgd.state[weight]["momentum_buffer"][1], torch.zeros(2))

@@ -186,18 +186,16 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
             titles[signature] = title
     bounds = _worst_bound_ratios(analysis)
     findings = []
-    split = {signed: group for signature, rows in keyed.items()
-             for signed, group in _by_known_cause(signature, rows, versions, layer_kinds).items()}
-    titles |= {signed: titles[signed.rpartition(" | ")[0]] for signed in split if signed not in titles}
-    for signature, rows in split.items():
-        frame = pd.DataFrame(rows).sort_values(["model", "setting"])
+    for signature, group, known in (split for signed, rows in keyed.items()
+                                    for split in _by_known_cause(signed, rows, versions, layer_kinds)):
+        frame = pd.DataFrame(group).sort_values(["model", "setting"])
         frame = frame.assign(bound_ratio=[bounds.get((m, s), float("nan")) for m, s in zip(frame["model"], frame["setting"])])
         finding = Finding(id=f"F{hashlib.sha1(signature.encode()).hexdigest()[:8]}", status=frame.iloc[0]["status"],
-                          title=titles[signature], signature=signature, rows=frame)
+                          title=titles[signature.partition(KNOWN_CAUSE)[0]], signature=signature, rows=frame)
         finding.first_divergence = next((d for d in frame["first_divergence"] if d), "")
         finding.distinguishing = _distinguishing(frame, cases, features)
         finding.contrast = contrast_of(finding.example["setting"], separating)
-        finding.known = known_issue_of(frame, versions, layer_kinds)
+        finding.known = known
         if finding.known is None:
             finding.semantics = semantic_difference_of(frame, layer_kinds)
         findings.append(finding)
@@ -251,36 +249,25 @@ def _number(value: object) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(str(value))
 
 
-def known_issue_of(rows: pd.DataFrame, versions: Mapping[str, str | None] | None = None,
-                   layer_kinds: Mapping[str, set[str]] | None = None) -> KnownIssue | None:
-    """The known library bug that explains most of a finding's cases (all of them, in a finding of one cause), among
-    those known on the run's releases (`versions`); an entry's traits match the kind's or the model's layer kinds."""
-    explained = Counter(issue for r in rows.itertuples()
-                        if (issue := _explaining(r, versions, layer_kinds)) is not None)
-    return explained.most_common(1)[0][0] if explained else None
-
-
-def _explaining(row: Any, versions: Mapping[str, str | None] | None,
-                layer_kinds: Mapping[str, set[str]] | None) -> KnownIssue | None:
-    """The known library bug that explains one case (a row of a finding), if any."""
-    layers = (layer_kinds or {}).get(row.model, set())
-    return match(getattr(row, "signed_as", row.setting), row.status, row.message,
-                 capabilities_of(row.kind).traits | layers, row.d3_verdict, versions=versions,
-                 relative=_number(getattr(row, "relative", None)))
+KNOWN_CAUSE = " | known cause "  # what signs apart the cases of one signature that two known bugs explain
 
 
 def _by_known_cause(signature: str, rows: list[dict[str, Any]], versions: Mapping[str, str | None] | None,
-                    layer_kinds: Mapping[str, set[str]] | None) -> dict[str, list[dict[str, Any]]]:
-    """A signature's cases split by the known library bug that explains each: cases that look alike (one setting
-    class, one first tensor) under settings with two known causes are two findings. One group keeps the signature;
-    several are signed apart by their cause."""
-    groups: dict[str | None, list[dict[str, Any]]] = {}
+                    layer_kinds: Mapping[str, set[str]] | None) -> list[tuple[str, list[dict[str, Any]], KnownIssue | None]]:
+    """A signature's cases grouped by the known library bug that explains each (among those known on the run's
+    releases, `versions`; an entry's traits match the kind's or the model's layer kinds), with that bug: cases that
+    look alike (one setting class, one first tensor) under settings with two known causes are two findings. One
+    group keeps the signature; several are signed apart by their cause."""
+    groups: dict[str | None, tuple[KnownIssue | None, list[dict[str, Any]]]] = {}
     for row in rows:
-        issue = _explaining(pd.Series(row), versions, layer_kinds)
-        groups.setdefault(issue.id if issue is not None else None, []).append(row)
+        issue = match(row.get("signed_as", row["setting"]), row["status"], row["message"],
+                      capabilities_of(row["kind"]).traits | (layer_kinds or {}).get(row["model"], set()),
+                      row["d3_verdict"], versions=versions, relative=_number(row.get("relative")))
+        groups.setdefault(issue.id if issue is not None else None, (issue, []))[1].append(row)
     if len(groups) == 1:
-        return {signature: rows}
-    return {f"{signature} | {cause or 'no known cause'}": group for cause, group in groups.items()}
+        ((issue, group),) = groups.values()
+        return [(signature, group, issue)]
+    return [(f"{signature}{KNOWN_CAUSE}{cause}", group, issue) for cause, (issue, group) in groups.items()]
 
 
 def _pairwise(run_dir: Path, findings: list[Finding], tol: Tolerance = Tolerance()) -> None:

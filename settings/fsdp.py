@@ -7,6 +7,11 @@ backward, or (an int) reshards them to that many ranks after forward. The polici
 too: `MixedPrecisionPolicy` as `precision` (the dtype of the parameters in compute, then that of the gradient
 reduction: `bf16` = bf16 parameters reduced in fp32, `bf16-reduce-bf16`, `fp32-reduce-bf16`) and `CPUOffloadPolicy`
 (`offload`: parameters, gradients and the optimizer step on the CPU, parameters copied to the device for compute).
+Two layouts torchtitan uses are options too: `shard_dim="last"` (`shard_placement_fn`: each parameter sharded on its
+last dimension where that divides by the ranks sharing it, else on dim 0, as torchtitan shards MoE experts when they
+are fewer than the ranks) and `replicate` > 1 (HSDP: a 2-D (replicate, shard) mesh, each parameter sharded within
+groups of world_size / replicate ranks and replicated across the groups, gradients reduce-scattered within a group and
+all-reduced across them); both are in the full tier.
 A reduced-precision variant is judged by a tolerance derived from bf16's unit roundoff instead of the fp32 one, in
 two steps that keep precision and distribution apart: on one rank against the fp32 `reference` (what bf16 itself
 costs), on 2+ ranks against that one-rank run of the same policy (what sharding adds).
@@ -26,6 +31,7 @@ from difftest import (
     across,
     refuse_changed_hooks,
     register_settings,
+    register_world_reset,
     variant_of,
 )
 from settings._compat import fully_shard_for
@@ -57,6 +63,8 @@ class FullyShard(Setting):
     reshard_after_forward: bool | int = True  # an int: reshard to that many ranks after forward
     policy: str = "fp32"  # a key of PRECISIONS: the compute dtype, then the gradient reduction's
     offload: bool = False  # CPUOffloadPolicy
+    shard_dim: str = "first"  # "last": shard_placement_fn puts each parameter's shards on its last dim where it divides
+    replicate: int = 1  # > 1: HSDP over a (replicate, shard) mesh of that many replica groups
     family: ClassVar[str] = "fsdp2"
     tier_axes: ClassVar[tuple[str, ...]] = ("wrap", "reshard_after_forward", "policy", "offload")
 
@@ -64,21 +72,27 @@ class FullyShard(Setting):
     def name(self) -> str:
         reshard = {True: "reshard", False: "no-reshard"}.get(self.reshard_after_forward,  # type: ignore[call-overload]
                                                              f"reshard-to-{self.reshard_after_forward}")
-        offload = "/offload" if self.offload else ""
-        return f"fsdp2/{self.wrap}/{reshard}/{self.policy}{offload}/ws{self.world_size}"
+        layout = ("/offload" if self.offload else "") + ("/shard-last" if self.shard_dim == "last" else "") \
+            + (f"/hsdp{self.replicate}" if self.replicate > 1 else "")
+        return f"fsdp2/{self.wrap}/{reshard}/{self.policy}{layout}/ws{self.world_size}"
 
     def describe(self) -> str:
         ranks = f"{self.world_size} ranks" if self.world_size > 1 else "1 rank (nothing sharded)"
         param, reduce = PRECISIONS[self.policy]
         return (f"FSDP2 over {ranks}, {self.wrap} units, reshard_after_forward={self.reshard_after_forward}, "
                 f"{param or 'fp32'} compute, gradients reduced in {reduce or 'fp32'}"
-                + (", CPUOffloadPolicy" if self.offload else ""))
+                + (", CPUOffloadPolicy" if self.offload else "")
+                + (", each parameter sharded on its last dimension where it divides (shard_placement_fn)"
+                   if self.shard_dim == "last" else "")
+                + (f", HSDP: sharded within {self.world_size // self.replicate} ranks, replicated over {self.replicate}"
+                   if self.replicate > 1 else ""))
 
     @property
     def reference(self) -> str:  # type: ignore[override]
         if self.policy == "fp32" or self.world_size == 1:
             return "reference"
-        return variant_of(FullyShard, self, world_size=1, reshard_after_forward=True, offload=False).name
+        return variant_of(FullyShard, self, world_size=1, reshard_after_forward=True, offload=False, shard_dim="first",
+                          replicate=1).name
 
     @property
     def precision(self) -> str:  # type: ignore[override]
@@ -95,8 +109,10 @@ class FullyShard(Setting):
         fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device, before the model is built
         module = build_for_training(model, ctx.device)
         layout = self.layout(model, module)
-        distribute(module, ctx.group, ctx.device, layout)
+        distribute(module, _hsdp_mesh(ctx, self.replicate) if self.replicate > 1 else ctx.group, ctx.device, layout)
         ctx.notes["units"] = str(len(layout["units"]) + 1)
+        if self.shard_dim != "first" or self.replicate > 1:  # the layout FSDP2 made, to show the option took effect
+            ctx.notes["placements"] = placements_made(module)
         self.sharded(ctx, module)
 
         return train_data_parallel(ctx, model, inputs, module, lambda: gathered_parameters(ctx, model, module))
@@ -107,7 +123,7 @@ class FullyShard(Setting):
         units = [name for name, _ in fsdp2_units(model, module)] if self.wrap == "per-layer" else []
         return {"units": units, "blocks": self.wrap == "per-layer" and model.blocks(module) is not None,
                 "reshard_after_forward": self.reshard_after_forward, "dtypes": PRECISIONS[self.policy],
-                "offload": self.offload}
+                "offload": self.offload, "shard_dim": self.shard_dim, "replicate": self.replicate}
 
     def standalone(self, case: StandaloneCase) -> Script:
         refuse_changed_hooks(self, FullyShard, "sharded")
@@ -117,11 +133,20 @@ class FullyShard(Setting):
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         return training_script(case, f"FSDP2 fully_shard ({self.describe().partition(', ')[2]})", self.world_size,
-                               (fully_shard_for, make_contiguous, mixed_precision, distribute, full_parameters),
+                               (fully_shard_for, make_contiguous, mixed_precision, shard_placement, distribute,
+                                full_parameters),
                                self.layout(model, model.build("cpu")))
 
     def sharded(self, ctx: RunContext, module: Any) -> None:
         """Called once the model is sharded, before training (a hook for planted faults)."""
+
+
+def placements_made(module: Any) -> str:
+    """How many of `module`'s parameters FSDP2 holds in each distinct placement, e.g. "(Replicate(), Shard(dim=1)): 3"."""
+    from collections import Counter
+
+    counts = Counter(str(tuple(p.placements)) for p in module.parameters() if hasattr(p, "placements"))
+    return ", ".join(f"{placement}: {n}" for placement, n in sorted(counts.items()))
 
 
 def policy_precision(policy: str) -> str:
@@ -143,15 +168,37 @@ def mixed_precision(dtypes: tuple[str | None, str | None], inner: bool) -> Any:
                                 output_dtype=torch.float32 if param is not None and not inner else None)
 
 
+def shard_placement(dim: str, ranks: int) -> Any:
+    """`fully_shard`'s `shard_placement_fn` for `dim`: None (its default, dim 0) for "first"; for "last", each
+    parameter's last dimension where that divides by the `ranks` sharing it (FSDP2 refuses an uneven shard off dim 0),
+    else dim 0."""
+    from torch.distributed.tensor import Shard
+
+    if dim == "first":
+        return None
+    return lambda p: Shard(p.dim() - 1) if p.dim() > 1 and p.shape[-1] % ranks == 0 else Shard(0)
+
+
 def distribute(module: Any, group: Any, device: str, layout: dict[str, Any]) -> Any:
     """FSDP2 over `group`, as `FullyShard.run` shards: each unit named in `layout`, innermost first (a unit owns what
-    its wrapped children do not), then the root, on a 1-D mesh of the group."""
-    from torch.distributed.device_mesh import DeviceMesh
+    its wrapped children do not), then the root, on a 1-D mesh of the group, or for HSDP (`layout["replicate"]` > 1)
+    on a (replicate, shard) mesh: `group` is that DeviceMesh, or the process group of all its ranks (a standalone
+    script's world), laid out as one."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     fully_shard = fully_shard_for(device)  # a script run on a torch too old says so, as the setting does
     make_contiguous(module)
-    mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
-    options = dict(mesh=mesh, reshard_after_forward=layout["reshard_after_forward"])
+    replicate = layout.get("replicate", 1)
+    if isinstance(group, DeviceMesh):
+        mesh = group
+    elif replicate > 1:
+        mesh = init_device_mesh(device.split(":")[0], (replicate, dist.get_world_size(group) // replicate),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = DeviceMesh.from_group(group, device_type=device.split(":")[0], mesh_dim_names=("dp",))
+    options = dict(mesh=mesh, reshard_after_forward=layout["reshard_after_forward"],
+                   shard_placement_fn=shard_placement(layout.get("shard_dim", "first"), mesh.size(mesh.ndim - 1)))
     if layout.get("offload"):
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -186,10 +233,36 @@ def make_contiguous(module: Any) -> None:
                 owner._parameters[attr] = replacement
 
 
+_HSDP_MESHES: dict[tuple[int, int], Any] = {}
+register_world_reset(_HSDP_MESHES.clear)  # the mesh's groups die with the case's world
+
+
+def _hsdp_mesh(ctx: RunContext, replicate: int) -> Any:
+    """The (replicate, shard) mesh over the case's ranks, made once per world: every rank creates its subgroups in
+    step."""
+    shape = (replicate, ctx.world_size // replicate)
+    if shape not in _HSDP_MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _HSDP_MESHES[shape] = init_device_mesh(ctx.device.split(":")[0], shape, mesh_dim_names=("replicate", "shard"))
+    return _HSDP_MESHES[shape]
+
+
+@dataclass(frozen=True)
+class FullTierFullyShard(FullyShard):
+    """FSDP2 with torchtitan's other layouts (`shard_dim="last"`, HSDP): a class of its own so that they run in the
+    full tier, the default tier keeping the dim-0, one-dimensional layout of every policy."""
+
+    in_default_tier: ClassVar[bool] = False
+
+
 register_settings(
     [FullyShard(ws, wrap, reshard) for wrap in ("per-layer", "whole-model") for reshard in (True, False)
      for ws in (2, 3, 4)]
     + [FullyShard(ws, "per-layer", True, policy) for policy in PRECISIONS if policy != "fp32" for ws in (1, 2, 3, 4)]
     + [FullyShard(4, wrap, 2) for wrap in ("per-layer", "whole-model")]
     + [FullyShard(ws, "per-layer", True, policy, offload=True) for policy in ("fp32", "bf16") for ws in (2, 4)]
+    + [FullTierFullyShard(ws, wrap, True, shard_dim="last") for wrap in ("per-layer", "whole-model") for ws in (2, 3)]
+    + [FullTierFullyShard(4, "per-layer", reshard, policy, shard_dim=dim, replicate=2) for reshard in (True, False)
+       for policy in ("fp32", "bf16") for dim in ("first", "last")]
 )

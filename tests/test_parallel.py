@@ -1015,3 +1015,37 @@ def test_torchrecs_variable_batch_sends_fewer_bags_and_pools_as_every_bag_writte
     emitted.path.write_text(text.replace(inverse, "np.zeros(len(bag), dtype=np.int64)"))
     planted = check_script(emitted.path, timeout_s=120)
     assert planted.exit_code == 1 and "BUG PRESENT" in planted.output, planted.output[-3000:]
+
+
+def test_fsdp2_shards_on_the_last_dimension_and_as_hsdp_as_torchtitan_lays_out_and_trains_as_one_process(
+        tmp_path: Path) -> None:
+    """FSDP2 with `shard_placement_fn` putting a parameter's shards on its last dimension where it divides, and HSDP
+    (a (replicate, shard) mesh) with it, train a DLRM-like model as one process does; the case notes show the layout
+    FSDP2 really made (some parameters on dim 1, every one replicated over the HSDP mesh's first dimension), and the
+    standalone script lays the model out the same way and agrees (exit 0)."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.generation.generate import generate
+    from difftest.judging.analysis import envelope_spread
+    from difftest.scripts.write import emit
+    from difftest.storage.store import Store
+
+    run_dir = tmp_path / "run"
+    generate(run_dir, RunConfig(seed=0, models=1, kinds=("dlrm",)))
+    last, hsdp = "fsdp2/per-layer/reshard/fp32/shard-last/ws2", "fsdp2/per-layer/reshard/bf16/shard-last/hsdp2/ws4"
+    run_sweep(run_dir, SweepOptions(pairs=(("dlrm-s0-i0", last), ("dlrm-s0-i0", hsdp))))
+    cases = analyze(run_dir).cases.set_index(["model", "setting"])["verdict"]
+    assert cases[("dlrm-s0-i0", last)] == "ok" and cases[("dlrm-s0-i0", hsdp)] == "ok", cases.to_dict()
+    store = Store(run_dir)
+    try:
+        notes = {r.setting: r.message for r in store.records() if r.setting in (last, hsdp)}
+    finally:
+        store.close()
+    assert "(Shard(dim=1),)" in notes[last] and "(Shard(dim=0),)" in notes[last], notes
+    assert "(Replicate(), Shard(dim=1))" in notes[hsdp] and "(Shard(dim=" not in notes[hsdp], notes
+    emitted = emit(run_dir, "H1", "an HSDP finding", "inconsistent", run_dir / "models" / "dlrm-s0-i0", hsdp,
+                   "param_after_step1/over.0.weight", envelope_spread(run_dir, "dlrm-s0-i0", hsdp), Tolerance(),
+                   check_timeout_s=180)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert "shard_placement_fn=" in emitted.path.read_text() and "'replicate': 2" in emitted.path.read_text()
+    assert emitted.checked.exit_code == 0, emitted.checked.output[-3000:]

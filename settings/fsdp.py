@@ -133,8 +133,7 @@ class FullyShard(Setting):
 
         model = LoadedModel(case.spec, case.generator, case.init_state, case.model_dir)
         return training_script(case, f"FSDP2 fully_shard ({self.describe().partition(', ')[2]})", self.world_size,
-                               (fully_shard_for, make_contiguous, mixed_precision, shard_placement, distribute,
-                                full_parameters),
+                               (*distribute_functions(), full_parameters),
                                self.layout(model, model.build("cpu")))
 
     def sharded(self, ctx: RunContext, module: Any) -> None:
@@ -166,6 +165,12 @@ def mixed_precision(dtypes: tuple[str | None, str | None], inner: bool) -> Any:
     param, reduce = (getattr(torch, dtype) if dtype else None for dtype in dtypes)
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce,
                                 output_dtype=torch.float32 if param is not None and not inner else None)
+
+
+def distribute_functions() -> tuple[Any, ...]:
+    """`distribute` and every function of this module it calls: what a script that shards as this family does copies
+    (this family's, a resume's)."""
+    return fully_shard_for, make_contiguous, mixed_precision, shard_placement, distribute
 
 
 def shard_placement(dim: str, ranks: int) -> Any:

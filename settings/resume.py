@@ -137,11 +137,10 @@ def resume_script(case: StandaloneCase, described: str, phases: tuple[Phase, ...
     process; it compares the parameters after those steps."""
     from difftest import LoadedModel, Script, to_numpy
     from settings import _resumable as program
-    from settings._compat import fully_shard_for
     from settings._resume_script import on_rank, run_distributed, single_process, train_phase
     from settings._training import full_parameters
     from settings._training_script import parameters_after, trained_parameters
-    from settings.fsdp import distribute, make_contiguous, mixed_precision
+    from settings.fsdp import distribute_functions
 
     model, diverged_at, tensors = trained_parameters(case)
     steps = TOTAL_STEPS if case.failure else diverged_at
@@ -164,7 +163,7 @@ def resume_script(case: StandaloneCase, described: str, phases: tuple[Phase, ...
               "momentum": program.MOMENTUM, "lr_halving_every": program.LR_HALVING_EVERY,
               "carried": sorted(phases[-1].carried), "phases": ran,  # what the last phase loads
               "layout": program.sharded_layout(loaded, loaded.build("cpu")) if sharded else {}},
-        functions=(*model.functions, *((fully_shard_for, make_contiguous, mixed_precision, distribute) if sharded else ()),
+        functions=(*model.functions, *(distribute_functions() if sharded else ()),
                    full_parameters, to_numpy, parameters_after, program.EpochLoader, program.take_samples,
                    program.rng_state, program.set_rng_state, program.seed_everything, program.place,
                    program.checkpoint_state, program.load_checkpoint, train_phase, single_process, on_rank,

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftest import Inputs, Outputs, RunContext, record_training, to_numpy
+from difftest import Inputs, Outputs, RunContext, record_training, register_world_reset, to_numpy
 from generators.inputs import Batch
 
 
@@ -170,6 +170,20 @@ def train_data_parallel(ctx: RunContext, model: Any, inputs: Inputs, wrapped: An
         lambda b: sgd_step(model, wrapped, optimizer, b, ctx.device, stepping), full_parameters, data_shard,
         training.state_reader(ctx, model, wrapped, optimizer),
     )
+
+
+_WORLD_MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], Any] = {}
+register_world_reset(_WORLD_MESHES.clear)  # a mesh's groups die with the case's world
+
+
+def world_mesh(ctx: RunContext, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """An n-D DeviceMesh of `shape` over the case's ranks, made once per world: every rank creates its subgroups in
+    step, and a worker's next case in the same world reuses them."""
+    if (shape, names) not in _WORLD_MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _WORLD_MESHES[(shape, names)] = init_device_mesh(ctx.device.split(":")[0], shape, mesh_dim_names=names)
+    return _WORLD_MESHES[(shape, names)]
 
 
 def device_mesh(ctx: RunContext, group: Any = None, name: str = "dp") -> Any:

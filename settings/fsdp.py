@@ -31,7 +31,6 @@ from difftest import (
     across,
     refuse_changed_hooks,
     register_settings,
-    register_world_reset,
     variant_of,
 )
 from settings._compat import fully_shard_for
@@ -41,6 +40,7 @@ from settings._training import (
     gathered_parameters,
     parameter_holders,
     train_data_parallel,
+    world_mesh,
 )
 
 if TYPE_CHECKING:
@@ -109,7 +109,9 @@ class FullyShard(Setting):
         fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device, before the model is built
         module = build_for_training(model, ctx.device)
         layout = self.layout(model, module)
-        distribute(module, _hsdp_mesh(ctx, self.replicate) if self.replicate > 1 else ctx.group, ctx.device, layout)
+        hsdp = (self.replicate, self.world_size // self.replicate)
+        distribute(module, world_mesh(ctx, hsdp, ("replicate", "shard")) if self.replicate > 1 else ctx.group,
+                   ctx.device, layout)
         ctx.notes["units"] = str(len(layout["units"]) + 1)
         if self.shard_dim != "first" or self.replicate > 1:  # the layout FSDP2 made, to show the option took effect
             ctx.notes["placements"] = placements_made(module)
@@ -236,21 +238,6 @@ def make_contiguous(module: Any) -> None:
             if parameter is not None and not parameter.is_contiguous():
                 replacement = torch.nn.Parameter(parameter.detach().contiguous(), parameter.requires_grad)
                 owner._parameters[attr] = replacement
-
-
-_HSDP_MESHES: dict[tuple[int, int], Any] = {}
-register_world_reset(_HSDP_MESHES.clear)  # the mesh's groups die with the case's world
-
-
-def _hsdp_mesh(ctx: RunContext, replicate: int) -> Any:
-    """The (replicate, shard) mesh over the case's ranks, made once per world: every rank creates its subgroups in
-    step."""
-    shape = (replicate, ctx.world_size // replicate)
-    if shape not in _HSDP_MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _HSDP_MESHES[shape] = init_device_mesh(ctx.device.split(":")[0], shape, mesh_dim_names=("replicate", "shard"))
-    return _HSDP_MESHES[shape]
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,11 @@ from difftest import (
     across,
     refuse_changed_hooks,
     register_settings,
-    register_world_reset,
 )
 from settings._compat import fully_shard_for
 from settings._tp_apply import parallel_style, stepping, whole_outputs_and_gradients
 from settings._tp_plan import _describe, own_plan
-from settings._training import Training, build_for_training, full_parameters, parameter_holders
+from settings._training import Training, build_for_training, full_parameters, parameter_holders, world_mesh
 from settings.fsdp import (
     BF16_TOLERANCE,
     PRECISIONS,
@@ -103,7 +102,7 @@ class FsdpTensorParallel(Setting):
         """The model parallelized and trained as this setting does; `before_step` and `training` as
         `TensorParallel.trained` says."""
         fully_shard_for(ctx.device)  # refuses where FSDP2 cannot run on the device, before the mesh is made
-        mesh = _mesh(ctx, self.data_parallel, self.tensor_parallel)
+        mesh = world_mesh(ctx, (self.data_parallel, self.tensor_parallel), ("dp", "tp"))
         tensor_parallel = TensorParallel(self.tensor_parallel, self.sequence_parallel)
         module = build_for_training(model, ctx.device)
         layout = self.layout(model, module, tensor_parallel.plan(model, module, inputs, ctx.device))
@@ -179,17 +178,6 @@ def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> A
     return module
 
 
-_MESHES: dict[tuple[int, int], Any] = {}
-register_world_reset(_MESHES.clear)  # the mesh's groups die with the case's world
-
-
-def _mesh(ctx: RunContext, dp: int, tp: int) -> Any:
-    """The (dp, tp) mesh over the case's ranks, made once per world: every rank creates its subgroups in step."""
-    if (dp, tp) not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _MESHES[(dp, tp)] = init_device_mesh(ctx.device.split(":")[0], (dp, tp), mesh_dim_names=("dp", "tp"))
-    return _MESHES[(dp, tp)]
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,12 @@ from difftest.runner.messages import Broken, RankReply, Ready, Stop, StorePort
 
 _CACHED_MODELS: dict[str, Any] = {}
 # The cyclic garbage collector's permanent generation (`gc.freeze`) holds what outlives every case: the imports, frozen
-# by the server ranks fork from (`difftest.runner.rank_imports`), and those a case makes later, frozen when the rank
-# next lets its model go. A full collection that walks them all costs a rank 0.4-0.8 s; one that walks the cached
-# model, a case's garbage and the imports since the last freeze, milliseconds. The model itself never goes into the
-# permanent generation: letting it go would then take a full collection (benchmarks/RESULTS.md has what that cost a
-# sweep's ranks). `_MODULES_FROZEN`: how
-# many modules were imported at this process's last freeze (0: none yet; the server's freeze is not counted, so a
-# forked rank freezes once more, which only moves what it made since the fork). Not `gc.get_freeze_count()`: it walks
-# the whole permanent generation, 50-90 ms of CPU in a rank each time (Python 3.11), more than the freeze it guards.
-_MODULES_FROZEN = 0
+# by the server ranks fork from (`difftest.runner.rank_imports`), and whatever survives the release of a model and a
+# collection, frozen then: later imports and the libraries' caches, which grow with the cases (DTensor's sharding and
+# redistribution caches: 50 000 objects in a rank by the end of the default sweep, which each case's collection walked
+# while only new imports were frozen, 45 ms of CPU a case). A full collection that walks them all costs a rank 0.4-0.8
+# s; one that walks the cached model and a case's garbage, milliseconds. The model itself never goes into the permanent
+# generation: letting it go would then take a full collection (benchmarks/RESULTS.md has what that cost a sweep's ranks).
 
 
 @dataclass(frozen=True)
@@ -389,11 +386,8 @@ def _cached_model(model_dir: str, loader: Any) -> Any:
     if model_dir not in _CACHED_MODELS:
         import gc
 
-        global _MODULES_FROZEN
         _CACHED_MODELS.clear()
-        gc.collect()  # the model let go and what the imports since the last freeze left behind
-        if len(sys.modules) != _MODULES_FROZEN:
-            gc.freeze()  # what survived is no model: the imports (a spawned rank's own, the first time)
-            _MODULES_FROZEN = len(sys.modules)
+        gc.collect()  # the model let go, and the garbage of the cases since the last freeze
+        gc.freeze()  # what survived is no model: imports, the libraries' caches
         _CACHED_MODELS[model_dir] = loader(Path(model_dir))
     return _CACHED_MODELS[model_dir]

@@ -63,6 +63,52 @@ def test_every_keras_weight_maps_to_exactly_one_trainable_parameter(sequential_r
     assert checked >= 4
 
 
+def test_a_second_build_is_a_copy_that_trains_and_draws_as_a_fresh_build(sequential_run: Path) -> None:
+    """A loaded Keras model builds once per process and copies after (`Generator.builds_copied`): each copy is its own
+    module, trains to the same bits as a fresh build, and leaves the random generators where a build leaves them."""
+    import random
+
+    import torch
+
+    def seeded(seed: int = 5) -> None:
+        torch.manual_seed(seed), np.random.seed(seed), random.seed(seed)
+
+    def trained(module: torch.nn.Module) -> dict[str, np.ndarray]:
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.5)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model.loss(model.forward(module, inputs.train, "cpu"), inputs.train).backward()
+            optimizer.step()
+        return {n: v.detach().numpy().copy() for n, v in model.parameters(module).items()}
+
+    copied = 0
+    for model_dir, _ in list_models(sequential_run):
+        if (model_dir / EXPORT_ERROR_FILE).exists():
+            continue
+        model, inputs = load_model(model_dir)
+        assert model.generator.builds_copied
+        seeded()
+        first = model.build("cpu")
+        drawn_after_first = torch.rand(4)
+        seeded()
+        second = model.build("cpu")
+        assert torch.equal(torch.rand(4), drawn_after_first)  # the generators left where a build leaves them
+        copied += model._built[("cpu",)] is not None
+        assert [(n, p.stride(), p.requires_grad) for n, p in second.named_parameters()] == \
+            [(n, p.stride(), p.requires_grad) for n, p in first.named_parameters()]
+        assert not {p.untyped_storage().data_ptr() for p in second.parameters()} & \
+            {p.untyped_storage().data_ptr() for p in first.parameters()}
+        fresh = trained(first)  # the first build is the one `make` returned
+        seeded()
+        copy_trained = trained(second)
+        seeded(6)  # the generators stand elsewhere than before the first build: built afresh, not copied
+        afresh = trained(model.build("cpu"))
+        assert all(np.array_equal(fresh[n], copy_trained[n]) and np.array_equal(fresh[n], afresh[n]) for n in fresh)
+        seeded()
+        assert all(np.array_equal(fresh[n], v) for n, v in trained(model.build("cpu")).items())  # the template untouched
+    assert copied >= 2  # most conversions copy; one that holds a Python module is built every time
+
+
 def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_sequential_run: Path) -> None:
     run_dir = fresh_sequential_run
     # TensorFlow's quantized forms too: within the bound their schemes' rounding implies, unless a kernel is off

@@ -3,7 +3,10 @@ evaluates on (`Inputs`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +25,40 @@ class LoadedModel:
     generator: Generator
     init_state: dict[str, np.ndarray]
     model_dir: Path | None = None
+    # what `build` made first, per device and options, where the generator's builds are copied (`Generator.builds_copied`)
+    _built: dict[tuple[Any, ...], _Built | None] = field(default_factory=dict, repr=False, compare=False)
 
     def build(self, device: str, **options: Any) -> Any:
         """A fresh unsharded PyTorch module with the initial weights and the frozen parameters frozen."""
-        return self.generator.build(self.spec, self.init_state, device, self.model_dir, **options)
+        return self._fresh((device, *sorted(options.items())),
+                           lambda: self.generator.build(self.spec, self.init_state, device, self.model_dir, **options))
 
     def chain(self, device: str) -> Any:
         """The model as a LayerChain (difftest/contracts/chain.py) for pipeline stages, if its kind has one."""
         return self.generator.chain(self.spec, self.init_state, device, self.model_dir)
+
+    def _fresh(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """`make()`, or a deep copy of its first result where the random generators stand where they stood before
+        that first call; they are then left where `make()` would leave them, so that what follows draws the same
+        numbers (a case's seed puts them in the same state before every build)."""
+        if not self.generator.builds_copied:
+            return make()
+        try:
+            known, made = key in self._built, self._built.get(key)
+        except TypeError:  # an option no key can hold
+            return make()
+        before = _random_states()
+        if not known:
+            module = make()
+            try:
+                self._built[key] = _Built(before, copy.deepcopy(module), _random_states())
+            except Exception:  # one deepcopy cannot copy (it holds a Python module): built every time
+                self._built[key] = None
+            return module
+        if made is None or not _same_states(before, made.before):
+            return make()
+        _set_random_states(made.after)
+        return copy.deepcopy(made.template)
 
     def forward(self, module: Any, batch: Batch, device: str) -> Any:
         return self.generator.forward(module, batch, device)
@@ -55,6 +84,35 @@ class LoadedModel:
         """The architecture's own tensor-parallel plan (module name → ParallelStyle), as its authors would write it;
         None when the kind has none and a setting derives one from the module's layers."""
         return self.generator.tp_plan(module, world_size, sequence_parallel, loss_parallel)
+
+
+@dataclass(frozen=True)
+class _Built:
+    before: tuple[Any, Any, Any]  # the random generators' states before the first build (`_random_states`)
+    template: Any
+    after: tuple[Any, Any, Any]
+
+
+def _random_states() -> tuple[Any, Any, Any]:
+    """torch's CPU generator, numpy's and Python's global ones: what a model's construction may draw from."""
+    import torch
+
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _same_states(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> bool:
+    import torch
+
+    return (torch.equal(a[0], b[0]) and a[1][0] == b[1][0] and np.array_equal(a[1][1], b[1][1])
+            and a[1][2:] == b[1][2:] and a[2] == b[2])
+
+
+def _set_random_states(states: tuple[Any, Any, Any]) -> None:
+    import torch
+
+    torch.set_rng_state(states[0])
+    np.random.set_state(states[1])
+    random.setstate(states[2])
 
 
 @dataclass

@@ -11,6 +11,7 @@ gamma folded into a product) is reported, so training comparisons can say `unsup
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 from typing import Any
@@ -279,11 +280,12 @@ def convert_chain(generator: Any, spec: Any, init_state: dict[str, np.ndarray], 
                                f"{sorted(set(whole.mapped) ^ set(owners))}")
     source = BatchSource()
     units = [_InputSegment(source, segments[0], device), *segments[1:]]
+    # a partial, not a closure: a deep copy of the chain (`LoadedModel.chain`) reads its own segments
+    return LayerChain(units, source, functools.partial(_keras_parameters, segments), "logits")
 
-    def canonical() -> dict[str, Any]:
-        return {n: t for s in segments for n, t in s.keras_parameters().items()}
 
-    return LayerChain(units, source, canonical, "logits")
+def _keras_parameters(segments: list[ConvertedModel]) -> dict[str, Any]:
+    return {n: t for s in segments for n, t in s.keras_parameters().items()}
 
 
 class _InputSegment(torch.nn.Module):

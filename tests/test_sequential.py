@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from difftest import ConversionFailed
 from difftest.judging.analysis import analyze
 from difftest.runner.sweep import SweepOptions, list_models, run_sweep
 from difftest.storage.artifacts import load_model
@@ -93,7 +94,7 @@ def test_a_second_build_is_a_copy_that_trains_and_draws_as_a_fresh_build(sequent
         seeded()
         second = model.build("cpu")
         assert torch.equal(torch.rand(4), drawn_after_first)  # the generators left where a build leaves them
-        copied += model._built[("cpu",)] is not None
+        copied += model._built[("build", "cpu")] is not None
         assert [(n, p.stride(), p.requires_grad) for n, p in second.named_parameters()] == \
             [(n, p.stride(), p.requires_grad) for n, p in first.named_parameters()]
         assert not {p.untyped_storage().data_ptr() for p in second.parameters()} & \
@@ -106,7 +107,28 @@ def test_a_second_build_is_a_copy_that_trains_and_draws_as_a_fresh_build(sequent
         assert all(np.array_equal(fresh[n], copy_trained[n]) and np.array_equal(fresh[n], afresh[n]) for n in fresh)
         seeded()
         assert all(np.array_equal(fresh[n], v) for n, v in trained(model.build("cpu")).items())  # the template untouched
-    assert copied >= 2  # most conversions copy; one that holds a Python module is built every time
+        # a chain's copy: its parameter reader reads the copy's units, and they compute what a fresh chain's do
+        seeded()
+        try:
+            first_chain = model.chain("cpu")
+        except ConversionFailed:  # a segment the converter refuses (a pipeline setting reports it)
+            continue
+        drawn_after_first = torch.rand(4)
+        seeded()
+        second_chain = model.chain("cpu")
+        assert torch.equal(torch.rand(4), drawn_after_first)
+        copied += model._built[("chain", "cpu")] is not None
+        ours = {t.untyped_storage().data_ptr() for t in second_chain.canonical().values()}
+        assert ours == {p.untyped_storage().data_ptr() for u in second_chain.units for p in u.parameters()
+                        if p.untyped_storage().data_ptr() in ours}
+        assert not ours & {t.untyped_storage().data_ptr() for t in first_chain.canonical().values()}
+        for chain in (first_chain, second_chain):
+            chain.feed(inputs.train)
+        hidden = [chain.units[0](torch.arange(6)) for chain in (first_chain, second_chain)]
+        for first_unit, second_unit in zip(first_chain.units[1:], second_chain.units[1:]):
+            hidden = [first_unit(hidden[0]), second_unit(hidden[1])]
+        assert torch.equal(hidden[0], hidden[1])
+    assert copied >= 4  # most conversions copy; one that holds a Python module is built every time
 
 
 def test_conversion_and_tf_faults_are_reported_and_clean_settings_are_not(fresh_sequential_run: Path) -> None:

@@ -72,9 +72,9 @@ class Generator(abc.ABC):
     # to checkpoint), what they are ("user": a user's own, "zoo": a model library's): settings decide `supports` by these,
     # never by a kind's name, so a new kind runs every family its traits admit
     traits: frozenset[str] = frozenset()
-    # True where `build` costs far more than a deep copy of the module (a converted ONNX graph: its conversion and
-    # weight mapping) and the copy is exact (values, strides, shared storage, requires_grad; no closure over the
-    # original): a loaded model then builds once per process and hands each case a copy (`LoadedModel.build`)
+    # True where `build` and `chain` cost far more than a deep copy of what they return (a converted ONNX graph: its
+    # conversion and weight mapping) and the copy is exact (values, strides, shared storage, requires_grad; no closure
+    # over the original): a loaded model then builds each once per process and hands each case a copy (`LoadedModel`)
     builds_copied: bool = False
 
     # --- what every kind does ------------------------------------------------------------------------------------

@@ -25,17 +25,18 @@ class LoadedModel:
     generator: Generator
     init_state: dict[str, np.ndarray]
     model_dir: Path | None = None
-    # what `build` made first, per device and options, where the generator's builds are copied (`Generator.builds_copied`)
+    # what `build` and `chain` made first, per request, where the generator's are copied (`Generator.builds_copied`)
     _built: dict[tuple[Any, ...], _Built | None] = field(default_factory=dict, repr=False, compare=False)
 
     def build(self, device: str, **options: Any) -> Any:
         """A fresh unsharded PyTorch module with the initial weights and the frozen parameters frozen."""
-        return self._fresh((device, *sorted(options.items())),
+        return self._fresh(("build", device, *sorted(options.items())),
                            lambda: self.generator.build(self.spec, self.init_state, device, self.model_dir, **options))
 
     def chain(self, device: str) -> Any:
         """The model as a LayerChain (difftest/contracts/chain.py) for pipeline stages, if its kind has one."""
-        return self.generator.chain(self.spec, self.init_state, device, self.model_dir)
+        return self._fresh(("chain", device),
+                           lambda: self.generator.chain(self.spec, self.init_state, device, self.model_dir))
 
     def _fresh(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
         """`make()`, or a deep copy of its first result where the random generators stand where they stood before

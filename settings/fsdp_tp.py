@@ -178,8 +178,6 @@ def distribute(module: Any, mesh: Any, device: str, layout: dict[str, Any]) -> A
     return module
 
 
-
-
 @dataclass(frozen=True)
 class FullTierFsdpTensorParallel(FsdpTensorParallel):
     """FSDP2 × tensor parallel with a policy besides the defaults: a reduced-precision `MixedPrecisionPolicy`, or

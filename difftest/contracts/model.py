@@ -48,15 +48,16 @@ class LoadedModel:
             known, made = key in self._built, self._built.get(key)
         except TypeError:  # an option no key can hold
             return make()
-        before = _random_states()
-        if not known:
-            module = make()
+        if made is None:
+            if known:  # one deepcopy cannot copy (it holds a Python module): built every time
+                return make()
+            before, module = _random_states(), make()
             try:
                 self._built[key] = _Built(before, copy.deepcopy(module), _random_states())
-            except Exception:  # one deepcopy cannot copy (it holds a Python module): built every time
+            except Exception:
                 self._built[key] = None
             return module
-        if made is None or not _same_states(before, made.before):
+        if not _same_states(_random_states(), made.before):
             return make()
         _set_random_states(made.after)
         return copy.deepcopy(made.template)

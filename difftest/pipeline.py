@@ -20,7 +20,7 @@ from difftest.runner.executor import SweepOptions
 if TYPE_CHECKING:
     from difftest.findings.minimise import Minimisation
     from difftest.findings.triage import Finding
-    from difftest.judging.analysis import Analysis
+    from difftest.judging.analysis import Analysis, Judged
     from difftest.scripts.write import Emitted
 
 @dataclass(frozen=True)
@@ -68,12 +68,12 @@ class PipelineResult:
     report: Path
 
 
-def judge(run_dir: Path, options: PipelineOptions) -> Analysis:
-    """Every stored case against its reference (the CSVs of the run)."""
+def judge(run_dir: Path, options: PipelineOptions, judged: Judged | None = None) -> Analysis:
+    """Every stored case against its reference (the CSVs of the run), less those `judged` already holds."""
     from difftest.contracts.spec import RunConfig
     from difftest.judging.analysis import analyze
 
-    return analyze(run_dir, options.tolerance, RunConfig.load(run_dir / "run.json").plugins, options.oracle)
+    return analyze(run_dir, options.tolerance, RunConfig.load(run_dir / "run.json").plugins, options.oracle, judged)
 
 
 def triage_run(run_dir: Path, analysis: Analysis) -> list[Finding]:
@@ -111,9 +111,11 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, options
     return done
 
 
-def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents | None = None) -> PipelineResult:
+def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents | None = None,
+                 judged: Judged | None = None) -> PipelineResult:
     """judge → triage → minimise → standalone scripts → report, on a swept (or still sweeping) run folder; a run
-    still being swept gets no scripts (its findings are not final)."""
+    still being swept gets no scripts (its findings are not final). `judged`: the sweep's own judgements of its cases
+    (`LiveFindings.judged`), made with `options`' tolerance and oracle: not made again."""
     from difftest.reporting.ci_summary import summarise
     from difftest.reporting.findings_table import write_findings
     from difftest.reporting.issue_report import write_issues
@@ -125,7 +127,7 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, events: PipelineEvents
     integrity.check_store(run_dir)  # a damaged store is never judged as an empty one
     events = events or PipelineEvents()
     started = time.perf_counter()
-    analysis = judge(run_dir, options)
+    analysis = judge(run_dir, options, judged)
     events.judged(analysis)
     findings = triage_run(run_dir, analysis)
     events.triaged(findings, time.perf_counter() - started)

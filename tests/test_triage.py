@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -20,7 +21,7 @@ from difftest.findings.signature import (
     tensor_class,
 )
 from difftest.findings.triage import triage
-from difftest.judging.analysis import analyze
+from difftest.judging.analysis import Judge, analyze
 from difftest.pipeline import triage_run
 from difftest.reporting.findings_table import FINDINGS_COLUMNS
 from difftest.runner.sweep import SweepOptions, run_sweep
@@ -96,7 +97,8 @@ def test_computation_order_puts_eval_before_training_and_embeddings_before_the_p
         ("train_step4", "loss"), ("replica1_after_step4", "over.0.weight"), ("eval_after_step4", "prediction")]
 
 
-def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reproducer(fresh_run: Path) -> None:
+def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reproducer(
+        fresh_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     selection = ("faults/shard_off_by_one_row/ws2,faults/raises/ws2,torchrec/ebc/grid_shard/ws2,"
                  "torchrec/ebc/grid_shard/ws3,torchrec/ebc/table_wise/ws2,"
                  "pipeline/zbv-zero-bubble/ws2/stages4/mb2/balanced,pipeline/zbv-zero-bubble/ws2/stages4/mb2/random")
@@ -110,6 +112,22 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
     # judged while the sweep ran, each case as soon as its reference and calibrations were in: the verdicts after it
     assert live.waiting == 0
     assert live.verdicts == dict(zip(zip(analysis.cases["model"], analysis.cases["setting"]), analysis.cases["verdict"]))
+    # the analysis after the sweep takes the sweep's judgements as they are (none judged again: the same tables), and
+    # judges anew a case whose stored record is not the one judged live
+    judged = live.judged()
+    assert set(judged) == set(zip(analysis.cases["model"], analysis.cases["setting"]))
+    judge_anew = Judge.judge
+    monkeypatch.setattr(Judge, "judge", lambda *args: pytest.fail("a case the sweep judged was judged again"))
+    taken = analyze(fresh_run, plugins=(PLANTED,), judged=judged)
+    pd.testing.assert_frame_equal(taken.comparisons, analysis.comparisons)
+    pd.testing.assert_frame_equal(taken.cases, analysis.cases)
+    stale = next(key for key, (_, judgement) in judged.items() if judgement.verdict == "inconsistent")
+    anew: list[tuple[str, str]] = []
+    monkeypatch.setattr(Judge, "judge", lambda self, record, spec: anew.append((record.model, record.setting)) or
+                        judge_anew(self, record, spec))
+    changed = {**judged, stale: (dataclasses.replace(judged[stale][0], wall_s=-1.0), judged[stale][1])}
+    pd.testing.assert_frame_equal(analyze(fresh_run, plugins=(PLANTED,), judged=changed).cases, analysis.cases)
+    assert anew == [stale]
     assert len(live.found) == len(findings) and live.cases_not_ok == len(failing)
     grouped = pd.concat([f.rows for f in findings])
     assert sorted(zip(grouped["model"], grouped["setting"])) == sorted(zip(failing["model"], failing["setting"]))

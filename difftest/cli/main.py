@@ -28,7 +28,7 @@ from difftest.storage.paths import absolute, shown
 if TYPE_CHECKING:
     from difftest.findings.minimise import Minimisation
     from difftest.findings.triage import Finding
-    from difftest.judging.analysis import Analysis
+    from difftest.judging.analysis import Analysis, Judged
     from difftest.runner.executor import Case
     from difftest.scripts.write import Emitted
     from difftest.storage.store import CaseRecord
@@ -245,7 +245,9 @@ def _check_jobs(jobs: int | None, executor: object = None) -> None:
                         "out to use them all")
 
 
-def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int | None, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: str | None = None, executor: ExecutorConfig | None = None, backend: str | None = None, judging: PipelineOptions | None = None) -> None:
+def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int | None, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: str | None = None, executor: ExecutorConfig | None = None, backend: str | None = None, judging: PipelineOptions | None = None) -> Judged:
+    """Sweep the run; its cases as the live findings judged them with `judging` (what its pipeline need not judge
+    again)."""
     from difftest.contracts.registry import load_plugins
     from difftest.contracts.spec import RunConfig
     from difftest.runner.sweep import plan_cases, run_sweep
@@ -268,8 +270,8 @@ def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int
 
     started = time.perf_counter()
     with SweepProgress(console) as progress:
-        judging = judging or PipelineOptions()  # the live findings judge as the pipeline after the sweep will
-        live = LiveFindings(out, judging.tolerance, judging.oracle, on_new=progress.finding)
+        live = LiveFindings(out, (judging or PipelineOptions()).tolerance, (judging or PipelineOptions()).oracle,
+                            on_new=progress.finding)
 
         def on_result(case: Case, record: CaseRecord) -> None:
             live.result(case, record)
@@ -292,6 +294,7 @@ def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int
         + (f"; {live.cases_not_ok} case(s) not ok under {len(live.found)} signature(s) so far, the first after "
            f"{first:.0f}s" if first is not None else "")
     )
+    return live.judged() if judging is not None else {}  # judged as the caller's pipeline will judge
 
 
 def _options(atol: float, rtol: float, oracle: str, minimise_budget: float, timeout: float,
@@ -371,7 +374,7 @@ class _ConsoleEvents(PipelineEvents):
 
 
 def _analyze(out: Path, options: PipelineOptions, fail: bool = False, new_only: bool = False,
-             baseline: Path | None = None) -> None:
+             baseline: Path | None = None, judged: Judged | None = None) -> None:
     """The pipeline after a sweep, shown on the terminal; exit 1 with `fail` while a case is not ok, or with a
     `baseline` while a finding's cause is not in it."""
     import dataclasses
@@ -380,7 +383,7 @@ def _analyze(out: Path, options: PipelineOptions, fail: bool = False, new_only: 
 
     if baseline is not None:
         options = dataclasses.replace(options, baseline=frozenset(load_baseline(absolute(baseline))))
-    result = run_pipeline(out, options, _ConsoleEvents(out, options))
+    result = run_pipeline(out, options, _ConsoleEvents(out, options), judged)
     _print_findings(out, result.findings, result.minimised, result.report, new_only)
     if options.baseline is not None:
         unaccepted = [f for f in result.findings if cause_key(f) not in options.baseline]
@@ -476,9 +479,9 @@ def run(
     _generate(out, count, seed, kind, steps, lr, batch_size, plugins, models_of)
     _record_command(out)
     judging = _options(atol, rtol, oracle, minimise_budget, timeout, device, shrink_budget)
-    _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where, backend=backend,
-           judging=judging)
-    _analyze(out, judging, fail_on_inconsistency, baseline=baseline)
+    judged = _sweep(out, settings, None, jobs, timeout, device, plugins, tier=tier, executor=where, backend=backend,
+                    judging=judging)
+    _analyze(out, judging, fail_on_inconsistency, baseline=baseline, judged=judged)
 
 
 @app.command()
@@ -539,9 +542,9 @@ def sweep(
     _record_command(run_dir)
     where = _executor(executor, address, cpus_per_rank)
     judging = _options(atol, rtol, oracle, minimise_budget, timeout, device, shrink_budget)
-    _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where, backend,
-           judging)
-    _analyze(run_dir, judging)
+    judged = _sweep(run_dir, settings, models_filter, jobs, timeout, device, tuple(plugin or ()), twice, tier, where,
+                    backend, judging)
+    _analyze(run_dir, judging, judged=judged)
 
 
 QUANT_SETTINGS = "quant/*"
@@ -582,9 +585,9 @@ def quant(
     _record_command(run_dir)
     where = _executor(executor, address, cpus_per_rank)
     judging = _options(atol, rtol, oracle, minimise_budget, timeout, device, shrink_budget)
-    _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, None, timeout, device, plugins, executor=where,
-           backend=backend, judging=judging)
-    _analyze(run_dir, judging, fail_on_inconsistency)
+    judged = _sweep(run_dir, settings or QUANT_SETTINGS, models_filter, None, timeout, device, plugins, executor=where,
+                    backend=backend, judging=judging)
+    _analyze(run_dir, judging, fail_on_inconsistency, judged=judged)
 
 
 @app.command()
@@ -792,8 +795,9 @@ def campaign(
         judging = dataclasses.replace(_options(DEFAULTS.tolerance.atol, DEFAULTS.tolerance.rtol, DEFAULTS.oracle, minimise_budget, timeout, "cpu",
                                                 shrink_budget), focus=focus)
         _generate(where, config.models, round_seed, plan.kind, 1, 0.1, plan.batch_size, plugins, "", plan.first_index)
-        _sweep(where, ",".join(plan.settings), None, jobs, timeout, "cpu", plugins, judging=judging, executor=cluster)
-        return run_pipeline(where, judging)
+        judged = _sweep(where, ",".join(plan.settings), None, jobs, timeout, "cpu", plugins, judging=judging,
+                        executor=cluster)
+        return run_pipeline(where, judging, judged=judged)
 
     def round_done(r: RoundResult) -> None:
         console.print(f"round {r.number}: {r.cases} cases in {r.seconds:.0f}s, {len(r.new)} new cause(s), "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from difftest.contracts.status import DISAGREEMENTS, FAILURES
 from difftest.contracts.tolerance import Tolerance
 from difftest.findings.signature import case_signature, first_divergence
-from difftest.judging.analysis import Judge, Judgement
+from difftest.judging.analysis import Judge, Judged, Judgement
 from difftest.storage.store import CaseRecord, Store
 
 if TYPE_CHECKING:
@@ -52,6 +52,9 @@ class LiveFindings:
         self._started = time.perf_counter()
         self.found: dict[str, LiveFinding] = {}
         self.verdicts: dict[tuple[str, str], str] = {}  # every case judged so far
+        # each case's judgement with the record it judged, for the analysis after the sweep (`judged`)
+        self._judged: dict[tuple[str, str], tuple[CaseRecord, Judgement]] = {}
+        self._committed_again: set[str] = set()  # models a case of which was committed twice
         self.cases_not_ok = 0
 
     def planned(self, cases: list[Case]) -> None:
@@ -62,6 +65,8 @@ class LiveFindings:
 
     def result(self, case: Case, record: CaseRecord) -> None:
         with self._lock:
+            if (record.model, record.setting) in self._judge.records:  # what judged its peers may have changed
+                self._committed_again.add(record.model)
             self._judge.add(record)
             waiting = self._waiting.setdefault(record.model, [])
             waiting.append(record)
@@ -73,6 +78,7 @@ class LiveFindings:
                 else:
                     self._left[pending.model] -= 1
                     self.verdicts[(pending.model, pending.setting)] = judged.verdict
+                    self._judged[(pending.model, pending.setting)] = (pending, judged)
                     self._tell(pending, judged)
             self._waiting[record.model] = still
             if self._left[record.model] <= 0:
@@ -91,6 +97,13 @@ class LiveFindings:
                               record.model, record.setting)
         self.found[signature] = finding
         self._on_new(finding)
+
+    def judged(self) -> Judged:
+        """Every case judged during the sweep, with the record judged: what the analysis after it need not judge
+        again (it judges anew a case whose record has changed since). None of a model one of whose cases was
+        committed twice: its references may have changed under judgements already made."""
+        with self._lock:
+            return {key: value for key, value in self._judged.items() if key[0] not in self._committed_again}
 
     @property
     def waiting(self) -> int:

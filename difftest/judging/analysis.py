@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,10 +59,11 @@ ORACLES = ("calibrated", "d3")
 
 
 def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...] = (),
-            oracle: str = "calibrated") -> Analysis:
+            oracle: str = "calibrated", judged: Judged | None = None) -> Analysis:
     """Judge each case against its setting's reference (`Setting.reference`) on the tensors it `judges`: by the
     calibrated oracle where its root was calibrated (`oracle="calibrated"`), else by the fixed D3 one; both verdicts
-    are kept (`verdict`, `d3_verdict`)."""
+    are kept (`verdict`, `d3_verdict`). `judged`: judgements already made with the same tolerance and oracle (the
+    sweep's live ones), each taken as it is where the store still holds the record it judged."""
     if oracle not in ORACLES:
         raise UserError(f"unknown oracle {oracle!r}; oracles: {', '.join(ORACLES)}")
     load_plugins(plugins)
@@ -81,14 +82,15 @@ def analyze(run_dir: Path, tol: Tolerance = Tolerance(), plugins: tuple[str, ...
             spec = specs.get(record.model)
             if spec is None:
                 continue  # a model deleted from the run after its cases ran
-            judged = judge.judge(record, spec)
-            if judged is None:
-                judged = Judgement(PENDING)  # judged once the sweep has run its reference and calibrations
-            rows.extend(judged.rows)
+            earlier = (judged or {}).get((record.model, record.setting))
+            judgement = earlier[1] if earlier is not None and earlier[0] == record else judge.judge(record, spec)
+            if judgement is None:
+                judgement = Judgement(PENDING)  # judged once the sweep has run its reference and calibrations
+            rows.extend(judgement.rows)
             verdicts.append({"model": record.model, "kind": spec.kind, "setting": record.setting,
-                             "verdict": judged.verdict, "d3_verdict": judged.d3_verdict or judged.verdict,
-                             "calibrated": judged.calibrated, "why_uncalibrated": judged.why_uncalibrated,
-                             "worst_linf": judged.worst_linf,
+                             "verdict": judgement.verdict, "d3_verdict": judgement.d3_verdict or judgement.verdict,
+                             "calibrated": judgement.calibrated, "why_uncalibrated": judgement.why_uncalibrated,
+                             "worst_linf": judgement.worst_linf,
                              "wall_s": record.wall_s})
     finally:
         store.close()
@@ -171,6 +173,10 @@ class Judgement:
     why_uncalibrated: str = ""  # where not: why the envelope does not judge it
     worst_linf: float = math.nan
     rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+# judgements made before an analysis (the sweep's live ones), by (model, setting), each with the record it judged
+Judged = Mapping[tuple[str, str], tuple[CaseRecord, Judgement]]
 
 
 class Judge:

@@ -47,6 +47,14 @@ def test_a_standalone_script_reaches_its_settings_verdict_where_difftest_does_no
         assert text.count("\n") <= MAX_LINES
         assert emitted.checked.exit_code == (0 if verdicts[setting] == "ok" else 1), emitted.checked.output[-3000:]
         assert "BUG PRESENT" in emitted.checked.output or verdicts[setting] == "ok"
+    # exit 1 is the bug and nothing else: a script whose libraries do not import (here torch) failed on its own
+    broken = tmp_path / "broken" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this torch does not import')\n")
+    unrunnable = subprocess.run([sys.executable, str(fresh_run / "findings" / "T0" / STANDALONE_FILE)], text=True,
+                                env={**sealed, "PYTHONPATH": f"{broken.parent}:{sealed['PYTHONPATH']}"},
+                                capture_output=True, timeout=120)
+    assert unrunnable.returncode == 2 and "this torch does not import" in unrunnable.stderr, unrunnable
 
 
 def test_a_finding_whose_family_has_no_emitter_gets_no_script_and_a_reason(fresh_run: Path) -> None:

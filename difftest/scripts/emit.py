@@ -44,7 +44,9 @@ RUNTIME_IMPORTS = ("from __future__ import annotations", "",
                    "    logging.disable(logging.WARNING)",
                    '    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")',
                    '    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow, where a library imports it', "",
-                   "import numpy as np", "import torch")
+                   "try:  # a library that does not import is the script failing on its own: exit 2, as below, never 1",
+                   "    import numpy as np", "    import torch", "except Exception:",
+                   "    sys.exit(traceback.print_exc() or 2)")
 
 
 _TYPE_IGNORE = re.compile(r"  # type: ignore\[[^]]*\]$", re.MULTILINE)

@@ -311,6 +311,9 @@ def test_a_case_with_two_independent_divergences_counts_in_both_findings_each_si
                             "torchrec-rowwise-mean-corrupts-other-tables"}, {k: f.title for k, f in holding.items()}
     scaled, corrupt = (holding[k].rows.set_index("setting") for k in sorted(holding, key=lambda k: "corrupt" in k))
     assert scaled.loc["torchrec/ebc/mixed-s0/ws3", "signed_as"] == "torchrec/ebc/row_wise/ws3"
+    # its example is the case signed as itself: the mixed case alone signs as mixed-s0, so its reproducer and the
+    # minimisation, which run the example alone, would find another signature
+    assert holding["torchrec-rowwise-scaled-by-one-minus-2-pow-20"].example["setting"] == "torchrec/ebc/row_wise/ws3"
     assert scaled["worst_linf"].max() < 1e-6 and scaled["relative"].max() < 1e-4  # the size the scaling explains
     assert corrupt.loc["torchrec/ebc/mixed-s0/ws3", "worst_linf"] > 0.01
     assert corrupt.loc["torchrec/ebc/mixed-s0/ws3", "first_divergence"] != scaled.loc["torchrec/ebc/mixed-s0/ws3",

@@ -188,7 +188,12 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     findings = []
     for signature, group, known in (split for signed, rows in keyed.items()
                                     for split in _by_known_cause(signed, rows, versions, layer_kinds)):
-        frame = pd.DataFrame(group).sort_values(["model", "setting"])
+        frame = pd.DataFrame(group)
+        # the example (the first row) is a case signed as itself where the finding has one: a case signed as another
+        # setting (a mixed plan's, by its run's contrast) signs as itself when run alone, as its reproducer and the
+        # minimisation run it, and would not reproduce the finding
+        frame = frame.assign(attributed=frame["signed_as"] != frame["setting"]).sort_values(
+            ["attributed", "model", "setting"]).drop(columns="attributed")
         frame = frame.assign(bound_ratio=[bounds.get((m, s), float("nan")) for m, s in zip(frame["model"], frame["setting"])])
         finding = Finding(id=f"F{hashlib.sha1(signature.encode()).hexdigest()[:8]}", status=frame.iloc[0]["status"],
                           title=titles[signature.partition(KNOWN_CAUSE)[0]], signature=signature, rows=frame)

@@ -324,3 +324,33 @@ def test_a_case_with_two_independent_divergences_counts_in_both_findings_each_si
     assert match("torchrec/ebc/row_wise/ws3", "inconsistent", "", ("torchrec",), relative=0.75) is None
     assert match("torchrec/ebc/row_wise/ws3", "inconsistent", "", ("torchrec",), relative=1e-6).id == \
         "torchrec-rowwise-scaled-by-one-minus-2-pow-20"
+
+
+def test_a_finding_signed_apart_by_its_known_cause_reproduces_and_minimises_as_itself(
+        fresh_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One signature's cases that two causes explain (here: a manifest entry explaining the planted shift only up to
+    a size one model's case exceeds) become two findings signed apart by their cause. Their reproducers and the
+    minimisation sign a case run alone the same way: before, neither knew the cause, and each such finding was 'not
+    minimised: the example alone does not reproduce' (five of seed 5's default job)."""
+    from difftest.findings import known
+    from difftest.findings.minimise import minimise
+    from difftest.findings.repro import reproduce
+    from difftest.findings.signature import KNOWN_CAUSE
+
+    setting = "faults/shard_off_by_one_row/ws2"
+    run_sweep(fresh_run, SweepOptions(settings=setting, plugins=(PLANTED,), timeout_s=60))
+    analysis = analyze(fresh_run, plugins=(PLANTED,))
+    (whole,) = triage(fresh_run, analysis)
+    sizes = sorted(whole.rows["relative"])
+    assert len(sizes) == 2 and sizes[0] < sizes[1], whole.rows
+    entry = known.KnownIssue("planted-shift-small", "a planted shift, up to a size", "torch", ">=0", ("inconsistent",),
+                             (setting,), explains_relative=(sizes[0] * sizes[1]) ** 0.5)  # between the two
+    monkeypatch.setattr(known, "manifest", lambda: (entry,))
+    findings = triage(fresh_run, analysis)
+    assert sorted(f.signature.rpartition(KNOWN_CAUSE)[2] for f in findings) == ["None", entry.id]
+    for finding in findings:
+        again = reproduce(fresh_run, finding.example["model"], setting, plugins=(PLANTED,), contrast=finding.contrast)
+        assert again.matches(finding.signature), (finding.signature, again.signatures)
+        assert KNOWN_CAUSE not in again.signature  # what it prints: the case's own signature, once
+    minimised = minimise(fresh_run, findings, analysis, budget_s=1.0, plugins=(PLANTED,))
+    assert not any(m.outcome.startswith("not minimised") for m in minimised), [m.outcome for m in minimised]

@@ -281,6 +281,7 @@ def _run(this: _Round, needs_envelope: set[str], fails_alone: set[str], options:
     trials of a finding in `fails_alone` (the case itself raised, crashed or hung) run without their references:
     whatever the case computes when it does not fail so, it is not that finding."""
     from difftest.findings.signature import signatures
+    from difftest.findings.triage import known_causes_here
     from difftest.runner.sweep import run_sweep
 
     clocks: dict[int, float] = {}
@@ -300,7 +301,8 @@ def _run(this: _Round, needs_envelope: set[str], fails_alone: set[str], options:
                                          if f not in fails_alone for t in ts))
         run_sweep(this.folder, dataclasses.replace(options, pairs=pairs, calibrated_pairs=calibrated,
                                                    referenced_pairs=referenced), on_result=clock, warm=warm)
-        this.signed = signatures(analyze(this.folder, plugins=plugins), separating)
+        # with the known cause of each: a finding triage signed apart by its cause is recognised by it
+        this.signed = signatures(analyze(this.folder, plugins=plugins), separating, known_causes_here(this.folder))
         this.spreads = {pair: envelope_spread(this.folder, *pair) for pair in calibrated}
     this.seconds = this.built_s + time.perf_counter() - sweep_start
 

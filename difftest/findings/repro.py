@@ -29,12 +29,15 @@ class Reproduction:
     worst: pd.Series | None  # the comparison row with the largest error, when the case was compared
     reference_value: float | None = None  # at the worst element
     setting_value: float | None = None
-    # `difftest.findings.signature.case_signature` of each independent divergence of the case, when it is not ok
+    # `difftest.findings.signature.case_signature` of each independent divergence of the case, when it is not ok,
+    # each also with the known cause that explains it (`signatures`: how triage signs a finding split by its cause)
     signatures: tuple[str, ...] = ()
 
     @property
     def signature(self) -> str:
-        return " and ".join(self.signatures)
+        from difftest.findings.signature import KNOWN_CAUSE
+
+        return " and ".join(s for s in self.signatures if KNOWN_CAUSE not in s)
 
     def matches(self, signature: str) -> bool:
         """Whether the case fails the way a finding does: same status, same place, same message pattern (among its
@@ -97,9 +100,11 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
     worst = compared.loc[compared["linf"].idxmax()] if not compared.empty else (rows.iloc[0] if not rows.empty else None)
     failed = rows[rows["status"] != Status.OK]
     from difftest.findings.signature import signatures
+    from difftest.findings.triage import known_causes_here
 
+    signed = signatures(analysis, contrast or {}, known_causes_here(private)).get((model, setting), ())
     result = Reproduction(model, setting, case["verdict"], str(failed.iloc[0]["message"]) if not failed.empty else "",
-                          worst, signatures=tuple(sorted(signatures(analysis, contrast or {}).get((model, setting), ()))))
+                          worst, signatures=tuple(sorted(signed)))
     if worst is not None and not compared.empty:
         values = values_at_worst_element(private, setting, worst)
         if values is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,19 +294,40 @@ def bad_rows(analysis: Analysis) -> dict[tuple[str, str], list[dict[str, Any]]]:
     return grouped
 
 
-def signatures(analysis: Analysis, separating: dict[str, set[tuple[str, str]]]) -> dict[tuple[str, str], set[str]]:
+KNOWN_CAUSE = " | known cause "  # what signs apart the cases of one signature that two known bugs explain
+
+# the id of the known library bug that explains one divergence of a case (None: none does), given the case (a row of
+# `Analysis.cases`), its message, the divergence and the D3 verdict it carries (`divergence_d3`)
+CauseOf = Callable[[Any, str, "Divergence", str], "str | None"]
+
+
+def divergence_d3(case_d3: str, divergence: Divergence, count: int) -> str:
+    """The D3 verdict one of a case's `count` divergences carries: split, each cause is judged by D3 over its own
+    tensors (a rounding-sized known bug is D3-clean beside a large one that D3 flags)."""
+    return divergence.d3_status if count > 1 and divergence.d3_status else case_d3
+
+
+def signatures(analysis: Analysis, separating: dict[str, set[tuple[str, str]]],
+               cause_of: CauseOf | None = None) -> dict[tuple[str, str], set[str]]:
     """(model, setting) → the signatures of each case of `analysis` that is not ok (one per independent divergence,
-    `divergences`), signed with `separating`."""
+    `divergences`), signed with `separating`; with `cause_of`, each also with the known cause that explains it
+    (`KNOWN_CAUSE`), as triage signs the cases of a signature that two known bugs share."""
     messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
     disagreeing = disagreeing_cases(analysis.cases)
     bad = bad_rows(analysis)
-    signed = {}
+    signed: dict[tuple[str, str], set[str]] = {}
     for case in analysis.cases[analysis.cases["verdict"].isin(FAILURES + DISAGREEMENTS)].itertuples():
         key = (case.model, case.setting)
         message = str(messages.get(key, "") or "")
         found = divergences(case.model, case.setting, case.kind, message, bad.get(key, []), disagreeing)
-        signed[key] = {case_signature(case.verdict, case.kind, case.setting, message, d.first_divergence, separating,
-                                      d.signed_as)[0] for d in found}
+        signed[key] = set()
+        for d in found:
+            signature = case_signature(case.verdict, case.kind, case.setting, message, d.first_divergence, separating,
+                                       d.signed_as)[0]
+            signed[key].add(signature)
+            if cause_of is not None:
+                cause = cause_of(case, message, d, divergence_d3(case.d3_verdict, d, len(found)))
+                signed[key].add(f"{signature}{KNOWN_CAUSE}{cause}")
     return signed
 
 

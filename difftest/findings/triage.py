@@ -35,10 +35,14 @@ from difftest.contracts.tolerance import Tolerance
 from difftest.findings.known import KnownIssue, Upstream, match, stack_versions
 from difftest.findings.semantics import SemanticDifference, semantic_difference_of
 from difftest.findings.signature import (
+    KNOWN_CAUSE,
+    CauseOf,
+    Divergence,
     bad_rows,
     case_signature,
     contrast_of,
     disagreeing_cases,
+    divergence_d3,
     divergences,
     first_divergences,
     separating_values,
@@ -174,9 +178,8 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
                             disagreeing)
         for d in found:
             row = {"model": case.model, "setting": case.setting, "status": case.verdict, "kind": case.kind,
-                   # split, each cause is judged by D3 over its own tensors (a rounding-sized known bug is D3-clean
-                   # beside a large one that D3 flags)
-                   "d3_verdict": d.d3_status if len(found) > 1 and d.d3_status else case.d3_verdict, "message": message, "first_divergence": d.first_divergence,
+                   "d3_verdict": divergence_d3(case.d3_verdict, d, len(found)), "message": message,
+                   "first_divergence": d.first_divergence,
                    "signed_as": d.signed_as, "relative": d.worst_relative, "causes": len(found),
                    # split, each cause is sized over its own tensors (not the other's, nor what both feed later)
                    "worst_linf": d.worst_linf if len(found) > 1 else case.worst_linf}
@@ -254,7 +257,29 @@ def _number(value: object) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(str(value))
 
 
-KNOWN_CAUSE = " | known cause "  # what signs apart the cases of one signature that two known bugs explain
+def known_cause_of(versions: Mapping[str, str | None] | None, layer_kinds: Mapping[str, set[str]]) -> CauseOf:
+    """How `_by_known_cause` names the cause of one divergence of a case, for `signatures`: the known bug that
+    explains it on the releases `versions` (a run's, `stack_versions`), its model's layer kinds in `layer_kinds`."""
+    def cause(case: Any, message: str, divergence: Divergence, d3_verdict: str) -> str | None:
+        issue = _explaining(divergence.signed_as, case.verdict, message, case.kind, case.model, d3_verdict,
+                            _number(divergence.worst_relative), versions, layer_kinds)
+        return issue.id if issue is not None else None
+
+    return cause
+
+
+def known_causes_here(run_dir: Path) -> CauseOf:
+    """`known_cause_of` for the cases of `run_dir`'s models run by this process, on its stack: how the minimisation
+    and a reproducer sign a case as triage signed its finding."""
+    return known_cause_of(stack_versions(stack.current().get("libraries", {})), _features(run_dir)[1])
+
+
+def _explaining(signed_as: str, status: str, message: str, kind: str, model: str, d3_verdict: str,
+                relative: float | None, versions: Mapping[str, str | None] | None,
+                layer_kinds: Mapping[str, set[str]] | None) -> KnownIssue | None:
+    """The known bug that explains one divergence of a case: its kind's traits and its model's layer kinds match."""
+    return match(signed_as, status, message, capabilities_of(kind).traits | (layer_kinds or {}).get(model, set()),
+                 d3_verdict, versions=versions, relative=relative)
 
 
 def _by_known_cause(signature: str, rows: list[dict[str, Any]], versions: Mapping[str, str | None] | None,
@@ -265,9 +290,8 @@ def _by_known_cause(signature: str, rows: list[dict[str, Any]], versions: Mappin
     group keeps the signature; several are signed apart by their cause."""
     groups: dict[str | None, tuple[KnownIssue | None, list[dict[str, Any]]]] = {}
     for row in rows:
-        issue = match(row.get("signed_as", row["setting"]), row["status"], row["message"],
-                      capabilities_of(row["kind"]).traits | (layer_kinds or {}).get(row["model"], set()),
-                      row["d3_verdict"], versions=versions, relative=_number(row.get("relative")))
+        issue = _explaining(row.get("signed_as", row["setting"]), row["status"], row["message"], row["kind"],
+                            row["model"], row["d3_verdict"], _number(row.get("relative")), versions, layer_kinds)
         groups.setdefault(issue.id if issue is not None else None, (issue, []))[1].append(row)
     if len(groups) == 1:
         ((issue, group),) = groups.values()

@@ -270,8 +270,8 @@ def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int
 
     started = time.perf_counter()
     with SweepProgress(console) as progress:
-        live = LiveFindings(out, (judging or PipelineOptions()).tolerance, (judging or PipelineOptions()).oracle,
-                            on_new=progress.finding)
+        judged_as = judging or PipelineOptions()  # the live findings judge as the pipeline after the sweep will
+        live = LiveFindings(out, judged_as.tolerance, judged_as.oracle, on_new=progress.finding)
 
         def on_result(case: Case, record: CaseRecord) -> None:
             live.result(case, record)

@@ -51,8 +51,7 @@ class LiveFindings:
         self._on_new = on_new
         self._started = time.perf_counter()
         self.found: dict[str, LiveFinding] = {}
-        self.verdicts: dict[tuple[str, str], str] = {}  # every case judged so far
-        # each case's judgement with the record it judged, for the analysis after the sweep (`judged`)
+        # each case judged so far: its judgement with the record it judged (`verdicts`; `judged` for the analysis)
         self._judged: dict[tuple[str, str], tuple[CaseRecord, Judgement]] = {}
         self._committed_again: set[str] = set()  # models a case of which was committed twice
         self.cases_not_ok = 0
@@ -77,7 +76,6 @@ class LiveFindings:
                     still.append(pending)
                 else:
                     self._left[pending.model] -= 1
-                    self.verdicts[(pending.model, pending.setting)] = judged.verdict
                     self._judged[(pending.model, pending.setting)] = (pending, judged)
                     self._tell(pending, judged)
             self._waiting[record.model] = still
@@ -97,6 +95,12 @@ class LiveFindings:
                               record.model, record.setting)
         self.found[signature] = finding
         self._on_new(finding)
+
+    @property
+    def verdicts(self) -> dict[tuple[str, str], str]:
+        """Every case judged so far, by (model, setting): its verdict."""
+        with self._lock:
+            return {key: judgement.verdict for key, (_, judgement) in self._judged.items()}
 
     def judged(self) -> Judged:
         """Every case judged during the sweep, with the record judged: what the analysis after it need not judge

@@ -16,6 +16,7 @@ run triaged again gives the same ids.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections import Counter
@@ -271,7 +272,13 @@ def known_cause_of(versions: Mapping[str, str | None] | None, layer_kinds: Mappi
 def known_causes_here(run_dir: Path) -> CauseOf:
     """`known_cause_of` for the cases of `run_dir`'s models run by this process, on its stack: how the minimisation
     and a reproducer sign a case as triage signed its finding."""
-    return known_cause_of(stack_versions(stack.current().get("libraries", {})), _features(run_dir)[1])
+    return known_cause_of(_versions_here(), _features(run_dir)[1])
+
+
+@functools.cache
+def _versions_here() -> dict[str, str | None]:
+    """This process's libraries (asked once: a minimisation signs every round with them)."""
+    return stack_versions(stack.current().get("libraries", {}))
 
 
 def _explaining(signed_as: str, status: str, message: str, kind: str, model: str, d3_verdict: str,

@@ -221,7 +221,7 @@ def test_unreadable_outputs_and_a_run_with_nothing_wrong(fresh_run: Path) -> Non
 
 
 def test_minimisation_shrinks_each_example_while_it_fails_the_same_way(fresh_run: Path) -> None:
-    from difftest.findings.minimise import minimise
+    from difftest.findings.minimise import load_previous, minimise
 
     run_sweep(fresh_run, SweepOptions(settings="faults/shard_off_by_one_row/ws2,faults/raises/ws2,"
                                                "torchrec/ebc/table_wise/ws2", plugins=(PLANTED,), timeout_s=60))
@@ -251,6 +251,12 @@ def test_minimisation_shrinks_each_example_while_it_fails_the_same_way(fresh_run
     hurried = minimise(fresh_run, [shifted], analysis, budget_s=0.01, plugins=(PLANTED,))[0]
     assert hurried.outcome.startswith("budget of 0.01 s spent") and hurried.rounds == 1
     assert hurried.size()["parameters"] <= hurried.size(hurried.original)["parameters"]
+    # a minimisation that could not start is tried again by a rerun with a budget (a harness fixed since), and kept
+    # as it is by one without
+    saved = fresh_run / "findings" / shifted.id / "minimise.json"
+    assert load_previous(fresh_run, shifted, 0.01) is not None
+    saved.write_text(saved.read_text().replace(hurried.outcome, "not minimised: the example alone does not reproduce"))
+    assert load_previous(fresh_run, shifted, 0.01) is None and load_previous(fresh_run, shifted, 0.0) is not None
 
 
 def test_a_running_sweep_is_triaged_as_a_snapshot(fresh_run: Path) -> None:

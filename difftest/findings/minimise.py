@@ -99,11 +99,14 @@ class Minimisation:
 
 MINIMISE_FILE = "minimise.json"
 OLD_MINIMISE_FILE = "minimize.json"  # its name in runs made before the spelling was one
+NOT_MINIMISED = "not minimised"  # how an outcome begins whose minimisation could not start
 
 
 def load_previous(run_dir: Path, finding: Any, budget_s: float) -> Minimisation | None:
     """The finding's minimisation from an earlier triage of this run, if it is still good: same signature, same
-    example, and it either reached a minimum or had at least this budget (a rerun resumes, it does not redo)."""
+    example, and it either reached a minimum or had at least this budget (a rerun resumes, it does not redo). One that
+    could not start (its example alone did not reproduce, its generator was missing, its tries would time out) is
+    tried again by a rerun with a budget (a fixed harness, an extra installed since); a budget of 0 takes it as is."""
     target = run_dir / "findings" / finding.id
     try:
         saved_at = target / MINIMISE_FILE if (target / MINIMISE_FILE).is_file() else target / OLD_MINIMISE_FILE
@@ -111,7 +114,8 @@ def load_previous(run_dir: Path, finding: Any, budget_s: float) -> Minimisation 
         original = (saved["original"]["model"], saved["original"]["setting"])
         best_dir = target / "run" / "models" / saved["minimal"]["model"]
         if (saved["signature"] != finding.signature or original != (finding.example["model"], finding.example["setting"])
-                or not (saved["outcome"].startswith(("minimal", "not minimised")) or saved["budget_s"] >= budget_s)):
+                or not (saved["outcome"].startswith("minimal") or budget_s <= 0
+                        or (not saved["outcome"].startswith(NOT_MINIMISED) and saved["budget_s"] >= budget_s))):
             return None
         first = Trial(load_spec(run_dir / "models" / original[0]), original[1], saved["original"]["size"]["batch"])
         best = Trial(load_spec(best_dir), saved["minimal"]["setting"], saved["minimal"]["size"]["batch"])
@@ -205,9 +209,9 @@ def _start(run_dir: Path, findings: list[Finding], budget_s: float,
         original = Trial(spec, finding.example["setting"], _batch_of(run_dir / "models" / spec.model_id))
         m = Minimisation(finding.id, finding.signature, original, original, status=finding.status, budget_s=budget_s)
         if (why := kind_unavailable(spec.kind)) is not None:  # its smaller models cannot be made on this machine
-            m.active, m.outcome = False, f"not minimised: the {spec.kind} generator {why}"
+            m.active, m.outcome = False, f"{NOT_MINIMISED}: the {spec.kind} generator {why}"
         elif finding.status == Status.TIMEOUT and budget_s < 2 * timeout_s:
-            m.active, m.outcome = False, (f"not minimised: each try waits for the {timeout_s:g} s timeout; "
+            m.active, m.outcome = False, (f"{NOT_MINIMISED}: each try waits for the {timeout_s:g} s timeout; "
                                           f"a --minimise-budget of {2 * timeout_s:g} s or more tries")
         work.append(m)
     return work, kept
@@ -334,7 +338,7 @@ def resign(m: Minimisation, round_no: int, chosen: list[Trial], signed: dict[tup
         alone = next((t for t in chosen if t.change == ALONE), None)
         if alone is None or alone not in won:
             got = " and ".join(sorted(signed.get((alone.model_id, alone.setting), {Status.OK}))) if alone else "not built"
-            m.active, m.outcome = False, f"not minimised: the example alone does not reproduce ({got})"
+            m.active, m.outcome = False, f"{NOT_MINIMISED}: the example alone does not reproduce ({got})"
             return
         won.remove(alone)
     if won:

@@ -59,6 +59,26 @@ def unfused_table_optimizers(tables: dict[str, Any], case: dict[str, Any]) -> li
     return found
 
 
+def fuse_as_trained(module: Any, case: dict[str, Any]) -> None:
+    """The case's optimizers fused into the collections' trainable tables (`fuse_table_optimizers`) and SGD at lr 0
+    into its frozen ones (`case["frozen"]`), as the setting fuses them: a fused table without an optimizer of its own
+    gets the sharder's default one and trains; an optimizer that does not move it is TorchRec's way to freeze it
+    (torchrec#1990)."""
+    import torch
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    tables, frozen = {table_name(n): p for n, p in module.named_parameters()}, set(case.get("frozen", ()))
+    if trained := {n: p for n, p in tables.items() if n not in frozen}:
+        fuse_table_optimizers(trained, case)
+    if frozen:
+        apply_optimizer_in_backward(torch.optim.SGD, [tables[n] for n in sorted(frozen)], {"lr": 0.0})
+
+
+def trained_tables(module: Any, case: dict[str, Any]) -> dict[str, Any]:
+    """The collections' tables (name → weight) that the case trains: all but its frozen ones (`case["frozen"]`)."""
+    return {table_name(n): p for n, p in module.named_parameters() if table_name(n) not in case.get("frozen", ())}
+
+
 def table_name(parameter: str) -> str:
     """A table's name from its weight's qualified name (`….embedding_bags.<table>.weight`)."""
     return parameter.split(".")[-2]
@@ -107,7 +127,7 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
     tables = standalone_tables(case)
     tables.load_state_dict({k[len("state."):]: torch.from_numpy(v) for k, v in data.items() if k.startswith("state.")})
     tables = tables.to(dtype)
-    optimizers = unfused_table_optimizers({table_name(n): p for n, p in tables.named_parameters()}, case)
+    optimizers = unfused_table_optimizers(trained_tables(tables, case), case)
     for _ in range(case["steps"]):
         tables.zero_grad()
         pooled_loss(tables(standalone_features(data, case, 0, case["batch"], dtype)), case["batch"]).backward()
@@ -124,7 +144,7 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     module = standalone_tables(case)
-    fuse_table_optimizers({table_name(n): p for n, p in module.named_parameters()}, case)
+    fuse_as_trained(module, case)
     dmp = sharded_tables(module, EmbeddingBagCollectionSharder(), data, case, world_size)
     share = case["batch"] // world_size
     for _ in range(case["steps"]):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from settings._torchrec_optim_script import table_optimizer, whole_tables
+from settings._torchrec_optim_script import fuse_as_trained, table_optimizer, trained_tables, whole_tables
 from settings._torchrec_script import sharded_tables, standalone_features, standalone_tables
 from settings.torchrec_vbe import pooled_loss
 
@@ -34,9 +34,9 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
     tables.load_state_dict({k[len("state."):]: torch.from_numpy(v) for k, v in data.items() if k.startswith("state.")})
     tables = tables.to(dtype)
     optimizer_class, options = table_optimizer(case)
-    optimizer = optimizer_class(list(tables.parameters()), **options)
+    optimizer = optimizer_class(list(trained_tables(tables, case).values()), **options)
     for _ in range(case["steps"]):
-        optimizer.zero_grad()
+        tables.zero_grad()
         pooled_loss(tables(standalone_features(data, case, 0, case["batch"], dtype)), case["batch"]).backward()
         optimizer.step()
     return {name: value.detach().cpu().numpy() for name, value in tables.state_dict().items()}
@@ -49,12 +49,10 @@ def on_rank(rank: int, world_size: int, data: dict[str, Any], case: dict[str, An
     import torch
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     phase = case["phase"]
     module = standalone_tables(case)
-    optimizer_class, options = table_optimizer(case)
-    apply_optimizer_in_backward(optimizer_class, list(module.parameters()), options)
+    fuse_as_trained(module, case)
     dmp = sharded_tables(module, EmbeddingBagCollectionSharder(), data, case, world_size)
     if phase["load"]:  # into the state dicts' own tensors, then through load_state_dict, as TorchRec's tests do
         state = {"model": dmp.state_dict(), "optimizer": dmp.fused_optimizer.state_dict()}

@@ -214,10 +214,12 @@ class FusedOptimizerSharding(TorchRecSharding):
             case={"sharding": self.sharding, "local_world_size": case.local_world_size, "device": "cpu",
                   "batch": case.inputs["eval"].size, "lr": case.lr, "steps": max(case.steps, spec.min_steps),
                   **optimizer_case(self.optimizer, case.lr, None, [t.name for t in tables]),
-                  "touched_rows_only": spec.touched_rows_only, "tables": table_list},
+                  "touched_rows_only": spec.touched_rows_only, "tables": table_list,
+                  "frozen": frozen_tables(tables, case)},
             functions=(*plan_functions(self.sharding, tables, 0, self.world_size), sharded_tables, standalone_tables,
                        standalone_features, bag_runs_kjt, pooled_loss, script.table_optimizer, fbgemm_options,
-                       script.second_tables, fuse_table_optimizers, unfused_table_optimizers, table_name,
+                       script.second_tables, fuse_table_optimizers, script.fuse_as_trained, unfused_table_optimizers,
+                       script.trained_tables, table_name,
                        step_touched_rows, script.whole_tables, script.single_process, script.on_rank),
             # named apart from the run's tensors: the envelope measured the model's loss, not the script's
             tensors={f"{t.state_key}": f"script/{t.state_key}" for t in tables}, data=data,
@@ -313,6 +315,11 @@ class OptionedOptimizerReference(FusedOptimizerReference):
     """The root of a fused optimizer with options: the full tier."""
 
     in_default_tier: ClassVar[bool] = False
+
+
+def frozen_tables(tables: list[Any], case: StandaloneCase) -> list[str]:
+    """The names of the model's embedding tables (`Generator.embedding_tables`) that the case's model freezes."""
+    return sorted(t.name for t in tables if t.state_key in case.spec.frozen)
 
 
 def optimizer_case(optimizer: str, lr: float, module: Any, names: list[str] | None = None) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from difftest import Outputs, RunContext, register_settings
 from settings._torchrec_plan import SHARDING_TYPES
-from settings.torchrec_optimizers import OPTIMIZERS, FusedOptimizerReference, FusedOptimizerSharding
+from settings.torchrec_optimizers import OPTIMIZERS, FusedOptimizerReference, FusedOptimizerSharding, frozen_tables
 
 if TYPE_CHECKING:
     from difftest import Script, StandaloneCase
@@ -133,7 +133,16 @@ class ReshardedResume(FusedOptimizerSharding):
         loss is the tables' own, not the model's the envelope was measured on)."""
         from difftest import Script, Unsupported, refuse_changed_hooks
         from settings import _torchrec_reshard_script as script
-        from settings._torchrec_optim_script import fbgemm_options, table_optimizer, whole_tables
+        from settings._torchrec_optim_script import (
+            fbgemm_options,
+            fuse_as_trained,
+            fuse_table_optimizers,
+            second_tables,
+            table_name,
+            table_optimizer,
+            trained_tables,
+            whole_tables,
+        )
         from settings._torchrec_plan import _plan_helpers, plan_functions
         from settings._torchrec_script import (
             bag_runs_kjt,
@@ -170,9 +179,10 @@ class ReshardedResume(FusedOptimizerSharding):
             preamble=("import random", "", f"SHARDING_TYPES = {SHARDING_TYPES!r}"),
             case={"sharding": self.sharding, "device": "cpu", "batch": case.inputs["eval"].size, "lr": case.lr,
                   "optimizer": (spec.module, spec.cls), "options": dict(spec.options), "tables": table_list,
-                  "steps": TOTAL_STEPS, "phases": phases},
+                  "steps": TOTAL_STEPS, "phases": phases, "frozen": frozen_tables(tables, case)},
             functions=(*dict.fromkeys(plans), sharded_tables, standalone_tables, standalone_features, bag_runs_kjt,
-                       pooled_loss, table_optimizer, fbgemm_options, whole_tables, script.single_process, script.on_rank,
+                       pooled_loss, table_optimizer, fbgemm_options, second_tables, fuse_table_optimizers,
+                       fuse_as_trained, trained_tables, table_name, whole_tables, script.single_process, script.on_rank,
                        script.run_distributed),
             # named apart from the run's tensors: the envelope measured the model's loss, not the script's
             tensors={name[len("state."):]: f"script/{name[len('state.'):]}" for name in data if name.startswith("state.")},

@@ -771,6 +771,34 @@ def test_a_torchrec_checkpoint_resumes_resharded_as_one_process_and_dcp_fails_on
         assert emitted.checked.exit_code == code, emitted.checked.output[-3000:]
 
 
+def test_a_frozen_tables_reshard_fails_in_dcp_and_its_script_freezes_it_as_the_setting_does(tmp_path: Path) -> None:
+    """Seed 5's frozen DLRM freezes table w2, which the setting fuses with SGD at lr 0 (TorchRec's way to freeze a
+    table); its optimizer state is empty, and DCP's load of the column-wise checkpoint under a table-wise plan misses
+    it (the manifest's pre-2.4 heuristic). The script freezes the table as the setting does and fails the same way (a
+    script that trained every table loaded, exit 0)."""
+    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.tolerance import Tolerance
+    from difftest.findings.triage import triage
+    from difftest.generation.generate import generate
+    from difftest.scripts.write import emit
+    from difftest.storage.store import Store
+
+    run_dir, model = tmp_path / "run", "dlrm-s5-i1-frozen"
+    generate(run_dir, RunConfig(seed=5, models=2, kinds=("dlrm",)))
+    setting, missing = ("torchrec-reshard/adagrad/column_wise-ws2/table_wise-ws2",
+                        "Missing key in checkpoint state_dict: optimizer.state.weighted_sparse.embedding_bags.w2.weight")
+    run_sweep(run_dir, SweepOptions(pairs=((model, setting),), timeout_s=120))
+    message = next(r.message for r in Store(run_dir).records() if r.setting == setting)
+    assert missing in message, message
+    found = [f.known.id for f in triage(run_dir, analyze(run_dir)) if f.known is not None]
+    assert found == ["dcp-empty-shard-old-checkpoint-heuristic"], found
+    emitted = emit(run_dir, "R0", "a frozen table's reshard", "error", run_dir / "models" / model, setting, "", {},
+                   Tolerance(), check_timeout_s=120, message=message)
+    assert emitted.path is not None and emitted.checked is not None, emitted.why_not
+    assert "'frozen': ['w2']" in emitted.path.read_text()
+    assert emitted.checked.exit_code == 1 and missing in emitted.checked.output, emitted.checked.output[-3000:]
+
+
 def test_every_pipeline_schedule_the_installed_torch_exports_is_run() -> None:
     """A schedule a new torch release adds is a setting here (DualPipeV from 2.8), or this fails and says which."""
     from settings.pipeline import SCHEDULES, uncovered_schedules

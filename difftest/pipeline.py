@@ -69,11 +69,12 @@ class PipelineResult:
 
 
 def judge(run_dir: Path, options: PipelineOptions, judged: Judged | None = None) -> Analysis:
-    """Every stored case against its reference (the CSVs of the run), less those `judged` already holds."""
-    from difftest.contracts.spec import RunConfig
+    """Every stored case against its reference (the CSVs of the run), less those `judged` already holds. The run's
+    plugins are imported here, from where its commands ran if not from here: minimisation's groups inherit them."""
+    from difftest.contracts.registry import load_run_plugins
     from difftest.judging.analysis import analyze
 
-    return analyze(run_dir, options.tolerance, RunConfig.load(run_dir / "run.json").plugins, options.oracle, judged)
+    return analyze(run_dir, options.tolerance, load_run_plugins(run_dir), options.oracle, judged)
 
 
 def triage_run(run_dir: Path, analysis: Analysis) -> list[Finding]:

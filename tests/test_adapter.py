@@ -60,6 +60,15 @@ def test_the_documented_adapter_runs_under_every_setting_that_takes_it_and_agree
     assert list(findings["known_issue"]) == ["dtensor-loss-backward-local-numel"], findings.to_string()
     # its script builds the user's model from the user's own code, copied (the module imports difftest)
     _assert_script_reproduces(tmp_path / command[command.index("--out") + 1], findings.iloc[0]["id"], "def make_model")
+    # from another folder, where my_model does not import, the finding's minimal case reruns: the model module is
+    # looked for where the run's commands ran
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = subprocess.run([str(Path(sys.executable).parent / "difftest"), "repro",
+                            str(tmp_path / command[command.index("--out") + 1]), findings.iloc[0]["id"]],
+                           capture_output=True, text=True, timeout=300, cwd=elsewhere,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert again.returncode == 1 and "the finding reproduces" in again.stdout, (again.stdout + again.stderr)[-3000:]
 
 
 def _assert_script_reproduces(out: Path, finding: str, copied: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,19 @@ def test_every_failing_case_belongs_to_one_finding_with_stable_ids_and_a_reprodu
 def test_unreadable_outputs_and_a_run_with_nothing_wrong(fresh_run: Path) -> None:
     run_sweep(fresh_run, SweepOptions(settings="torchrec/ebc/table_wise/ws2"))
     assert triage_run(fresh_run, analyze(fresh_run)) == []  # nothing wrong: no finding, and the CSV has its header
+    # a finding's repro.py on a case that is now ok exits 0: the bug is gone
+    from difftest.findings.repro import write_reproducer
+
+    model = next(p.name for p in (fresh_run / "models").iterdir())
+    script = write_reproducer(fresh_run, fresh_run / "findings" / "F0", "F0", "gone", model,
+                              "torchrec/ebc/table_wise/ws2", signature="inconsistent | gone")
+    gone = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert gone.returncode == 0 and "ok" in gone.stdout, (gone.stdout + gone.stderr)[-3000:]
+    shutil.rmtree(fresh_run / "findings" / "F0" / "run" / "models")  # one that cannot start says why in a line, exit 2
+    lost = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert lost.returncode == 2 and lost.stderr.count("\n") == 1 and "no such model" in lost.stderr, lost.stderr
     assert list(pd.read_csv(fresh_run / "findings.csv").columns) == FINDINGS_COLUMNS
     broken = next((fresh_run / "outputs").rglob("*table_wise*"))
     broken.write_bytes(b"truncated")

@@ -248,13 +248,12 @@ def _check_jobs(jobs: int | None, executor: object = None) -> None:
 def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int | None, timeout: float, device: str, plugins: tuple[str, ...], twice: bool = False, tier: str | None = None, executor: ExecutorConfig | None = None, backend: str | None = None, judging: PipelineOptions | None = None) -> Judged:
     """Sweep the run; its cases as the live findings judged them with `judging` (what its pipeline need not judge
     again)."""
-    from difftest.contracts.registry import load_plugins
-    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.registry import load_run_plugins
     from difftest.runner.sweep import plan_cases, run_sweep
 
     _check_devices(device, backend, executor)  # before the libraries' imports: told in a second
     _check_jobs(jobs, executor)
-    load_plugins(RunConfig.load(out / "run.json").plugins + plugins)
+    load_run_plugins(out, plugins)
     integrity.check_models(out)  # a damaged input never runs as a case
     integrity.check_store(out)  # nor is a damaged store taken for an empty one
     options = SweepOptions(settings=settings, tier=tier, models=models_filter, jobs=jobs, timeout_s=timeout, device=device, plugins=plugins, twice=twice, executor=executor or ExecutorConfig(), backend=backend)
@@ -575,13 +574,12 @@ def quant(
     quantized models against float within the error their rounding allows, reported beside the measured error
     (oracle 2). The float references run too, where RUN_DIR has not run them yet.
     """
-    from difftest.contracts.registry import load_plugins
-    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.registry import load_run_plugins
 
     plugins, run_dir = tuple(plugin or ()), absolute(run_dir)
     if not (run_dir / "run.json").is_file():
         raise UserError(f"{run_dir}: no run.json; make the run first with `difftest generate --out {run_dir}`")
-    load_plugins(RunConfig.load(run_dir / "run.json").plugins + plugins)
+    load_run_plugins(run_dir, plugins)
     _record_command(run_dir)
     where = _executor(executor, address, cpus_per_rank)
     judging = _options(atol, rtol, oracle, minimise_budget, timeout, device, shrink_budget)

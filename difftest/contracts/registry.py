@@ -12,6 +12,8 @@ import fnmatch
 import importlib
 from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
 
 from difftest.contracts.errors import UserError
 from difftest.contracts.generator import Generator, UnregisteredKind
@@ -129,23 +131,55 @@ def register_generator(kind: str, generator: Generator) -> Generator:
     return generator
 
 
+def _import_plugin(module: str, folders: tuple[str, ...]) -> Any:
+    """`module`, imported from the path as it is, else from the first of `folders` that holds its top-level package
+    or module (added to the path, and to PYTHONPATH for the processes a run starts afresh)."""
+    import os
+    import sys
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        top = module.split(".")[0]
+        holding = next((f for f in folders if exc.name and top == exc.name.split(".")[0]
+                        and (Path(f, f"{top}.py").is_file() or Path(f, top).is_dir())), None)
+        if holding is None or holding in sys.path:
+            raise
+        sys.path.append(holding)  # after what the user's own path holds: theirs wins
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), holding) if p)
+        importlib.invalidate_caches()
+        return importlib.import_module(module)
+
+
+def load_run_plugins(run_dir: Path, extra: Iterable[str] = ()) -> tuple[str, ...]:
+    """The run's plugins (its run.json's) and `extra`, looked for where the run's commands ran too."""
+    from difftest.contracts.spec import RunConfig, run_plugin_folders
+
+    return load_plugins(RunConfig.load(run_dir / "run.json").plugins + tuple(extra),
+                        run_plugin_folders(run_dir / "run.json"))
+
+
 def builtin_plugins() -> tuple[str, ...]:
     names = {ep.value for ep in entry_points(group="difftest.plugins")}
     return tuple(sorted(names | set(BUILTIN_PLUGINS)))
 
 
-def load_plugins(extra: Iterable[str] = ()) -> tuple[str, ...]:
-    """Import built-in and extra plugin modules once; returns the full list (for workers to repeat)."""
+def load_plugins(extra: Iterable[str] = (), folders: Iterable[str] = ()) -> tuple[str, ...]:
+    """Import built-in and extra plugin modules once; returns the full list (for workers to repeat). A module not
+    importable here is looked for in `folders` too (where the run's commands ran: `run_plugin_folders`), so a run
+    made with `--model my_model:adapter` in the model's folder is analysed and reproduced from any other."""
     modules = builtin_plugins() + tuple(m for m in extra if m not in BUILTIN_PLUGINS)
     for plugin in modules:
         if plugin in _LOADED_PLUGINS:
             continue
         module, _, attribute = plugin.partition(":")  # `mypkg.models:adapter`: a user's model adapter in a module
         try:
-            imported = importlib.import_module(module)
+            imported = _import_plugin(module, tuple(folders))
         except ModuleNotFoundError as exc:
             if exc.name and module.startswith(exc.name):
-                raise UserError(f"plugin {module!r} is not importable; check --plugin/--model and PYTHONPATH") from None
+                where = f" (nor in {', '.join(folders)}, where the run's commands ran)" if folders else ""
+                raise UserError(f"plugin {module!r} is not importable{where}; check --plugin/--model and PYTHONPATH") \
+                    from None
             raise
         except SyntaxError as exc:  # the user's own file: where, and what Python says
             raise UserError(f"plugin {module!r} does not compile: {exc.filename}, line {exc.lineno}: {exc.msg}; fix "

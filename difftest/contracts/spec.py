@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -91,3 +92,23 @@ class RunConfig:
             raise UserError(f"{path.parent}: not a difftest run (no run.json); create one with `difftest generate --out {path.parent}`") from None
         except (ValueError, TypeError) as exc:
             raise UserError(f"{path}: unreadable run config ({exc}); regenerate the run with `difftest generate`") from None
+
+
+def run_plugin_folders(path: Path) -> tuple[str, ...]:
+    """The folders the run's commands ran in, the latest first (run.json's `commands`): where a model module given as
+    `--model my_model:adapter` was imported from."""
+    try:
+        commands = json.loads(path.read_text()).get("commands") or []
+    except (OSError, ValueError, AttributeError):
+        return ()
+    return tuple(dict.fromkeys(str(c["cwd"]) for c in reversed(commands) if isinstance(c, dict) and c.get("cwd")))
+
+
+def config_with_commands(config: RunConfig, source: Path) -> str:
+    """`config` as a run.json holds it, with the commands of the run.json at `source`: a copy of a run made for one
+    finding imports the run's model modules from where its commands ran (`run_plugin_folders`), as the run does."""
+    raw = json.loads(config.to_json())
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        raw["commands"] = json.loads(source.read_text()).get("commands") or []
+    return json.dumps(raw, indent=1, sort_keys=True)
+

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from difftest.contracts.errors import UserError
 from difftest.contracts.registry import all_settings, get_generator, get_setting, kind_unavailable, loaded_plugins
-from difftest.contracts.spec import ModelSpec, RunConfig
+from difftest.contracts.spec import ModelSpec, RunConfig, config_with_commands
 from difftest.contracts.status import FAILURES, Status
 from difftest.generation.generate import ModelBuilders, try_materialise
 from difftest.judging.analysis import CANNOT_JUDGE, Analysis, analyze, envelope_spread
@@ -444,7 +444,8 @@ def _write(run_dir: Path, finding: Any, m: Minimisation, config: RunConfig, scra
         # built in its round, in a folder that goes with the round
         if (why := try_materialise(minimal.spec, staging / "models" / minimal.model_id, minimal.batch_size)) is not None:
             raise RuntimeError(f"the minimal case of {finding.id} could not be built again: {why}")
-        (staging / "run.json").write_text(dataclasses.replace(config, batch_size=minimal.batch_size).to_json())
+        (staging / "run.json").write_text(config_with_commands(dataclasses.replace(config, batch_size=minimal.batch_size),
+                                                               run_dir / "run.json"))
         write_reproducer(staging, target, finding.id, finding.title, minimal.model_id, minimal.setting,
                          signature=m.signature, contrast=finding.contrast)
         m.best = minimal

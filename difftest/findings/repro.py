@@ -74,8 +74,7 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
 
     `contrast`: the parameter values the original run found a bug to follow (`difftest.findings.triage.contrast_of`), so the
     case is signed as it was there; without it the signature names the setting's family."""
-    from difftest.contracts.registry import load_plugins
-    from difftest.contracts.spec import RunConfig
+    from difftest.contracts.registry import load_run_plugins
     from difftest.judging.analysis import analyze
     from difftest.runner.executor import SweepOptions
     from difftest.runner.sweep import run_sweep
@@ -84,15 +83,14 @@ def reproduce(run_dir: Path, model: str, setting: str, *, workdir: Path | None =
     source = run_dir / "models" / model
     if not (source / "spec.json").is_file():
         raise UserError(f"{source}: no such model in the run; `ls {run_dir / 'models'}` lists them")
-    config = RunConfig.load(run_dir / "run.json")
-    load_plugins(config.plugins + plugins)
+    loaded = load_run_plugins(run_dir, plugins)
     private = Path(tempfile.mkdtemp(prefix="difftest-repro-", dir=workdir)) / "run"
     (private / "models").mkdir(parents=True)
     shutil.copy(run_dir / "run.json", private / "run.json")
     shutil.copytree(source, private / "models" / model)
     run_sweep(private, SweepOptions(settings=setting, models=model, timeout_s=timeout_s, device=device,
                                     plugins=plugins))
-    analysis = analyze(private, plugins=config.plugins + plugins)
+    analysis = analyze(private, plugins=loaded)
     case = analysis.cases[(analysis.cases["model"] == model) & (analysis.cases["setting"] == setting)].iloc[0]
     rows = analysis.comparisons[(analysis.comparisons["model"] == model)
                                 & (analysis.comparisons["setting"] == setting)]
@@ -148,7 +146,8 @@ REPRO_SCRIPT = '''"""Finding {finding_id}: {title}
 Runs `{setting}` on model `{model}` (its spec, initial weights and inputs are in ./run) alone, against what it is
 judged against, through difftest's public API; prints both sides, the verdict and the case's signature. Exits 1
 while the finding is present (the case fails with the finding's signature), 0 once the case is ok, 3 if it fails in
-another way, 4 if the setting cannot run here (unsupported: the reason is printed).
+another way, 4 if the setting cannot run here (unsupported: the reason is printed), 2 if it cannot start (the reason in
+one line).
 
     python {script}
 """
@@ -156,13 +155,17 @@ another way, 4 if the setting cannot run here (unsupported: the reason is printe
 import sys
 from pathlib import Path
 
-from difftest import reproduce
+from difftest import Status, UserError, reproduce
 
 SIGNATURE = {signature!r}
 CONTRAST = {contrast!r}  # the parameter values the run found this bug to follow
 
 if __name__ == "__main__":  # the ranks are spawned processes that import this file again
-    result = reproduce(Path(__file__).resolve().parent / "run", {model!r}, {setting!r}, contrast=CONTRAST)
+    try:
+        result = reproduce(Path(__file__).resolve().parent / "run", {model!r}, {setting!r}, contrast=CONTRAST)
+    except UserError as exc:  # a model module not importable here, a damaged copy of the run: what to do, in a line
+        print(f"repro.py: {{exc}}", file=sys.stderr)
+        sys.exit(2)  # never 1, which says the finding is present
     print(result.describe())
     if result.matches(SIGNATURE):
         print("the finding reproduces: same signature")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from difftest.contracts.errors import UserError
-from difftest.contracts.registry import get_setting, load_plugins, select_settings, with_references
+from difftest.contracts.registry import get_setting, load_run_plugins, select_settings, with_references
 from difftest.contracts.setting import Outputs, Setting
 from difftest.contracts.spec import RunConfig
 from difftest.contracts.status import Status
@@ -85,7 +85,7 @@ def run_sweep(
     warm: WarmGroups | None = None,
 ) -> SweepReport:
     config = RunConfig.load(run_dir / "run.json")
-    plugins = load_plugins(config.plugins + options.plugins)
+    plugins = load_run_plugins(run_dir, options.plugins)
     cases = plan_cases(run_dir, options)
     store = Store(run_dir)
     report = SweepReport(total=len(cases))

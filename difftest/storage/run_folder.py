@@ -28,6 +28,7 @@ COMMANDS_KEY = "commands"  # in run.json: the commands run on the folder, the la
 def record_command(run_dir: Path, argv: list[str]) -> None:
     """Add the command now running on the run (its words, when it started) to run.json; the report shows the last."""
     import json
+    import os
     import time
 
     from difftest.storage.artifacts import atomic_write_text
@@ -37,7 +38,9 @@ def record_command(run_dir: Path, argv: list[str]) -> None:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return  # a missing or damaged run.json is told by the step that needs it
-    raw[COMMANDS_KEY] = [*raw.get(COMMANDS_KEY, [])[-19:], {"argv": argv, "started": time.time()}]
+    # the folder it ran in: where a `--model my_model:adapter` module is imported from by later commands elsewhere
+    command = {"argv": argv, "started": time.time(), "cwd": os.getcwd()}
+    raw[COMMANDS_KEY] = [*raw.get(COMMANDS_KEY, [])[-19:], command]
     atomic_write_text(json.dumps(raw, indent=1, sort_keys=True), path)
 
 

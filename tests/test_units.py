@@ -491,6 +491,37 @@ def test_minimisation_charges_each_finding_its_cases_its_share_of_references_and
     assert not spent.active and spent.outcome.startswith("budget of 5 s spent after 1 rounds")
 
 
+def test_trials_are_calibrated_where_d3_alone_would_sign_the_example_otherwise() -> None:
+    """An inconsistent finding's trials get the calibrated envelope where its example needed it: D3 passes the example,
+    or D3's first diverging tensor is an earlier one than the calibrated oracle's (seed 5's split-backward finding: a
+    Keras dense kernel within its wide envelope but beyond allclose, so the example alone, judged by D3, first diverged
+    there and 'did not reproduce')."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from difftest.contracts.status import Status
+    from difftest.findings.minimise import needing_envelope
+    from difftest.judging.analysis import Analysis
+
+    def row(model: str, phase: str, tensor: str, status: str, d3: str) -> dict:
+        return {"model": model, "setting": "s", "kind": "dlrm", "phase": phase, "tensor": tensor, "status": status,
+                "d3_status": d3}
+
+    bad, good = Status.INCONSISTENT, Status.OK
+    comparisons = pd.DataFrame([
+        row("calibrated-only", "eval_before", "pooled.f0", bad, good),  # D3 passes it
+        row("both-same", "eval_before", "pooled.f0", bad, bad), row("both-same", "param_after_step1", "over.0.weight", bad, bad),
+        row("d3-earlier", "eval_before", "pooled.f0", good, bad), row("d3-earlier", "param_after_step1", "over.0.weight", bad, bad),
+        row("failed", "", "", Status.ERROR, Status.ERROR)])
+    cases = pd.DataFrame([{"model": m, "setting": "s", "d3_verdict": v} for m, v in
+                          (("calibrated-only", good), ("both-same", bad), ("d3-earlier", bad), ("failed", Status.ERROR))])
+    analysis = Analysis(comparisons, cases, pd.DataFrame(), pd.DataFrame(), pd.DataFrame())
+    findings = [SimpleNamespace(id=m, status=Status.ERROR if m == "failed" else bad, example={"model": m, "setting": "s"})
+                for m in cases["model"]]
+    assert needing_envelope(analysis, findings) == {"calibrated-only", "d3-earlier"}
+
+
 def test_judging_a_case_is_a_pure_function_of_its_outputs_its_references_and_its_envelope() -> None:
     from difftest.judging.analysis import judge_outputs
 

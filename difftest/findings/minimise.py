@@ -311,6 +311,27 @@ def _run(this: _Round, needs_envelope: set[str], fails_alone: set[str], options:
     this.seconds = this.built_s + time.perf_counter() - sweep_start
 
 
+def needing_envelope(analysis: Analysis, findings: list[Any]) -> set[str]:
+    """The inconsistent findings whose trials need the calibrated envelope, a pure function: those whose example the
+    fixed D3 oracle, which judges a case without calibrations, signs otherwise than the calibrated one did — it passes
+    the example, or the example's first divergence under it is another tensor (one beyond allclose but within a wide
+    envelope comes first). Judged by D3 alone, such an example would not sign as its finding even unchanged."""
+    from difftest.findings.signature import first_divergence
+
+    verdicts = {(c.model, c.setting): c.d3_verdict for c in analysis.cases.itertuples()}
+    rows = analysis.comparisons
+    needing = set()
+    for f in findings:
+        example = (f.example["model"], f.example["setting"])
+        if f.status != Status.INCONSISTENT:
+            continue
+        mine = rows[(rows["model"] == example[0]) & (rows["setting"] == example[1])].to_dict("records")
+        by_d3 = [{**r, "status": r["d3_status"]} for r in mine]
+        if verdicts.get(example) == Status.OK or first_divergence(by_d3) != first_divergence(mine):
+            needing.add(f.id)
+    return needing
+
+
 def charges(planned: dict[str, list[Trial]], cost: dict[tuple[str, str], float],
             build_cost: dict[str, float]) -> dict[str, float]:
     """Charging a round, a pure function: each finding pays for its own cases (a crash: its restart too) and its
@@ -375,9 +396,7 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
     for previous in kept.values():
         if on_done is not None:
             on_done(previous)
-    verdicts = {(c.model, c.setting): c.d3_verdict for c in analysis.cases.itertuples()}
-    needs_envelope = {f.id for f in findings if f.status == Status.INCONSISTENT
-                      and verdicts.get((f.example["model"], f.example["setting"])) == Status.OK}
+    needs_envelope = needing_envelope(analysis, findings)
     fails_alone = {f.id for f in findings if f.status in FAILURES
                    and not str(f.example.get("message", "")).startswith(CANNOT_JUDGE)}
     options = SweepOptions(timeout_s=timeout_s, device=device, plugins=plugins)

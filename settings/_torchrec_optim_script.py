@@ -67,11 +67,10 @@ def fuse_as_trained(module: Any, case: dict[str, Any]) -> None:
     import torch
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    tables, frozen = {table_name(n): p for n, p in module.named_parameters()}, set(case.get("frozen", ()))
-    if trained := {n: p for n, p in tables.items() if n not in frozen}:
+    if trained := trained_tables(module, case):
         fuse_table_optimizers(trained, case)
-    if frozen:
-        apply_optimizer_in_backward(torch.optim.SGD, [tables[n] for n in sorted(frozen)], {"lr": 0.0})
+    if frozen := [p for n, p in module.named_parameters() if table_name(n) in case.get("frozen", ())]:
+        apply_optimizer_in_backward(torch.optim.SGD, frozen, {"lr": 0.0})
 
 
 def trained_tables(module: Any, case: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from settings._torchrec_optim_script import fuse_as_trained, table_optimizer, trained_tables, whole_tables
+from settings._torchrec_optim_script import fuse_as_trained, trained_tables, unfused_table_optimizers, whole_tables
 from settings._torchrec_script import sharded_tables, standalone_features, standalone_tables
 from settings.torchrec_vbe import pooled_loss
 
@@ -33,12 +33,12 @@ def single_process(data: dict[str, Any], case: dict[str, Any], dtype: Any) -> di
     tables = standalone_tables(case)
     tables.load_state_dict({k[len("state."):]: torch.from_numpy(v) for k, v in data.items() if k.startswith("state.")})
     tables = tables.to(dtype)
-    optimizer_class, options = table_optimizer(case)
-    optimizer = optimizer_class(list(trained_tables(tables, case).values()), **options)
+    optimizers = unfused_table_optimizers(trained_tables(tables, case), case)  # none where every table is frozen
     for _ in range(case["steps"]):
         tables.zero_grad()
         pooled_loss(tables(standalone_features(data, case, 0, case["batch"], dtype)), case["batch"]).backward()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
     return {name: value.detach().cpu().numpy() for name, value in tables.state_dict().items()}
 
 

@@ -141,6 +141,7 @@ class ReshardedResume(FusedOptimizerSharding):
             table_name,
             table_optimizer,
             trained_tables,
+            unfused_table_optimizers,
             whole_tables,
         )
         from settings._torchrec_plan import _plan_helpers, plan_functions
@@ -182,7 +183,8 @@ class ReshardedResume(FusedOptimizerSharding):
                   "steps": TOTAL_STEPS, "phases": phases, "frozen": frozen_tables(tables, case)},
             functions=(*dict.fromkeys(plans), sharded_tables, standalone_tables, standalone_features, bag_runs_kjt,
                        pooled_loss, table_optimizer, fbgemm_options, second_tables, fuse_table_optimizers,
-                       fuse_as_trained, trained_tables, table_name, whole_tables, script.single_process, script.on_rank,
+                       fuse_as_trained, unfused_table_optimizers, trained_tables, table_name, whole_tables,
+                       script.single_process, script.on_rank,
                        script.run_distributed),
             # named apart from the run's tensors: the envelope measured the model's loss, not the script's
             tensors={name[len("state."):]: f"script/{name[len('state.'):]}" for name in data if name.startswith("state.")},

@@ -48,3 +48,36 @@ def test_a_plugin_kind_and_family_run_through_every_stage_by_what_they_declare(t
     # and the engine's sources name neither the kind nor the family
     engine_text = "\n".join(p.read_text() for p in ENGINE.rglob("*.py"))
     assert "tiny-mlp" not in engine_text and "sum-dp" not in engine_text
+
+
+def test_a_plugin_module_is_found_where_the_run_was_made_and_recorded_there(tmp_path: Path, monkeypatch) -> None:
+    """A command run from another folder imports the run's plugin from the folders run.json names: the first that
+    holds it as a module or package (a folder with a same-named data folder but no package is passed over), and
+    run.json keeps where each plugin came from, beside the commands' folders of a run recorded before that."""
+    import json
+    import os
+    import sys
+
+    from difftest.contracts.registry import load_plugins, user_plugin_folders
+    from difftest.contracts.spec import config_with_commands, run_plugin_folders
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    decoy, project = tmp_path / "decoy", tmp_path / "project"
+    (decoy / "difftest_test_pkg").mkdir(parents=True)  # a data folder of that name: not a package to import
+    (decoy / "difftest_test_pkg" / "notes.txt").write_text("not code")
+    (project / "difftest_test_pkg").mkdir(parents=True)
+    (project / "difftest_test_pkg" / "__init__.py").write_text("")
+    (project / "difftest_test_pkg" / "models.py").write_text("LOADED = True\n")
+    load_plugins(("difftest_test_pkg.models",), folders=(str(decoy), str(project)))
+    assert sys.modules["difftest_test_pkg.models"].LOADED and str(project) in sys.path and str(decoy) not in sys.path
+    assert str(project) in os.environ["PYTHONPATH"].split(os.pathsep)  # for the processes a run starts afresh
+    assert str(project) in user_plugin_folders()
+    run_json = tmp_path / "run.json"
+    run_json.write_text(json.dumps({"plugin_folders": [str(project)], "commands": [
+        {"argv": ["difftest", "run"], "cwd": str(decoy)}, {"argv": ["difftest", "analyze"], "cwd": "/elsewhere"}]}))
+    assert run_plugin_folders(run_json) == (str(project), "/elsewhere", str(decoy))
+    copied = json.loads(config_with_commands(RunConfig(seed=3), run_json))
+    assert copied["plugin_folders"] == [str(project)] and len(copied["commands"]) == 2 and copied["seed"] == 3
+    run_json.write_text("{}")  # a run recorded before either: nothing to look in
+    assert run_plugin_folders(run_json) == ()

@@ -498,6 +498,7 @@ def generate(
     """Generate model specs, initial weights and inputs, reproducible from (seed, index), and record each file's
     digest. On an existing run folder, given no options, it takes the run's own and recreates exactly the files that
     are missing or damaged, byte for byte."""
+    from difftest.contracts.registry import load_run_plugins
     from difftest.contracts.spec import RunConfig
 
     out, plugins = absolute(out), tuple(plugin or ())
@@ -506,13 +507,16 @@ def generate(
         from difftest.generation.generate import generate as generate_run
 
         config = RunConfig.load(out / "run.json")
+        load_run_plugins(out, plugins)  # from where the run was made, if not from here
         with _progress() as progress:
             task = progress.add_task("generate", total=sum(config.count(k) for k in config.kinds), detail="")
             generate_run(out, config, on_model=lambda m: progress.update(task, advance=1, detail=m),
                          on_repaired=_tell_repaired)
+        _record_command(out)
         return
     _generate(out, 2 if models is None else models, seed or 0, kind or "all", steps or 1, 0.1 if lr is None else lr,
               batch_size or 24, plugins, models_of or "")
+    _record_command(out)  # with where its plugins came from: a sweep from elsewhere imports them from there
 
 
 @app.command()
@@ -639,13 +643,13 @@ def repro(
     model under a setting; exit 1 while it is not ok (a finding: while it fails as the finding did)."""
     import subprocess
 
-    from difftest.contracts.registry import get_setting, load_plugins
+    from difftest.contracts.registry import get_setting, load_run_plugins
     from difftest.findings.repro import reproduce
 
-    load_plugins(tuple(plugin or ()))
     run_dir = absolute(run_dir)
     if not (run_dir / "run.json").is_file():
         raise UserError(f"{run_dir}: no run.json; give a run folder made by `difftest generate` or `difftest run`")
+    load_run_plugins(run_dir, tuple(plugin or ()))  # a setting or kind of the run's plugins is known below
     if setting is None:
         folder = _finding_folder(run_dir, model)
         if not (folder / "repro.py").is_file():

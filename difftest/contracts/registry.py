@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -132,23 +134,44 @@ def register_generator(kind: str, generator: Generator) -> Generator:
 
 
 def _import_plugin(module: str, folders: tuple[str, ...]) -> Any:
-    """`module`, imported from the path as it is, else from the first of `folders` that holds its top-level package
-    or module (added to the path, and to PYTHONPATH for the processes a run starts afresh)."""
-    import os
-    import sys
-
+    """`module`, imported from the path as it is, else from the first of `folders` it imports from (that folder then
+    kept on the path, after the user's own entries, and added to PYTHONPATH for the processes a run starts afresh)."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         top = module.split(".")[0]
-        holding = next((f for f in folders if exc.name and top == exc.name.split(".")[0]
-                        and (Path(f, f"{top}.py").is_file() or Path(f, top).is_dir())), None)
-        if holding is None or holding in sys.path:
-            raise
-        sys.path.append(holding)  # after what the user's own path holds: theirs wins
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), holding) if p)
+        if not exc.name or exc.name.split(".")[0] != top:
+            raise  # the module imports, but something it imports does not: its own words
+        missing = exc
+    for folder in (f for f in folders if f not in sys.path):
+        sys.path.append(folder)
         importlib.invalidate_caches()
-        return importlib.import_module(module)
+        try:
+            imported = importlib.import_module(module)
+        except ModuleNotFoundError as again:
+            sys.path.remove(folder)  # not there (a folder of that name without the module is a namespace package)
+            for name in [n for n in sys.modules if n == top or n.startswith(f"{top}.")]:
+                del sys.modules[name]
+            if again.name and again.name.split(".")[0] == top:
+                continue
+            raise  # found there, but something it imports is missing: its own words
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), folder) if p)
+        return imported
+    raise missing
+
+
+def user_plugin_folders() -> list[str]:
+    """The folders the loaded plugins that are not difftest's own were imported from: the path entry holding each one's
+    top-level package or module (what run.json keeps, so a command elsewhere finds them)."""
+    folders = []
+    for plugin in sorted(_LOADED_PLUGINS - set(builtin_plugins())):
+        top = sys.modules.get(plugin.partition(":")[0].split(".")[0])
+        where = getattr(top, "__file__", None) or next(iter(getattr(top, "__path__", [])), None)
+        if where:  # a package's __init__.py, or a namespace package's folder, sits one level below the entry
+            entry = Path(where).parent.parent if hasattr(top, "__path__") and getattr(top, "__file__", None) else \
+                Path(where).parent
+            folders.append(str(entry))
+    return list(dict.fromkeys(folders))
 
 
 def load_run_plugins(run_dir: Path, extra: Iterable[str] = ()) -> tuple[str, ...]:
@@ -168,13 +191,13 @@ def load_plugins(extra: Iterable[str] = (), folders: Iterable[str] = ()) -> tupl
     """Import built-in and extra plugin modules once; returns the full list (for workers to repeat). A module not
     importable here is looked for in `folders` too (where the run's commands ran: `run_plugin_folders`), so a run
     made with `--model my_model:adapter` in the model's folder is analysed and reproduced from any other."""
-    modules = builtin_plugins() + tuple(m for m in extra if m not in BUILTIN_PLUGINS)
+    modules, folders = builtin_plugins() + tuple(m for m in extra if m not in BUILTIN_PLUGINS), tuple(folders)
     for plugin in modules:
         if plugin in _LOADED_PLUGINS:
             continue
         module, _, attribute = plugin.partition(":")  # `mypkg.models:adapter`: a user's model adapter in a module
         try:
-            imported = _import_plugin(module, tuple(folders))
+            imported = _import_plugin(module, folders)
         except ModuleNotFoundError as exc:
             if exc.name and module.startswith(exc.name):
                 where = f" (nor in {', '.join(folders)}, where the run's commands ran)" if folders else ""

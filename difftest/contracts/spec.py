@@ -11,6 +11,12 @@ from typing import Any
 
 from difftest.contracts.errors import UserError
 
+COMMANDS_KEY = "commands"  # in run.json: the commands run on the folder (words, start, folder), the latest last
+PLUGIN_FOLDERS_KEY = "plugin_folders"  # in run.json: where its plugin modules were imported from, every one kept
+# what run.json holds beside the configuration: what ran it (difftest.storage.stack), the digests of what generate
+# wrote (difftest.storage.integrity), the commands and plugin folders
+RECORDED_KEYS = ("stack", "earlier_stacks", "files", COMMANDS_KEY, PLUGIN_FOLDERS_KEY)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -82,8 +88,7 @@ class RunConfig:
     def load(cls, path: Path) -> RunConfig:
         try:
             raw = json.loads(path.read_text())
-            # what ran it (difftest.storage.stack) and the digests of what generate wrote (difftest.storage.integrity), not how it was made
-            for recorded in ("stack", "earlier_stacks", "files", "commands"):
+            for recorded in RECORDED_KEYS:  # not how the run was made
                 raw.pop(recorded, None)
             for key in ("kinds", "plugins"):
                 raw[key] = tuple(raw.get(key, ()))
@@ -95,20 +100,24 @@ class RunConfig:
 
 
 def run_plugin_folders(path: Path) -> tuple[str, ...]:
-    """The folders the run's commands ran in, the latest first (run.json's `commands`): where a model module given as
-    `--model my_model:adapter` was imported from."""
+    """Where the run's plugin modules were imported from (run.json's `plugin_folders`), then the folders its commands
+    ran in, the latest first (its `commands`, for a run recorded before it kept the former): where a module given as
+    `--model my_model:adapter` is looked for by a command run from another folder."""
     try:
-        commands = json.loads(path.read_text()).get("commands") or []
-    except (OSError, ValueError, AttributeError):
+        raw = json.loads(path.read_text())
+        folders = [str(f) for f in raw.get(PLUGIN_FOLDERS_KEY) or []]
+        commands = raw.get(COMMANDS_KEY) or []
+        folders += [str(c["cwd"]) for c in reversed(commands) if isinstance(c, dict) and c.get("cwd")]
+    except (OSError, ValueError, AttributeError, TypeError):
         return ()
-    return tuple(dict.fromkeys(str(c["cwd"]) for c in reversed(commands) if isinstance(c, dict) and c.get("cwd")))
+    return tuple(dict.fromkeys(folders))
 
 
 def config_with_commands(config: RunConfig, source: Path) -> str:
-    """`config` as a run.json holds it, with the commands of the run.json at `source`: a copy of a run made for one
-    finding imports the run's model modules from where its commands ran (`run_plugin_folders`), as the run does."""
+    """`config` as a run.json holds it, with what the run.json at `source` recorded of its commands and plugin folders:
+    a copy of a run made for one finding (or a minimisation round) finds the run's model modules where it does."""
     raw = json.loads(config.to_json())
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        raw["commands"] = json.loads(source.read_text()).get("commands") or []
+        recorded = json.loads(source.read_text())
+        raw |= {key: recorded[key] for key in (COMMANDS_KEY, PLUGIN_FOLDERS_KEY) if key in recorded}
     return json.dumps(raw, indent=1, sort_keys=True)
-

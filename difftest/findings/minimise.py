@@ -322,9 +322,9 @@ def needing_envelope(analysis: Analysis, findings: list[Any]) -> set[str]:
     rows = analysis.comparisons
     needing = set()
     for f in findings:
-        example = (f.example["model"], f.example["setting"])
         if f.status != Status.INCONSISTENT:
             continue
+        example = (f.example["model"], f.example["setting"])
         mine = rows[(rows["model"] == example[0]) & (rows["setting"] == example[1])].to_dict("records")
         by_d3 = [{**r, "status": r["d3_status"]} for r in mine]
         if verdicts.get(example) == Status.OK or first_divergence(by_d3) != first_divergence(mine):
@@ -424,7 +424,7 @@ def minimise(run_dir: Path, findings: list[Finding], analysis: Analysis, *, budg
             round_no += 1
             this = _Round(round_no, scratch / f"round{round_no}")
             (this.folder / "models").mkdir(parents=True)
-            (this.folder / "run.json").write_text(config.to_json())
+            (this.folder / "run.json").write_text(config_with_commands(config, run_dir / "run.json"))
             _plan(this, work, lambda: f"m{next(counter)}", builders)
             _run(this, needs_envelope, fails_alone, options, warm, separating, config.plugins + plugins)
             charged = charges(this.planned, this.cost, this.build_cost)

@@ -146,8 +146,8 @@ REPRO_SCRIPT = '''"""Finding {finding_id}: {title}
 Runs `{setting}` on model `{model}` (its spec, initial weights and inputs are in ./run) alone, against what it is
 judged against, through difftest's public API; prints both sides, the verdict and the case's signature. Exits 1
 while the finding is present (the case fails with the finding's signature), 0 once the case is ok, 3 if it fails in
-another way, 4 if the setting cannot run here (unsupported: the reason is printed), 2 if it cannot start (the reason in
-one line).
+another way, 4 if the setting cannot run here (unsupported: the reason is printed), 2 if difftest cannot run the case
+(the reason in one line: a model module that does not import here, a damaged copy, a fault of difftest's).
 
     python {script}
 """
@@ -163,9 +163,12 @@ CONTRAST = {contrast!r}  # the parameter values the run found this bug to follow
 if __name__ == "__main__":  # the ranks are spawned processes that import this file again
     try:
         result = reproduce(Path(__file__).resolve().parent / "run", {model!r}, {setting!r}, contrast=CONTRAST)
-    except UserError as exc:  # a model module not importable here, a damaged copy of the run: what to do, in a line
+    except UserError as exc:  # a model module that does not import here, a damaged copy: what to do, in a line
         print(f"repro.py: {{exc}}", file=sys.stderr)
         sys.exit(2)  # never 1, which says the finding is present
+    except Exception as exc:  # the case's own failures are caught inside: this is difftest not running it at all
+        print(f"repro.py: {{type(exc).__name__}}: {{exc}}".splitlines()[0], file=sys.stderr)
+        sys.exit(2)
     print(result.describe())
     if result.matches(SIGNATURE):
         print("the finding reproduces: same signature")

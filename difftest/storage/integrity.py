@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from difftest.contracts.errors import UserError
+from difftest.contracts.spec import RECORDED_KEYS
 
 FILES_KEY = "files"  # in run.json: file path relative to the run folder → sha256 of its bytes
 CONFIG_ENTRY = "run.json#config"  # the digest of run.json's configuration (every key but what later steps add)
-RECORDED_KEYS = ("stack", "earlier_stacks", FILES_KEY, "commands")  # what run.json holds beside the configuration
 STORE_FILE = "store.sqlite"
 LAST_GOOD_STORE = "store.last-good.sqlite"  # a copy of the store as the last sweep or analysis left it, checked
 # in a run folder whose ok cases' outputs were deleted once judged (a campaign's counted round): its judgements stand in

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from difftest.contracts.errors import UserError
-from difftest.contracts.spec import ModelSpec
+from difftest.contracts.spec import COMMANDS_KEY, ModelSpec
 from difftest.storage.artifacts import load_spec
 
 SWEEP_MARKER = "sweep.pid"  # present, naming a live process, while a sweep commits cases to the run
@@ -22,15 +22,17 @@ def list_models(run_dir: Path) -> list[tuple[Path, ModelSpec]]:
     return found
 
 
-COMMANDS_KEY = "commands"  # in run.json: the commands run on the folder, the latest last
 
 
 def record_command(run_dir: Path, argv: list[str]) -> None:
-    """Add the command now running on the run (its words, when it started) to run.json; the report shows the last."""
+    """Add the command now running on the run (its words, when it started, in which folder) to run.json, the report
+    shows the last; and the folders the plugins loaded so far came from, which a command elsewhere imports them from."""
     import json
     import os
     import time
 
+    from difftest.contracts.registry import user_plugin_folders
+    from difftest.contracts.spec import PLUGIN_FOLDERS_KEY
     from difftest.storage.artifacts import atomic_write_text
 
     path = run_dir / "run.json"
@@ -38,9 +40,9 @@ def record_command(run_dir: Path, argv: list[str]) -> None:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return  # a missing or damaged run.json is told by the step that needs it
-    # the folder it ran in: where a `--model my_model:adapter` module is imported from by later commands elsewhere
     command = {"argv": argv, "started": time.time(), "cwd": os.getcwd()}
     raw[COMMANDS_KEY] = [*raw.get(COMMANDS_KEY, [])[-19:], command]
+    raw[PLUGIN_FOLDERS_KEY] = list(dict.fromkeys([*(raw.get(PLUGIN_FOLDERS_KEY) or []), *user_plugin_folders()]))
     atomic_write_text(json.dumps(raw, indent=1, sort_keys=True), path)
 
 

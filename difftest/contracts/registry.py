@@ -166,11 +166,10 @@ def user_plugin_folders() -> list[str]:
     folders = []
     for plugin in sorted(_LOADED_PLUGINS - set(builtin_plugins())):
         top = sys.modules.get(plugin.partition(":")[0].split(".")[0])
-        where = getattr(top, "__file__", None) or next(iter(getattr(top, "__path__", [])), None)
-        if where:  # a package's __init__.py, or a namespace package's folder, sits one level below the entry
-            entry = Path(where).parent.parent if hasattr(top, "__path__") and getattr(top, "__file__", None) else \
-                Path(where).parent
-            folders.append(str(entry))
+        # a package (namespace ones too) is the folder its __path__ names; a module, the file its __file__ names
+        where = next(iter(getattr(top, "__path__", [])), None) or getattr(top, "__file__", None)
+        if where:
+            folders.append(str(Path(where).parent))
     return list(dict.fromkeys(folders))
 
 

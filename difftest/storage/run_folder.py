@@ -22,8 +22,6 @@ def list_models(run_dir: Path) -> list[tuple[Path, ModelSpec]]:
     return found
 
 
-
-
 def record_command(run_dir: Path, argv: list[str]) -> None:
     """Add the command now running on the run (its words, when it started, in which folder) to run.json, the report
     shows the last; and the folders the plugins loaded so far came from, which a command elsewhere imports them from."""

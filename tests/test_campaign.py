@@ -231,3 +231,16 @@ def test_a_campaign_killed_mid_round_resumes_with_nothing_lost_or_repeated(tmp_p
     assert json.loads((rounds_done(folder)[1] / "round.done").read_text())["cases"] == total
     planted = next(s for s in load_seen(folder).values() if "faults" in s.key)
     assert planted.rounds == [1, 2, 3] and planted.cases == 3  # each round's failing case counted once
+
+
+def test_a_campaign_begins_a_round_only_where_one_as_long_as_the_longest_fits_its_hours() -> None:
+    """`--hours` ends a campaign within them: the first round begins whenever time is left; a later one only where a
+    round as long as the longest so far ends by the deadline (a round begun at 7h50 of 8 is not left to run to 8h40)."""
+    from difftest.campaign.rounds import round_fits
+
+    assert round_fits(100.0, None, [10_000.0])  # no --hours: only --cases stops it
+    assert round_fits(0.0, 3600.0, [])  # the first round, whatever its length
+    assert not round_fits(3600.0, 3600.0, [])  # no time left
+    assert round_fits(1000.0, 3600.0, [600.0, 2600.0])  # 1000 + 2600 ends on the deadline
+    assert not round_fits(1001.0, 3600.0, [600.0, 2600.0])  # the longest round, not the last one, decides
+    assert not round_fits(3000.0, 3600.0, [601.0])

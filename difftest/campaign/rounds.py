@@ -198,6 +198,8 @@ class CampaignEvents:
     new_signature: Callable[[Seen], None] = lambda seen: None
     round_done: Callable[[RoundResult], None] = lambda result: None
     pruned: Callable[[Path, int, int], None] = lambda where, files, freed: None  # a round's ok outputs deleted
+    # the campaign stopped before its hours were spent: (seconds left, the longest round's seconds)
+    out_of_time: Callable[[float, float], None] = lambda left, longest: None
 
 
 def made_by() -> dict[str, Any]:
@@ -361,7 +363,7 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
     space = universe(config)
     results = []
     number = len(rounds_done(folder)) + 1
-    while (deadline is None or time.time() < deadline) and (cases is None or cases_done(folder) < cases):
+    while round_fits(time.time(), deadline, [r.seconds for r in results]) and (cases is None or cases_done(folder) < cases):
         if max_disk_bytes is not None and (used := disk_used(folder)) > max_disk_bytes:
             raise UserError(f"{folder} holds {used / 1e9:.2f} GB, past --max-disk {max_disk_bytes / 1e9:g} GB (the "
                             f"ok cases' outputs of its {len(rounds_done(folder))} rounds already deleted): the campaign "
@@ -375,7 +377,18 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
                             f"with {len(rounds_done(folder))} round(s) counted and what round {number} committed "
                             "kept: free space and run the same command to resume") from None
         number += 1
+    if deadline is not None and results and time.time() < deadline and (cases is None or cases_done(folder) < cases):
+        events.out_of_time(deadline - time.time(), max(r.seconds for r in results))
     return results
+
+
+def round_fits(now: float, deadline: float | None, seconds: list[float]) -> bool:
+    """Whether another round may begin, a pure function: before the deadline (`--hours`), and, once this call has run
+    rounds (`seconds`, each one's), with time left for one as long as the longest of them: a campaign ends within its
+    hours, not a round past them. The first round begins whenever time is left."""
+    if deadline is None:
+        return True
+    return now < deadline and (not seconds or now + max(seconds) <= deadline)
 
 
 def report_rows(folder: Path) -> list[Seen]:

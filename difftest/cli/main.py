@@ -814,7 +814,10 @@ def campaign(
                                               style="bold", highlight=False),
         round_done=round_done,
         pruned=lambda where, files, freed: console.print(f"{shown(where)}: deleted the outputs of {files} ok case(s) "
-                                                         f"({freed / 1e6:.1f} MB)", highlight=False))
+                                                         f"({freed / 1e6:.1f} MB)", highlight=False),
+        out_of_time=lambda left, longest: console.print(
+            f"campaign stopped with {left / 60:.1f} min of --hours left: a round as long as the longest so far "
+            f"({longest / 60:.1f} min) would end past them", highlight=False))
     try:
         run_campaign(folder, config, one_round, hours=hours, cases=cases, events=events, fresh=fresh,
                      max_disk_bytes=max_disk * 1e9, keep_outputs=keep_outputs)

@@ -361,7 +361,7 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
         prune_round(done_round, events)
     deadline = time.time() + hours * 3600 if hours is not None else None
     space = universe(config)
-    results = []
+    results: list[RoundResult] = []
     number = len(rounds_done(folder)) + 1
     while round_fits(time.time(), deadline, [r.seconds for r in results]) and (cases is None or cases_done(folder) < cases):
         if max_disk_bytes is not None and (used := disk_used(folder)) > max_disk_bytes:

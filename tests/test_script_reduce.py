@@ -496,7 +496,7 @@ def test_each_copy_of_a_repeated_statement_is_its_own_candidate_and_an_elif_is_n
 
 
 def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the_last_word(tmp_path: Path) -> None:
-    """A run's checks trace torch-stack scripts in forks of servers that imported their libraries once
+    """A run's checks trace torch-stack (and ONNX-converter) scripts in forks of servers that imported their libraries once
     (`TraceServers`): the same output and executed lines as a fresh traced run; a script of other libraries is left to
     a fresh run; and what a finding records is a fresh interpreter's verdict, even where the fork showed the bug."""
     from difftest.scripts.write import Emitted, TraceServers, _check
@@ -516,6 +516,12 @@ def test_a_shared_fork_server_traces_as_a_fresh_run_does_and_a_fresh_run_has_the
         other.parent.mkdir()
         other.write_text("import tensorflow\n" + SCRIPT)
         assert servers.trace(other, 60) is None  # not a library to fork after
+        converted = folder.parent / "converted" / "standalone.py"  # a converted Keras model's: the ONNX stack forks
+        converted.parent.mkdir()
+        converted.write_text(SCRIPT.replace("import json\n", "import json\nimport onnx, onnx2torch, onnxruntime\n"))
+        assert "import onnx," in converted.read_text()
+        in_fork = servers.trace(converted, 60)
+        assert in_fork is not None and in_fork[0].reproduces
 
         # the bug shows only where numpy was imported before the script's own import: in the server's fork
         only_in_a_fork = folder.parent / "fork" / "standalone.py"

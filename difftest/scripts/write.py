@@ -205,9 +205,10 @@ def _traced_and_reduced(path: Path, timeout_s: float, env: dict[str, str], nicen
     return checked, reduction
 
 
-# the libraries a script's traced run may import in a shared fork server: the torch stack's, which start no thread
-# on import (a fork after TensorFlow's import is not safe), and the standard library
-FORKABLE = ("numpy", "torch", "torchrec", "fbgemm_gpu")
+# the libraries a script's traced run may import in a shared fork server, and the standard library: the torch stack's
+# and the ONNX converters' (a converted Keras model's script), whose imports leave at most an idle thread waiting (torch
+# one, ONNX Runtime one); a fork after TensorFlow's import is not safe
+FORKABLE = ("numpy", "torch", "torchrec", "fbgemm_gpu", "onnx", "onnx2torch", "onnx2pytorch", "onnxruntime")
 
 
 class TraceServers:

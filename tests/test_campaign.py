@@ -244,3 +244,41 @@ def test_a_campaign_begins_a_round_only_where_one_as_long_as_the_longest_fits_it
     assert round_fits(1000.0, 3600.0, [600.0, 2600.0])  # 1000 + 2600 ends on the deadline
     assert not round_fits(1001.0, 3600.0, [600.0, 2600.0])  # the longest round, not the last one, decides
     assert not round_fits(3000.0, 3600.0, [601.0])
+
+
+def test_a_campaign_told_hours_stops_before_a_round_that_would_end_past_them(tmp_path: Path, monkeypatch) -> None:
+    """With `--hours`, rounds go on while one as long as the longest the campaign has counted still ends in time; then
+    it says how long it left. An interrupted round resumed by a later call is no measure of a round (only its rest
+    ran), so the rounds counted before it decide. The rounds here are a stand-in that only advances a clock."""
+    import types
+
+    import pandas as pd
+
+    from difftest.campaign import rounds
+    from difftest.campaign.rounds import CampaignConfig, CampaignEvents, round_lengths, run_campaign
+
+    clock = [0.0]
+    monkeypatch.setattr(rounds, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    lengths = iter([600.0, 1000.0, 500.0, 500.0, 500.0, 50.0])
+    stopped: list[tuple[float, float]] = []
+
+    def a_round(where: Path, seed: int, focus: object, plan: object) -> object:
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "run.json").write_text("{}")
+        clock[0] += next(lengths)  # a seventh round would raise StopIteration: the test's failure
+        cases = pd.DataFrame({"setting": ["reference"], "verdict": ["ok"], "wall_s": [1.0]})
+        return types.SimpleNamespace(findings=[], analysis=types.SimpleNamespace(cases=cases, comparisons=pd.DataFrame()))
+
+    folder, config = tmp_path / "hunt", CampaignConfig(kind="dlrm")
+    events = CampaignEvents(out_of_time=lambda left, longest: stopped.append((left, longest)))
+    done = run_campaign(folder, config, a_round, hours=1.0, events=events, keep_outputs=True)
+    # 0 → 600 → 1600 → 2100 → 2600 → 3100 s; a sixth round as long as the longest (1000 s) would end at 4100
+    assert [r.seconds for r in done] == [600.0, 1000.0, 500.0, 500.0, 500.0]
+    assert stopped == [(500.0, 1000.0)]
+    # a round interrupted once begun (its run folder written, not counted) is resumed and takes 50 s: the next round
+    # would take the campaign's longest, 1000 s, past the 900 s this call has
+    (folder / "rounds" / f"r0006-s{config.first_seed + 6}").mkdir(parents=True)
+    (folder / "rounds" / f"r0006-s{config.first_seed + 6}" / "run.json").write_text("{}")
+    again = run_campaign(folder, config, a_round, hours=900 / 3600, events=events, keep_outputs=True)
+    assert [r.number for r in again] == [6] and round_lengths(folder) == [600.0, 1000.0, 500.0, 500.0, 500.0]
+    assert stopped[-1] == (850.0, 1000.0)

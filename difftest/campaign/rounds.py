@@ -35,6 +35,7 @@ from difftest.campaign.sampling import (
     round_cells,
 )
 from difftest.contracts.errors import UserError
+from difftest.generation.generate import RUN_FILE
 from difftest.pipeline import PipelineOptions
 from difftest.reporting.ci_summary import cause_key
 from difftest.storage.artifacts import atomic_write_text
@@ -263,6 +264,17 @@ def rounds_done(folder: Path) -> list[Path]:
     return sorted(p.parent for p in (folder / "rounds").glob(f"*/{ROUND_DONE}"))
 
 
+def round_folder(folder: Path, config: CampaignConfig, number: int) -> Path:
+    return folder / "rounds" / f"r{number:04d}-s{config.first_seed + number}"
+
+
+def round_lengths(folder: Path) -> list[float]:
+    """The seconds each counted round of the campaign took, those resumed after an interruption left out (their
+    seconds are the rest's, not a round's)."""
+    records = [json.loads((p / ROUND_DONE).read_text()) for p in rounds_done(folder)]
+    return [float(r["seconds"]) for r in records if not r.get("resumed")]
+
+
 def cases_done(folder: Path) -> int:
     return sum(int(json.loads((p / ROUND_DONE).read_text())["cases"]) for p in rounds_done(folder))
 
@@ -274,10 +286,10 @@ def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[.
     its pipeline result; its findings are then counted against what the campaign has seen, what each cell gave
     recorded, and (`prune`) the outputs of its ok cases deleted."""
     seed = config.first_seed + number
-    where = folder / "rounds" / f"r{number:04d}-s{seed}"
+    where = round_folder(folder, config, number)
     plan = round_plan(folder, where, config, space or universe(config), number)
     events.round_started(number, where, plan)
-    started = time.time()
+    started, resumed = time.time(), (where / RUN_FILE).is_file()
     seen = load_seen(folder)
     result = run(where, seed, lambda f: f.known is None and cause_key(f) not in seen, plan)
     new, counted = [], 0
@@ -305,7 +317,7 @@ def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[.
         result.analysis.cases, result.analysis.comparisons, plan.kind, new_settings, family_of)), where / CELLS_FILE)
     cases = len(result.analysis.cases)
     atomic_write_text(json.dumps({"cases": cases, "seed": seed, "seconds": time.time() - started,
-                                  "finished": time.time()}), where / ROUND_DONE)
+                                  "finished": time.time(), "resumed": resumed}), where / ROUND_DONE)
     done = RoundResult(number, where, cases, time.time() - started, new, counted, plan)
     events.round_done(done)
     if prune:
@@ -363,7 +375,12 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
     space = universe(config)
     results: list[RoundResult] = []
     number = len(rounds_done(folder)) + 1
-    while round_fits(time.time(), deadline, [r.seconds for r in results]) and (cases is None or cases_done(folder) < cases):
+    def may_begin() -> bool:  # a round begun and interrupted resumes whenever time is left: only its rest runs
+        if (round_folder(folder, config, number) / RUN_FILE).is_file():
+            return deadline is None or time.time() < deadline
+        return round_fits(time.time(), deadline, round_lengths(folder))
+
+    while may_begin() and (cases is None or cases_done(folder) < cases):
         if max_disk_bytes is not None and (used := disk_used(folder)) > max_disk_bytes:
             raise UserError(f"{folder} holds {used / 1e9:.2f} GB, past --max-disk {max_disk_bytes / 1e9:g} GB (the "
                             f"ok cases' outputs of its {len(rounds_done(folder))} rounds already deleted): the campaign "
@@ -377,15 +394,17 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
                             f"with {len(rounds_done(folder))} round(s) counted and what round {number} committed "
                             "kept: free space and run the same command to resume") from None
         number += 1
-    if deadline is not None and results and time.time() < deadline and (cases is None or cases_done(folder) < cases):
-        events.out_of_time(deadline - time.time(), max(r.seconds for r in results))
+    lengths = round_lengths(folder)
+    if deadline is not None and lengths and time.time() < deadline and (cases is None or cases_done(folder) < cases):
+        events.out_of_time(deadline - time.time(), max(lengths))
     return results
 
 
 def round_fits(now: float, deadline: float | None, seconds: list[float]) -> bool:
-    """Whether another round may begin, a pure function: before the deadline (`--hours`), and, once this call has run
-    rounds (`seconds`, each one's), with time left for one as long as the longest of them: a campaign ends within its
-    hours, not a round past them. The first round begins whenever time is left."""
+    """Whether another round may begin, a pure function: before the deadline (`--hours`), and, once the campaign has
+    counted whole rounds (`seconds`, each one's: `round_lengths`), with time left for one as long as the longest of
+    them: a campaign aims to end within its hours, not a round past them. A campaign's first round begins whenever
+    time is left."""
     if deadline is None:
         return True
     return now < deadline and (not seconds or now + max(seconds) <= deadline)

@@ -268,6 +268,11 @@ def round_folder(folder: Path, config: CampaignConfig, number: int) -> Path:
     return folder / "rounds" / f"r{number:04d}-s{config.first_seed + number}"
 
 
+def begun(where: Path) -> bool:
+    """Whether a round's run was begun in `where` (its run.json written): run again, only its rest runs."""
+    return (where / RUN_FILE).is_file()
+
+
 def round_lengths(folder: Path) -> list[float]:
     """The seconds each counted round of the campaign took, those resumed after an interruption left out (their
     seconds are the rest's, not a round's)."""
@@ -289,7 +294,7 @@ def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[.
     where = round_folder(folder, config, number)
     plan = round_plan(folder, where, config, space or universe(config), number)
     events.round_started(number, where, plan)
-    started, resumed = time.time(), (where / RUN_FILE).is_file()
+    started, resumed = time.time(), begun(where)
     seen = load_seen(folder)
     result = run(where, seed, lambda f: f.known is None and cause_key(f) not in seen, plan)
     new, counted = [], 0
@@ -375,12 +380,16 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
     space = universe(config)
     results: list[RoundResult] = []
     number = len(rounds_done(folder)) + 1
+
+    def cases_left() -> bool:
+        return cases is None or cases_done(folder) < cases
+
     def may_begin() -> bool:  # a round begun and interrupted resumes whenever time is left: only its rest runs
-        if (round_folder(folder, config, number) / RUN_FILE).is_file():
+        if begun(round_folder(folder, config, number)):
             return deadline is None or time.time() < deadline
         return round_fits(time.time(), deadline, round_lengths(folder))
 
-    while may_begin() and (cases is None or cases_done(folder) < cases):
+    while may_begin() and cases_left():
         if max_disk_bytes is not None and (used := disk_used(folder)) > max_disk_bytes:
             raise UserError(f"{folder} holds {used / 1e9:.2f} GB, past --max-disk {max_disk_bytes / 1e9:g} GB (the "
                             f"ok cases' outputs of its {len(rounds_done(folder))} rounds already deleted): the campaign "
@@ -395,7 +404,7 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
                             "kept: free space and run the same command to resume") from None
         number += 1
     lengths = round_lengths(folder)
-    if deadline is not None and lengths and time.time() < deadline and (cases is None or cases_done(folder) < cases):
+    if deadline is not None and lengths and time.time() < deadline and cases_left():
         events.out_of_time(deadline - time.time(), max(lengths))
     return results
 

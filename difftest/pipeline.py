@@ -8,6 +8,7 @@ each step is a function of the steps before it, and what a person sees of each s
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,8 +83,10 @@ def triage_run(run_dir: Path, analysis: Analysis) -> list[Finding]:
     from difftest.findings.triage import triage
     from difftest.reporting.finding_folders import write_finding_folders
     from difftest.reporting.findings_table import write_findings
+    from difftest.scripts.write import script_lines
 
-    found = triage(run_dir, analysis)
+    # a finding is minimised, reproduced and scripted through the setting of its shortest script
+    found = triage(run_dir, analysis, functools.partial(script_lines, run_dir))
     write_findings(run_dir, found)
     write_finding_folders(run_dir, found)
     return found

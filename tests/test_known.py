@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import subprocess
 import sys
@@ -138,6 +139,47 @@ def test_findings_one_known_bug_explains_become_one_and_say_what_they_merged() -
     # alone, a finding an entry explains keeps its id and is titled by that bug too
     alone = merge_known([finding("Fz", "torchrec/ebc/row_wise/ws2", 2, scaling)])[0]
     assert alone.id == "Fz" and not alone.merged and alone.title == f"inconsistent: {scaling.title}"
+    # told how long each part's script is, the merge is led by the shortest among the gravest status: the same bug
+    # through the plain plan rather than the one that composes it with more; the merged finding keeps its id
+    lines = {"Fb": 420, "Fa": 370, "Fe": 900}
+    crash = dataclasses.replace(finding("Fe", "torchrec/ebc/grid_shard/ws2", 1, scaling), status="error")
+    parts = [finding("Fb", "torchrec-mc/row_wise/ws2", 3, scaling), finding("Fa", "torchrec/ebc/row_wise/ws2", 2, scaling)]
+    led = merge_known([crash, *parts], lambda f: lines[f.id])[0]
+    assert led.signature == "sig Fe" and led.status == "error"  # a shorter script never outranks a graver status
+    led = merge_known(parts, lambda f: lines[f.id])[0]
+    assert led.signature == "sig Fa" and led.example["setting"] == "torchrec/ebc/row_wise/ws2" and len(led.rows) == 5
+    assert led.id == one.id and led.merged == [("Fa", "sig Fa", 2), ("Fb", "sig Fb", 3)]
+    # a part with no script, or a tie, keeps the order given
+    assert merge_known(parts, lambda f: None)[0].signature == "sig Fb"
+    assert merge_known(parts, lambda f: 7)[0].signature == "sig Fb"
+
+
+def test_a_finding_is_led_by_its_setting_with_the_shortest_script() -> None:
+    import pandas as pd
+
+    from difftest.findings.triage import _simplest_example_first
+
+    frame = pd.DataFrame({
+        # as triage orders them: a case signed as another setting (a mixed plan's) last
+        "model": ["m0", "m0", "m1", "m1", "m0"],
+        "setting": ["hybrid/dp2xpp2/ws4", "pipeline/ws2", "hybrid/dp2xpp2/ws4", "pipeline/ws2", "mixed/ws2"],
+        "signed_as": ["hybrid/dp2xpp2/ws4", "pipeline/ws2", "hybrid/dp2xpp2/ws4", "pipeline/ws2", "row_wise/ws2"],
+        "status": "inconsistent", "first_divergence": "eval/y", "message": ""})
+    lines = {"mixed/ws2": 10, "hybrid/dp2xpp2/ws4": 460, "pipeline/ws2": 420}
+    asked: list[tuple[str, str]] = []
+
+    def lines_of(model: str, setting: str, *_: str) -> int | None:
+        asked.append((model, setting))
+        return lines[setting]
+
+    led = _simplest_example_first(frame, lines_of)
+    # each setting once, on its first model; a case signed as another setting is never asked, nor leads
+    assert sorted(asked) == [("m0", "hybrid/dp2xpp2/ws4"), ("m0", "pipeline/ws2")]
+    assert list(led.index) == [1, 0, 2, 3, 4] and led.loc[1].equals(frame.loc[1])
+    lines["pipeline/ws2"] = None  # no script: the first keeps its place
+    assert list(_simplest_example_first(frame, lambda m, s, *_: lines[s]).index) == [0, 1, 2, 3, 4]
+    one_setting = frame[frame["setting"] == "pipeline/ws2"]
+    assert _simplest_example_first(one_setting, lambda *_: pytest.fail("one setting: nothing to choose")) is one_setting
 
 
 def test_a_run_records_its_stack_and_keeps_an_earlier_one(tmp_path: Path) -> None:

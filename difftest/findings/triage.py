@@ -20,7 +20,7 @@ import functools
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,8 +156,14 @@ def _distinguishing(failing: pd.DataFrame, cases: pd.DataFrame, features: dict[s
     return sorted(t for t in shared if counts[t] <= len(passing) / 2)[:4]
 
 
-def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
-    """Group every not-ok case of `analysis` into findings; write findings.csv and findings.md into `run_dir`."""
+# how many lines the standalone script of a case has, or None where it has none: (title, model, setting, status,
+# first divergence, message) -> lines (`difftest.scripts.write.script_lines`, a stage above this one)
+ScriptLines = Callable[[str, str, str, str, str, str], "int | None"]
+
+
+def triage(run_dir: Path, analysis: Analysis, script_lines: ScriptLines | None = None) -> list[Finding]:
+    """Group every not-ok case of `analysis` into findings; write findings.csv and findings.md into `run_dir`.
+    With `script_lines`, each finding's example is its case of the shortest standalone script among its settings."""
     cases = analysis.cases
     failed = cases[cases["verdict"].isin(FAILURES + DISAGREEMENTS)]
     messages = analysis.comparisons.drop_duplicates(["model", "setting"]).set_index(["model", "setting"])["message"]
@@ -189,6 +195,8 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
             keyed.setdefault(signature, []).append(row)
             titles[signature] = title
     bounds = _worst_bound_ratios(analysis)
+
+    lines_of = functools.cache(script_lines) if script_lines is not None else None  # a case's, measured once
     findings = []
     for signature, group, known in (split for signed, rows in keyed.items()
                                     for split in _by_known_cause(signed, rows, versions, layer_kinds)):
@@ -198,6 +206,8 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
         # minimisation run it, and would not reproduce the finding
         frame = frame.assign(attributed=frame["signed_as"] != frame["setting"]).sort_values(
             ["attributed", "model", "setting"]).drop(columns="attributed")
+        if lines_of is not None:
+            frame = _simplest_example_first(frame, functools.partial(lines_of, titles[signature.partition(KNOWN_CAUSE)[0]]))
         frame = frame.assign(bound_ratio=[bounds.get((m, s), float("nan")) for m, s in zip(frame["model"], frame["setting"])])
         finding = Finding(id=f"F{hashlib.sha1(signature.encode()).hexdigest()[:8]}", status=frame.iloc[0]["status"],
                           title=titles[signature.partition(KNOWN_CAUSE)[0]], signature=signature, rows=frame)
@@ -209,8 +219,8 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
             finding.semantics = semantic_difference_of(frame, layer_kinds)
         findings.append(finding)
     _measure_consequence(findings, analysis)
-    findings.sort(key=consequence)  # a merged finding is led by its gravest part
-    findings = merge_known(findings)
+    findings.sort(key=consequence)  # a merged finding is led by a part of its gravest status
+    findings = merge_known(findings, functools.partial(_example_lines, lines_of) if lines_of else None)
     _measure_consequence(findings, analysis)
     findings.sort(key=consequence)
     for rank, f in enumerate(findings, 1):
@@ -219,17 +229,52 @@ def triage(run_dir: Path, analysis: Analysis) -> list[Finding]:
     return findings
 
 
-def merge_known(findings: list[Finding]) -> list[Finding]:
+def _simplest_example_first(frame: pd.DataFrame, lines_of: Callable[[str, str, str, str, str], int | None]
+                            ) -> pd.DataFrame:
+    """The finding's rows with, first, the case of its shortest standalone script (`lines_of(model, setting, status,
+    first divergence, message)`) among its settings, each on the first model of its rows (a case signed as another
+    setting never leads, see above): one bug shown through several settings (a pipeline schedule alone and inside a
+    hybrid mesh) is minimised, reproduced and scripted through the one a maintainer reads quickest. Ties, and a
+    finding none of whose cases has a script, keep the order they have."""
+    own = frame[frame["signed_as"] == frame["setting"]].drop_duplicates("setting")
+    if len(own) < 2:
+        return frame
+    lines = {index: lines_of(str(row.model), str(row.setting), str(row.status), str(row.first_divergence),
+                             str(row.message)) for index, row in zip(own.index, own.itertuples(), strict=True)}
+    order = list(own.index)
+    best = min(order, key=lambda index: (_or_infinite(lines[index]), order.index(index)))
+    position = frame.index.get_loc(best)
+    return pd.concat([frame.iloc[[position]], frame.drop(index=best)]) if position else frame
+
+
+def _example_lines(lines_of: ScriptLines, f: Finding) -> int | None:
+    e = f.example
+    return lines_of(f.title, str(e["model"]), str(e["setting"]), str(e["status"]), str(e["first_divergence"]),
+                    str(e["message"]))
+
+
+def _or_infinite(lines: int | None) -> float:
+    return math.inf if lines is None else lines
+
+
+def merge_known(findings: list[Finding], example_lines: Callable[[Finding], int | None] | None = None
+                ) -> list[Finding]:
     """One root cause, one finding: findings whose cases one known library bug (or one semantic difference of the
-    model's) explains become one, led by the most severe and largest of them (its example, signature and reproducer),
-    titled by that cause; the others are recorded in `merged`. Findings no entry explains stay apart (their
-    signatures are all the evidence there is). Order is kept."""
+    model's) explains become one, titled by that cause; the others are recorded in `merged`. It is led (its example,
+    signature and reproducer) by the first of them, in the order given, among those of the gravest status, whose example
+    has the shortest standalone script (`example_lines`; without it, the first): the same bug through the plain setting
+    rather than through the one that composes it with more. Findings no entry explains stay apart (their signatures
+    are all the evidence there is). Order is kept."""
     groups: dict[str, list[Finding]] = {}
     for f in findings:
         cause = f.known or f.semantics
         groups.setdefault(cause.id if cause is not None else f.id, []).append(f)
     merged = []
     for key, group in groups.items():
+        if example_lines is not None and len(group) > 1:
+            peers = [f for f in group if f.status == group[0].status]
+            simplest = min(peers, key=lambda f: (_or_infinite(example_lines(f)), peers.index(f)))
+            group = [simplest, *(f for f in group if f is not simplest)]
         lead = group[0]
         cause = lead.known or lead.semantics
         if cause is not None:  # named by its cause, as a maintainer would say it, rather than where it shows

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from difftest.contracts.errors import Unsupported
-from difftest.contracts.script import DATA_FILE, STANDALONE_FILE, STANDALONE_VERDICT_FILE, StandaloneCase
+from difftest.contracts.script import DATA_FILE, STANDALONE_FILE, STANDALONE_VERDICT_FILE, Script, StandaloneCase
 from difftest.runner.scheduler import machine_ranks
 from difftest.scripts.check import AGREEING_LINE, Checked, own_lines, sealed_environment
-from difftest.scripts.emit import write_script
+from difftest.scripts.emit import render_script, write_script
 from difftest.scripts.reduce import FULL_FILE
 from difftest.storage.paths import absolute
 
@@ -71,28 +71,15 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
     """Write `findings/<finding_id>/standalone.py` for the case (`model_dir` × `setting_name`) and, with a timeout,
     run it once in a sealed environment; or say why there is none."""
     from difftest.contracts.registry import get_setting
-    from difftest.contracts.spec import RunConfig
-    from difftest.runner.pool import simulated_local_size
-    from difftest.storage.artifacts import load_model
 
     folder = run_dir / "findings" / finding_id
     folder.mkdir(parents=True, exist_ok=True)
     for stale in (STANDALONE_FILE, DATA_FILE, STANDALONE_VERDICT_FILE, FULL_FILE):
         (folder / stale).unlink(missing_ok=True)
     setting = get_setting(setting_name)
-    model, inputs = load_model(model_dir)
-    config = RunConfig.load(run_dir / "run.json")
-    case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
-                          {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
-                          simulated_local_size(setting.world_size), config.lr, message, model_dir, config.seed,
-                          config.steps)
     try:
-        # building the model again (a converter's warnings) says nothing new here: the sweep's logs have it
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            script = setting.standalone(case)
-        if script is None:
-            raise Unsupported(f"the `{setting.family}` family has no emitter")
+        case, script = _script_of(run_dir, finding_id, title, status, model_dir, setting_name, first_divergence,
+                                  spread, tolerance, message)
         path = write_script(folder, case, script)
     except Unsupported as exc:
         emitted = Emitted(finding_id, setting.family, None, str(exc))
@@ -104,6 +91,47 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
         emitted = Emitted(finding_id, setting.family, path)
     _record(folder, emitted)
     return _check_all([emitted], check_timeout_s)[0] if check_timeout_s > 0 else emitted
+
+
+def script_lines(run_dir: Path, title: str, model: str, setting_name: str, status: str, first_divergence: str,
+                 message: str) -> int | None:
+    """How many lines the standalone script of the run's case (`model` × `setting_name`) has before its reduction (a
+    fraction of a second: nothing runs); None where the case has none (its family has no emitter, the emitter cannot
+    express it or fails, its model is not on disk)."""
+    from difftest.contracts.tolerance import Tolerance
+
+    try:
+        case, script = _script_of(run_dir, "", title, status, run_dir / "models" / model, setting_name,
+                                  first_divergence, {}, Tolerance(), message)
+        return render_script(case, script).count("\n")
+    except Exception:  # whatever keeps this case from a script, its emission says why when it is the one written
+        return None
+
+
+def _script_of(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Path, setting_name: str,
+               first_divergence: str, spread: dict[str, float], tolerance: Tolerance,
+               message: str) -> tuple[StandaloneCase, Script]:
+    """The case as its setting's emitter is given it, and the script part the emitter makes of it; raises
+    `Unsupported` where the family has no emitter or the emitter cannot express the case."""
+    from difftest.contracts.registry import get_setting
+    from difftest.contracts.spec import RunConfig
+    from difftest.runner.pool import simulated_local_size
+    from difftest.storage.artifacts import load_model
+
+    setting = get_setting(setting_name)
+    model, inputs = load_model(model_dir)
+    config = RunConfig.load(run_dir / "run.json")
+    case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
+                          {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
+                          simulated_local_size(setting.world_size), config.lr, message, model_dir, config.seed,
+                          config.steps)
+    # building the model again (a converter's warnings) says nothing new here: the sweep's logs have it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        script = setting.standalone(case)
+    if script is None:
+        raise Unsupported(f"the `{setting.family}` family has no emitter")
+    return case, script
 
 
 # the priority of a script run while the minimiser still works: below its trials (CFS gives nice 10 a tenth of a core

@@ -47,6 +47,11 @@ def test_a_standalone_script_reaches_its_settings_verdict_where_difftest_does_no
         assert text.count("\n") <= MAX_LINES
         assert emitted.checked.exit_code == (0 if verdicts[setting] == "ok" else 1), emitted.checked.output[-3000:]
         assert "BUG PRESENT" in emitted.checked.output or verdicts[setting] == "ok"
+        # after the releases, the case in one line: what a maintainer reads before the verdicts
+        said = emitted.checked.output.splitlines()
+        case_line = next(i for i, line in enumerate(said) if line.startswith("python "))
+        assert said[case_line + 1].startswith(f"case: {setting} on {MODEL} (tables "), said[case_line + 1]
+        assert said[case_line + 1].endswith(", batch 24, 2 processes"), said[case_line + 1]
     # exit 1 is the bug and nothing else: a script whose libraries do not import (here torch) failed on its own
     broken = tmp_path / "broken" / "torch"
     broken.mkdir(parents=True)
@@ -331,7 +336,10 @@ Traceback (most recent call last):
 torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal SIGFPE
 ProcessExitedException: process 0 terminated with signal SIGFPE
 BUG PRESENT: the setting fails as it did when difftest found it"""
+    printed = printed.replace("numpy 2.4.6\n", "numpy 2.4.6\ncase: torchrec/ebc/row_wise/ws2 on dlrm-s0-i0 (tables 2), "
+                                              "batch 24, 2 processes\n", 1)
     assert own_lines(printed) == ["python 3.11.7, torch 2.14.1, torchrec 1.9.2, numpy 2.4.6",
+                                  "case: torchrec/ebc/row_wise/ws2 on dlrm-s0-i0 (tables 2), batch 24, 2 processes",
                                   "ProcessExitedException: process 0 terminated with signal SIGFPE",
                                   "BUG PRESENT: the setting fails as it did when difftest found it"]
     judged = ("pooled.tf3: 3 of 96 elements off, 2.1x what rounding explains; at (1, 2) single process 0.5, setting 0.6\n"

@@ -53,6 +53,13 @@ class StandaloneCase:
     # a nondeterminism finding's case (`rerun/…`): the script runs the setting twice, deterministic algorithms on, and
     # compares the two runs bit for bit instead of with one process
     twice: bool = False
+    setting: str = ""  # the setting's registered name, for the one line the script prints of its case
+
+    def one_line(self, processes: int) -> str:
+        """The case as the script prints it first: the setting, the model and its size, the processes."""
+        size = ", ".join(f"{k} {v}" for k, v in self.generator.size(self.spec).items() if k != "parameters")
+        return (f"{self.setting or 'the setting'} on {self.spec.model_id} ({size}), batch {self.inputs['train'].size}, "
+                f"{processes} process{'es' if processes > 1 else ''}")
 
     def against(self, reference: str) -> str:
         """A summary's clause on what the setting is compared with (`reference`: "<the program>: <what is compared>");

@@ -4,7 +4,7 @@ Its functions are copied verbatim into each script (`difftest.scripts.emit`), so
 library, numpy and torch: a script must run where difftest is not installed. A script defines beside them
 `single_process(data, case, dtype)` (the reference: the program in one process, in `dtype`) and
 `on_rank(rank, world_size, data, case)` (the setting: every rank runs it, rank 0 returns the full tensors), and the
-constants `CASE`, `WORLD_SIZE`, `LIBRARIES`, and either `TENSORS`, `SPREAD`, `K`, `ATOL`, `RTOL` (a disagreement),
+constants `CASE`, `WORLD_SIZE`, `LIBRARIES`, `THE_CASE`, and either `TENSORS`, `SPREAD`, `K`, `ATOL`, `RTOL` (a disagreement),
 `TENSORS` alone (a nondeterminism: the setting run twice, compared with itself) or `FAILURE`: for a finding that is a
 failure (an exception, a rank killed by a signal), a regex of how the setting fails, and the script shows the bug by
 the setting failing that way rather than by its tensors. A setting that runs in several groups of processes one after
@@ -38,6 +38,7 @@ K: float
 ATOL: float
 RTOL: float
 LIBRARIES: tuple[str, ...]
+THE_CASE: str  # in one line: the setting, the model, its size, the processes
 RANK_IMPORTS: tuple[str, ...]
 CASE: dict[str, Any]
 FAILURE: str
@@ -134,6 +135,7 @@ def load_data() -> dict[str, np.ndarray]:
         with contextlib.suppress(metadata.PackageNotFoundError):  # fbgemm-gpu is one of fbgemm-gpu and fbgemm-gpu-cpu
             found.append(f"{name} {metadata.version(name)}")
     print(", ".join(found))
+    print(f"case: {THE_CASE}")
     return dict(np.load(Path(__file__).resolve().parent / "standalone.npz"))  # the reduced and the full script's
 
 

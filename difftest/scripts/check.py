@@ -76,13 +76,13 @@ def sealed_environment(folder: Path) -> dict[str, str]:
 
 
 # what a script prints of its own (`difftest.contracts.script_runtime`), among its libraries' warnings and its ranks' output
-_OWN_LINE = re.compile(r"^(python \d|\S+: (\d+ of \d+ elements (off|differ)|the setting gives shape|shape .* in the first run|"
+_OWN_LINE = re.compile(r"^(python \d|case: |\S+: (\d+ of \d+ elements (off|differ)|the setting gives shape|shape .* in the first run|"
                        r"the same in both runs)|BUG PRESENT|ok: |COULD NOT RUN)")
 AGREEING_LINE = re.compile(r": (0 of \d+ elements off|the same in both runs)")
 
 
 def own_lines(output: str) -> list[str]:
-    """The lines a script printed itself: the releases, each compared tensor's verdict, how the setting failed (the
+    """The lines a script printed itself: the releases, the case, each compared tensor's verdict, how the setting failed (the
     line before a failure's BUG PRESENT) and the verdict; a finding's report quotes them."""
     lines = output.splitlines()
     return [line for i, line in enumerate(lines) if _OWN_LINE.match(line) or (

@@ -94,7 +94,8 @@ def render_script(case: StandaloneCase, script: Script) -> str:
     sources = {f.__name__: _source(f) for f in (*script.functions, *(f for f in runtime if f.__name__ not in own))}
     aliases = {alias: f.__name__ for f in script.functions for alias in getattr(f, "also", ())}
     called, names = _called_from(entry, sources, aliases)
-    constants = [f"LIBRARIES = {tuple(script.libraries)!r}", f"WORLD_SIZE = {script.world_size}",
+    constants = [f"LIBRARIES = {tuple(script.libraries)!r}", f"THE_CASE = {case.one_line(script.world_size)!r}",
+                 f"WORLD_SIZE = {script.world_size}",
                  # in the order the definitions come (a set's order changes from one run to the next)
                  f"RANK_IMPORTS = {_local_imports(text for name, text in sources.items() if name in called)!r}"]
     if failure:

@@ -682,12 +682,12 @@ def reduce_source(source: str, executed: set[int]) -> str:
 
 
 def verdict_lines(output: str) -> list[str]:
-    """What a script printed of its own about the bug, less the releases line: the tensors' verdicts (values to the
+    """What a script printed of its own about the bug, less the releases and the case lines: the tensors' verdicts (values to the
     digits printed), the failure's line, BUG PRESENT. A nondeterminism's values differ from run to run: its tensors'
     names stand for them."""
     from difftest.scripts.check import own_lines
 
-    lines = [line for line in own_lines(output) if not line.startswith("python ")]
+    lines = [line for line in own_lines(output) if not line.startswith(("python ", "case: "))]
     if any("two runs of the setting differ" in line for line in lines):
         lines = [line.split(":")[0] + (": differs" if "elements differ" in line else ": same") for line in lines]
     return lines

@@ -124,7 +124,7 @@ def _script_of(run_dir: Path, finding_id: str, title: str, status: str, model_di
     case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
                           {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
                           simulated_local_size(setting.world_size), config.lr, message, model_dir, config.seed,
-                          config.steps)
+                          config.steps, setting=setting_name)
     # building the model again (a converter's warnings) says nothing new here: the sweep's logs have it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

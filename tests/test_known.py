@@ -152,6 +152,14 @@ def test_findings_one_known_bug_explains_become_one_and_say_what_they_merged() -
     # a part with no script, or a tie, keeps the order given
     assert merge_known(parts, lambda f: None)[0].signature == "sig Fb"
     assert merge_known(parts, lambda f: 7)[0].signature == "sig Fb"
+    # the part an earlier triage of the run minimised (by the merged id) leads again, whatever its script's length
+    before = {one.id: ("sig Fb", "m0", "torchrec-mc/row_wise/ws2")}
+    assert merge_known(parts, lambda f: lines[f.id], before)[0].signature == "sig Fb"
+    # a part whose example is signed as another setting (a mixed plan's) never leads where another is signed as itself
+    signed_otherwise = finding("Fm", "torchrec/ebc/mixed/ws2", 1, scaling)
+    signed_otherwise.rows = signed_otherwise.rows.assign(signed_as="torchrec/ebc/row_wise/ws2")
+    lines["Fm"] = 10
+    assert merge_known([*parts, signed_otherwise], lambda f: lines[f.id])[0].signature == "sig Fa"
 
 
 def test_a_finding_is_led_by_its_setting_with_the_shortest_script() -> None:
@@ -164,7 +172,7 @@ def test_a_finding_is_led_by_its_setting_with_the_shortest_script() -> None:
         "model": ["m0", "m0", "m1", "m1", "m0"],
         "setting": ["hybrid/dp2xpp2/ws4", "pipeline/ws2", "hybrid/dp2xpp2/ws4", "pipeline/ws2", "mixed/ws2"],
         "signed_as": ["hybrid/dp2xpp2/ws4", "pipeline/ws2", "hybrid/dp2xpp2/ws4", "pipeline/ws2", "row_wise/ws2"],
-        "status": "inconsistent", "first_divergence": "eval/y", "message": ""})
+        "status": "inconsistent", "first_divergence": "eval/y", "message": ""}, index=[3, 0, 4, 1, 2])
     lines = {"mixed/ws2": 10, "hybrid/dp2xpp2/ws4": 460, "pipeline/ws2": 420}
     asked: list[tuple[str, str]] = []
 
@@ -175,9 +183,14 @@ def test_a_finding_is_led_by_its_setting_with_the_shortest_script() -> None:
     led = _simplest_example_first(frame, lines_of)
     # each setting once, on its first model; a case signed as another setting is never asked, nor leads
     assert sorted(asked) == [("m0", "hybrid/dp2xpp2/ws4"), ("m0", "pipeline/ws2")]
-    assert list(led.index) == [1, 0, 2, 3, 4] and led.loc[1].equals(frame.loc[1])
+    assert list(led.index) == [0, 3, 4, 1, 2] and led.loc[0].equals(frame.loc[0])  # labels, not positions
+    # the example an earlier triage of the run minimised leads again, unmeasured, while it is one of the cases
+    asked.clear()
+    again = _simplest_example_first(frame, lines_of, ("sig", "m1", "hybrid/dp2xpp2/ws4"))
+    assert list(again.index) == [4, 3, 0, 1, 2] and not asked
+    assert list(_simplest_example_first(frame, lines_of, ("sig", "m9", "pipeline/ws2")).index) == [0, 3, 4, 1, 2]
     lines["pipeline/ws2"] = None  # no script: the first keeps its place
-    assert list(_simplest_example_first(frame, lambda m, s, *_: lines[s]).index) == [0, 1, 2, 3, 4]
+    assert list(_simplest_example_first(frame, lambda m, s, *_: lines[s]).index) == [3, 0, 4, 1, 2]
     one_setting = frame[frame["setting"] == "pipeline/ws2"]
     assert _simplest_example_first(one_setting, lambda *_: pytest.fail("one setting: nothing to choose")) is one_setting
 

@@ -19,7 +19,8 @@ from difftest.judging.analysis import analyze, envelope_spread
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.scripts.check import sealed_environment
 from difftest.scripts.emit import MAX_LINES
-from difftest.scripts.write import emit
+from difftest.scripts.reduce import FULL_FILE
+from difftest.scripts.write import emit, script_lines
 
 MODEL = "dlrm-s0-i0"
 # two TorchRec bugs on this model (grid_shard + MEAN, the row-wise 1 - 2^-20 scaling only the calibrated oracle
@@ -52,6 +53,10 @@ def test_a_standalone_script_reaches_its_settings_verdict_where_difftest_does_no
         case_line = next(i for i, line in enumerate(said) if line.startswith("python "))
         assert said[case_line + 1].startswith(f"case: {setting} on {MODEL} (tables "), said[case_line + 1]
         assert said[case_line + 1].endswith(", batch 24, 2 processes"), said[case_line + 1]
+        # what triage measures to choose a finding's example is the length of the script written, before reduction
+        whole = emitted.path.with_name(FULL_FILE) if emitted.path.with_name(FULL_FILE).is_file() else emitted.path
+        assert script_lines(fresh_run, "a TorchRec finding", MODEL, setting, verdicts[setting], "eval_before/pooled",
+                            "") == whole.read_text().count("\n")
     # exit 1 is the bug and nothing else: a script whose libraries do not import (here torch) failed on its own
     broken = tmp_path / "broken" / "torch"
     broken.mkdir(parents=True)

@@ -57,7 +57,10 @@ class StandaloneCase:
 
     def one_line(self, processes: int) -> str:
         """The case as the script prints it first: the setting, the model and its size, the processes."""
-        size = ", ".join(f"{k} {v}" for k, v in self.generator.size(self.spec).items() if k != "parameters")
+        # a user's model has no drawn structure, and its generator's size would build it again: its parameters say it
+        drawn = {} if "user" in self.generator.traits else self.generator.size(self.spec)
+        parameters = sum(int(np.prod(v.shape)) for v in self.init_state.values())
+        size = ", ".join(f"{k} {v}" for k, v in drawn.items() if k != "parameters") or f"{parameters} parameters"
         return (f"{self.setting or 'the setting'} on {self.spec.model_id} ({size}), batch {self.inputs['train'].size}, "
                 f"{processes} process{'es' if processes > 1 else ''}")
 

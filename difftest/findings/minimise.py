@@ -31,6 +31,7 @@ from difftest.contracts.status import FAILURES, Status
 from difftest.generation.generate import ModelBuilders, try_materialise
 from difftest.judging.analysis import CANNOT_JUDGE, Analysis, analyze, envelope_spread
 from difftest.storage.artifacts import load_spec
+from difftest.storage.run_folder import MINIMISE_FILE, OLD_MINIMISE_FILE
 
 if TYPE_CHECKING:
     from difftest.findings.triage import Finding
@@ -97,8 +98,6 @@ class Minimisation:
                 "spread": self.spread}
 
 
-MINIMISE_FILE = "minimise.json"
-OLD_MINIMISE_FILE = "minimize.json"  # its name in runs made before the spelling was one
 NOT_MINIMISED = "not minimised"  # how an outcome begins whose minimisation could not start
 
 

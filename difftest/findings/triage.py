@@ -53,7 +53,7 @@ from difftest.findings.signature import (
 from difftest.judging.analysis import Analysis
 from difftest.storage import stack
 from difftest.storage.artifacts import atomic_path
-from difftest.storage.run_folder import list_models
+from difftest.storage.run_folder import MINIMISE_FILE, list_models
 from difftest.storage.store import Store
 
 
@@ -197,6 +197,7 @@ def triage(run_dir: Path, analysis: Analysis, script_lines: ScriptLines | None =
     bounds = _worst_bound_ratios(analysis)
 
     lines_of = functools.cache(script_lines) if script_lines is not None else None  # a case's, measured once
+    kept = _minimised_examples(run_dir) if script_lines is not None else {}
     findings = []
     for signature, group, known in (split for signed, rows in keyed.items()
                                     for split in _by_known_cause(signed, rows, versions, layer_kinds)):
@@ -207,9 +208,10 @@ def triage(run_dir: Path, analysis: Analysis, script_lines: ScriptLines | None =
         frame = frame.assign(attributed=frame["signed_as"] != frame["setting"]).sort_values(
             ["attributed", "model", "setting"]).drop(columns="attributed")
         if lines_of is not None:
-            frame = _simplest_example_first(frame, functools.partial(lines_of, titles[signature.partition(KNOWN_CAUSE)[0]]))
+            frame = _simplest_example_first(frame, functools.partial(lines_of, titles[signature.partition(KNOWN_CAUSE)[0]]),
+                                            kept.get(_finding_id(signature)))
         frame = frame.assign(bound_ratio=[bounds.get((m, s), float("nan")) for m, s in zip(frame["model"], frame["setting"])])
-        finding = Finding(id=f"F{hashlib.sha1(signature.encode()).hexdigest()[:8]}", status=frame.iloc[0]["status"],
+        finding = Finding(id=_finding_id(signature), status=frame.iloc[0]["status"],
                           title=titles[signature.partition(KNOWN_CAUSE)[0]], signature=signature, rows=frame)
         finding.first_divergence = next((d for d in frame["first_divergence"] if d), "")
         finding.distinguishing = _distinguishing(frame, cases, features)
@@ -220,7 +222,7 @@ def triage(run_dir: Path, analysis: Analysis, script_lines: ScriptLines | None =
         findings.append(finding)
     _measure_consequence(findings, analysis)
     findings.sort(key=consequence)  # a merged finding is led by a part of its gravest status
-    findings = merge_known(findings, functools.partial(_example_lines, lines_of) if lines_of else None)
+    findings = merge_known(findings, functools.partial(_example_lines, lines_of) if lines_of else None, kept)
     _measure_consequence(findings, analysis)
     findings.sort(key=consequence)
     for rank, f in enumerate(findings, 1):
@@ -229,22 +231,56 @@ def triage(run_dir: Path, analysis: Analysis, script_lines: ScriptLines | None =
     return findings
 
 
-def _simplest_example_first(frame: pd.DataFrame, lines_of: Callable[[str, str, str, str, str], int | None]
-                            ) -> pd.DataFrame:
+# at most this many of a finding's settings are measured for its example (a pipeline signature spans dozens)
+MEASURED_SETTINGS = 8
+
+
+def _simplest_example_first(frame: pd.DataFrame, lines_of: Callable[[str, str, str, str, str], int | None],
+                            kept: tuple[str, str, str] | None = None) -> pd.DataFrame:
     """The finding's rows with, first, the case of its shortest standalone script (`lines_of(model, setting, status,
-    first divergence, message)`) among its settings, each on the first model of its rows (a case signed as another
-    setting never leads, see above): one bug shown through several settings (a pipeline schedule alone and inside a
-    hybrid mesh) is minimised, reproduced and scripted through the one a maintainer reads quickest. Ties, and a
-    finding none of whose cases has a script, keep the order they have."""
-    own = frame[frame["signed_as"] == frame["setting"]].drop_duplicates("setting")
+    first divergence, message)`) among its first `MEASURED_SETTINGS` settings, each on the first model of its rows (a
+    case signed as another setting never leads, see above): one bug shown through several settings (a pipeline
+    schedule alone and inside a hybrid mesh) is minimised, reproduced and scripted through the one a maintainer reads
+    quickest. Ties, and a finding none of whose cases has a script, keep the order they have. `kept` (signature, model,
+    setting): the example an earlier triage of the run minimised, which leads again while it is one of these cases."""
+    own = frame[frame["signed_as"] == frame["setting"]]
+    if kept is not None:
+        again = own[(own["model"] == kept[1]) & (own["setting"] == kept[2])]
+        if len(again):
+            return _first(frame, again.index[0])
+    own = own.drop_duplicates("setting").head(MEASURED_SETTINGS)
     if len(own) < 2:
         return frame
     lines = {index: lines_of(str(row.model), str(row.setting), str(row.status), str(row.first_divergence),
                              str(row.message)) for index, row in zip(own.index, own.itertuples(), strict=True)}
     order = list(own.index)
-    best = min(order, key=lambda index: (_or_infinite(lines[index]), order.index(index)))
-    position = frame.index.get_loc(best)
-    return pd.concat([frame.iloc[[position]], frame.drop(index=best)]) if position else frame
+    return _first(frame, min(order, key=lambda index: (_or_infinite(lines[index]), order.index(index))))
+
+
+def _first(frame: pd.DataFrame, label: Any) -> pd.DataFrame:
+    """`frame` with the row of index `label` first, the others in their order."""
+    position = frame.index.get_loc(label)
+    return pd.concat([frame.iloc[[position]], frame.drop(index=label)]) if position else frame
+
+
+def _minimised_examples(run_dir: Path) -> dict[str, tuple[str, str, str]]:
+    """Per finding id, the (signature, model, setting) of the example an earlier triage of this run minimised
+    (`findings/<id>/minimise.json`): a rerun keeps it as the example rather than discard that minimisation."""
+    import json
+
+    kept = {}
+    for path in (run_dir / "findings").glob(f"*/{MINIMISE_FILE}"):
+        try:
+            saved = json.loads(path.read_text())
+            kept[path.parent.name] = (str(saved["signature"]), str(saved["original"]["model"]),
+                                      str(saved["original"]["setting"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged file: the example is chosen afresh, and minimised again
+    return kept
+
+
+def _finding_id(signature: str) -> str:
+    return f"F{hashlib.sha1(signature.encode()).hexdigest()[:8]}"
 
 
 def _example_lines(lines_of: ScriptLines, f: Finding) -> int | None:
@@ -253,27 +289,39 @@ def _example_lines(lines_of: ScriptLines, f: Finding) -> int | None:
                     str(e["message"]))
 
 
+def _signed_otherwise(example: pd.Series) -> bool:
+    """Whether a finding's example is a case signed as another setting (a mixed plan's): never a merge's lead where
+    another part's is signed as itself."""
+    return str(example.get("signed_as", example["setting"])) != str(example["setting"])
+
+
 def _or_infinite(lines: int | None) -> float:
     return math.inf if lines is None else lines
 
 
-def merge_known(findings: list[Finding], example_lines: Callable[[Finding], int | None] | None = None
-                ) -> list[Finding]:
+def merge_known(findings: list[Finding], example_lines: Callable[[Finding], int | None] | None = None,
+                kept: Mapping[str, tuple[str, str, str]] | None = None) -> list[Finding]:
     """One root cause, one finding: findings whose cases one known library bug (or one semantic difference of the
     model's) explains become one, titled by that cause; the others are recorded in `merged`. It is led (its example,
-    signature and reproducer) by the first of them, in the order given, among those of the gravest status, whose example
-    has the shortest standalone script (`example_lines`; without it, the first): the same bug through the plain setting
-    rather than through the one that composes it with more. Findings no entry explains stay apart (their signatures
-    are all the evidence there is). Order is kept."""
+    signature and reproducer) by the one an earlier triage of the run minimised (`kept`, by the merged id: signature,
+    model, setting) while it is still among them, else by the first of them, in the order given, among those of the
+    gravest status whose example is signed as itself, whose example has the shortest standalone script
+    (`example_lines`; without it, the first): the same bug through the plain setting rather than through the one that
+    composes it with more. Findings no entry explains stay apart (their signatures are all the evidence there is).
+    Order is kept."""
     groups: dict[str, list[Finding]] = {}
     for f in findings:
         cause = f.known or f.semantics
         groups.setdefault(cause.id if cause is not None else f.id, []).append(f)
     merged = []
     for key, group in groups.items():
+        merged_id = f"F{hashlib.sha1(f'known | {key}'.encode()).hexdigest()[:8]}"
         if example_lines is not None and len(group) > 1:
             peers = [f for f in group if f.status == group[0].status]
-            simplest = min(peers, key=lambda f: (_or_infinite(example_lines(f)), peers.index(f)))
+            before = (kept or {}).get(merged_id)
+            again = [f for f in peers if (f.signature, str(f.example["model"]), str(f.example["setting"])) == before]
+            simplest = again[0] if again else min(peers, key=lambda f: (
+                _signed_otherwise(f.example), _or_infinite(example_lines(f)), peers.index(f)))
             group = [simplest, *(f for f in group if f is not simplest)]
         lead = group[0]
         cause = lead.known or lead.semantics
@@ -281,7 +329,7 @@ def merge_known(findings: list[Finding], example_lines: Callable[[Finding], int 
             lead = dataclasses.replace(lead, title=f"{lead.status}: {cause.title}")
         if len(group) > 1:
             lead = dataclasses.replace(
-                lead, id=f"F{hashlib.sha1(f'known | {key}'.encode()).hexdigest()[:8]}",
+                lead, id=merged_id,
                 rows=pd.concat([f.rows for f in group]),  # the lead's rows first: its example stays the example
                 merged=[(f.id, f.signature, len(f.rows)) for f in group])
         merged.append(lead)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from difftest.findings.minimise import MINIMISE_FILE, load_previous
+from difftest.findings.minimise import load_previous
 from difftest.findings.repro import write_reproducer
 from difftest.findings.triage import Finding
+from difftest.storage.run_folder import MINIMISE_FILE
 
 
 def write_finding_folders(run_dir: Path, findings: list[Finding]) -> None:

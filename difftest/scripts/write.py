@@ -77,10 +77,10 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
     for stale in (STANDALONE_FILE, DATA_FILE, STANDALONE_VERDICT_FILE, FULL_FILE):
         (folder / stale).unlink(missing_ok=True)
     setting = get_setting(setting_name)
+    case = _standalone_case(run_dir, finding_id, title, status, model_dir, setting_name, first_divergence, spread,
+                            tolerance, message)
     try:
-        case, script = _script_of(run_dir, finding_id, title, status, model_dir, setting_name, first_divergence,
-                                  spread, tolerance, message)
-        path = write_script(folder, case, script)
+        path = write_script(folder, case, _emitted(setting_name, case))
     except Unsupported as exc:
         emitted = Emitted(finding_id, setting.family, None, str(exc))
     except Exception as exc:  # the emitter's own failure: a defect of difftest's, never the end of the run
@@ -96,23 +96,24 @@ def emit(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Pat
 def script_lines(run_dir: Path, title: str, model: str, setting_name: str, status: str, first_divergence: str,
                  message: str) -> int | None:
     """How many lines the standalone script of the run's case (`model` × `setting_name`) has before its reduction (a
-    fraction of a second: nothing runs); None where the case has none (its family has no emitter, the emitter cannot
-    express it or fails, its model is not on disk)."""
+    fraction of a second for the built-in kinds: nothing runs); None where the case has none (its family has no
+    emitter, the emitter cannot express it or fails, its model is not on disk)."""
     from difftest.contracts.tolerance import Tolerance
 
     try:
-        case, script = _script_of(run_dir, "", title, status, run_dir / "models" / model, setting_name,
-                                  first_divergence, {}, Tolerance(), message)
-        return render_script(case, script).count("\n")
-    except Exception:  # whatever keeps this case from a script, its emission says why when it is the one written
+        case = _standalone_case(run_dir, "", title, status, run_dir / "models" / model, setting_name,
+                                first_divergence, {}, Tolerance(), message)
+        return render_script(case, _emitted(setting_name, case)).count("\n")
+    # whatever keeps this case from a script (a user's module exiting on import included), its emission says why
+    # when it is the one written
+    except (Exception, SystemExit):
         return None
 
 
-def _script_of(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Path, setting_name: str,
-               first_divergence: str, spread: dict[str, float], tolerance: Tolerance,
-               message: str) -> tuple[StandaloneCase, Script]:
-    """The case as its setting's emitter is given it, and the script part the emitter makes of it; raises
-    `Unsupported` where the family has no emitter or the emitter cannot express the case."""
+def _standalone_case(run_dir: Path, finding_id: str, title: str, status: str, model_dir: Path, setting_name: str,
+                     first_divergence: str, spread: dict[str, float], tolerance: Tolerance,
+                     message: str) -> StandaloneCase:
+    """The case as its setting's emitter is given it."""
     from difftest.contracts.registry import get_setting
     from difftest.contracts.spec import RunConfig
     from difftest.runner.pool import simulated_local_size
@@ -121,17 +122,25 @@ def _script_of(run_dir: Path, finding_id: str, title: str, status: str, model_di
     setting = get_setting(setting_name)
     model, inputs = load_model(model_dir)
     config = RunConfig.load(run_dir / "run.json")
-    case = StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
+    return StandaloneCase(finding_id, title, status, model.spec, model.generator, model.init_state,
                           {"train": inputs.train, "eval": inputs.eval}, first_divergence, spread, tolerance,
                           simulated_local_size(setting.world_size), config.lr, message, model_dir, config.seed,
                           config.steps, setting=setting_name)
+
+
+def _emitted(setting_name: str, case: StandaloneCase) -> Script:
+    """The script part the setting's emitter makes of the case; raises `Unsupported` where the family has no emitter
+    or the emitter cannot express the case."""
+    from difftest.contracts.registry import get_setting
+
+    setting = get_setting(setting_name)
     # building the model again (a converter's warnings) says nothing new here: the sweep's logs have it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         script = setting.standalone(case)
     if script is None:
         raise Unsupported(f"the `{setting.family}` family has no emitter")
-    return case, script
+    return script
 
 
 # the priority of a script run while the minimiser still works: below its trials (CFS gives nice 10 a tenth of a core

@@ -9,6 +9,9 @@ from difftest.contracts.errors import UserError
 from difftest.contracts.spec import COMMANDS_KEY, ModelSpec
 from difftest.storage.artifacts import load_spec
 
+# a finding's minimisation, in its folder (`findings/<id>/`): what `difftest.findings.minimise` found, kept for reruns
+MINIMISE_FILE = "minimise.json"
+OLD_MINIMISE_FILE = "minimize.json"  # its name in runs made before the spelling was one
 SWEEP_MARKER = "sweep.pid"  # present, naming a live process, while a sweep commits cases to the run
 
 

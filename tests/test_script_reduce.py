@@ -292,7 +292,7 @@ def _distributed_script(on_rank: list[str], constants: list[str], entry: str) ->
     shared = [textwrap.dedent(inspect.getsource(getattr(standalone_runtime, name))) for name in
               ("gloo_on_loopback", "rank_main", "run_distributed", "start_ranks", "judge", "load_data", entry)]
     return "\n".join([
-        '"""A finding."""', *RUNTIME_IMPORTS, "", "LIBRARIES = ('numpy',)", "WORLD_SIZE = 2", "RANK_IMPORTS = ()",
+        '"""A finding."""', *RUNTIME_IMPORTS, "", "LIBRARIES = ('numpy',)", "THE_CASE = 'a case'", "WORLD_SIZE = 2", "RANK_IMPORTS = ()",
         *constants, "CASE = {}", "", *on_rank, "",
         SHARED_MARKER + ": start the ranks, judge, report ---", *shared,
         "if __name__ == '__main__':", f"    sys.exit({entry}())", ""])

@@ -32,9 +32,9 @@ from difftest.contracts.script import (
 )
 from difftest.contracts.syntax import parse, source_of
 
-MAX_LINES = 550  # a script a maintainer reads through (the library code is copied whole, never condensed; the longest,
-# a clipped hybrid pipeline's of FSDP2 stages on a transformer, has 532 lines before reduction, a resume's of a
-# converted Keras model from DDP to FSDP2 496)
+MAX_LINES = 560  # a script a maintainer reads through (the library code is copied whole, never condensed; the longest,
+# a clipped hybrid pipeline's of FSDP2 stages on a transformer, has 551 lines before reduction, a resume's of a
+# converted Keras model from DDP to FSDP2 about 500)
 RUNTIME_IMPORTS = ("from __future__ import annotations", "",
                    "import contextlib, logging, os, re, socket, sys, tempfile, traceback, warnings",
                    "from importlib import metadata", "from pathlib import Path", "from typing import Any", "",

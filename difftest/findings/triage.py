@@ -315,7 +315,7 @@ def merge_known(findings: list[Finding], example_lines: Callable[[Finding], int 
         groups.setdefault(cause.id if cause is not None else f.id, []).append(f)
     merged = []
     for key, group in groups.items():
-        merged_id = f"F{hashlib.sha1(f'known | {key}'.encode()).hexdigest()[:8]}"
+        merged_id = _finding_id(f"known | {key}")
         if example_lines is not None and len(group) > 1:
             peers = [f for f in group if f.status == group[0].status]
             before = (kept or {}).get(merged_id)

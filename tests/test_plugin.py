@@ -58,11 +58,15 @@ def test_a_plugin_module_is_found_where_the_run_was_made_and_recorded_there(tmp_
     import os
     import sys
 
+    from difftest.contracts import registry
     from difftest.contracts.registry import load_plugins, user_plugin_folders
     from difftest.contracts.spec import config_with_commands, run_plugin_folders
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    # the plugin's folder leaves sys.path after the test: later tests in this process must not hand it to the
+    # processes they start (a builder would fail to import it)
+    monkeypatch.setattr(registry, "_LOADED_PLUGINS", set(registry._LOADED_PLUGINS))
     decoy, project = tmp_path / "decoy", tmp_path / "project"
     (decoy / "difftest_test_pkg").mkdir(parents=True)  # a data folder of that name: not a package to import
     (decoy / "difftest_test_pkg" / "notes.txt").write_text("not code")

@@ -282,3 +282,31 @@ def test_a_campaign_told_hours_stops_before_a_round_that_would_end_past_them(tmp
     again = run_campaign(folder, config, a_round, hours=900 / 3600, events=events, keep_outputs=True)
     assert [r.number for r in again] == [6] and round_lengths(folder) == [600.0, 1000.0, 500.0, 500.0, 500.0]
     assert stopped[-1] == (850.0, 1000.0)
+
+
+def test_a_campaign_resumed_from_another_folder_imports_its_plugin_where_its_rounds_found_it(
+        tmp_path: Path, monkeypatch) -> None:
+    """A campaign begun with `--plugin` in the plugin's own folder (importable there, not elsewhere) resumes from any
+    folder: its rounds' run.json say where the plugin was imported from."""
+    import os
+    import sys
+
+    import pytest
+
+    from difftest.campaign.rounds import CampaignConfig, universe
+    from difftest.contracts import registry
+    from difftest.contracts.errors import UserError
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(registry, "_LOADED_PLUGINS", set(registry._LOADED_PLUGINS))  # none left for later tests
+    project, folder = tmp_path / "project", tmp_path / "hunt"
+    project.mkdir()
+    (project / "difftest_campaign_plugin.py").write_text("LOADED = True\n")
+    config = CampaignConfig(settings="ddp/*", kind="dlrm", plugins=("difftest_campaign_plugin",))
+    with pytest.raises(UserError, match="difftest_campaign_plugin"):
+        universe(config, folder)  # no round yet says where it is
+    (folder / "rounds" / "r0001-s1001").mkdir(parents=True)
+    (folder / "rounds" / "r0001-s1001" / "run.json").write_text(json.dumps({"plugin_folders": [str(project)]}))
+    assert universe(config, folder).cells
+    assert sys.modules["difftest_campaign_plugin"].LOADED

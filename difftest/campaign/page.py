@@ -101,7 +101,7 @@ def write_live_page(folder: Path, running: bool) -> Path:
     points = round_points(folder)
     space: Universe | None
     try:
-        space = universe(config)
+        space = universe(config, folder)
     except Exception:  # the page is a view: a plugin gone missing must not stop the campaign
         space = None
     next_chances = sorted(chances(space.cells, cell_records(folder), Sampling(config.sampling)).items(),

@@ -131,7 +131,18 @@ class Universe:
     settings_of: dict[str, list[str]]
 
 
-def universe(config: CampaignConfig) -> Universe:
+def plugin_folders(folder: Path) -> tuple[str, ...]:
+    """Where the campaign's rounds found their plugin modules (each round's run.json: `run_plugin_folders`): a campaign
+    begun with `--plugin my_settings` in that module's folder resumes from any other."""
+    from difftest.contracts.spec import run_plugin_folders
+
+    found = [f for where in sorted((folder / "rounds").glob(f"*/{RUN_FILE}")) for f in run_plugin_folders(where)]
+    return tuple(dict.fromkeys(found))
+
+
+def universe(config: CampaignConfig, folder: Path | None = None) -> Universe:
+    """The cells `config` draws from; its plugins are looked for where the rounds of the campaign in `folder` found
+    them too."""
     from difftest.campaign.sampling import INDEX_CYCLE
     from difftest.contracts.registry import (
         generator_kinds,
@@ -142,7 +153,7 @@ def universe(config: CampaignConfig) -> Universe:
     )
     from difftest.contracts.setting import SettingRole
 
-    load_plugins(config.plugins)
+    load_plugins(config.plugins, plugin_folders(folder) if folder is not None else ())
     settings = [s for s in select_settings(config.settings, config.tier)
                 if s.role is not SettingRole.CALIBRATION and s.available() is None]
     judged = {s.family for s in settings if s.role is SettingRole.JUDGED}  # a family of roots alone judges nothing
@@ -292,7 +303,7 @@ def run_round(folder: Path, config: CampaignConfig, number: int, run: Callable[.
     recorded, and (`prune`) the outputs of its ok cases deleted."""
     seed = config.first_seed + number
     where = round_folder(folder, config, number)
-    plan = round_plan(folder, where, config, space or universe(config), number)
+    plan = round_plan(folder, where, config, space or universe(config, folder), number)
     events.round_started(number, where, plan)
     started, resumed = time.time(), begun(where)
     seen = load_seen(folder)
@@ -377,7 +388,7 @@ def run_campaign(folder: Path, config: CampaignConfig, run: Callable[..., Any], 
     for done_round in rounds_done(folder) if not keep_outputs else []:  # counted, interrupted before its pruning
         prune_round(done_round, events)
     deadline = time.time() + hours * 3600 if hours is not None else None
-    space = universe(config)
+    space = universe(config, folder)
     results: list[RoundResult] = []
     number = len(rounds_done(folder)) + 1
 

@@ -82,6 +82,35 @@ def test_raise_abort_hang_and_refusal_become_rows_and_the_sweep_finishes(fresh_r
     assert sum(report.statuses.values()) == 6 + REFERENCE_CALIBRATIONS
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_killed_by_what_an_earlier_case_left_runs_its_case_again_alone(fresh_run: Path) -> None:
+    """A rank that dies only because its process ran another case first (planted: rank 1 aborts where its process
+    has run either setting before) is not the setting's crash: the case runs again alone in a fresh group, its verdict
+    is that run's, and its message keeps the first death."""
+    selection = "faults/aborts_when_reused/ws2,faults/aborts_when_reused_too/ws2"
+    run_sweep(fresh_run, SweepOptions(settings=selection, plugins=(PLANTED,), timeout_s=30, jobs=1))
+    store = Store(fresh_run)
+    records = [r for r in store.records() if r.setting.startswith("faults/")]
+    store.close()
+    assert len(records) == 4 and {r.status for r in records} == {"ok"}, [(r.status, r.message) for r in records]
+    noted = [r for r in records if "harness: in a worker group that had run" in r.message]
+    assert noted and all("SIGABRT" in r.message and "did not crash" in r.message for r in noted), noted
+    assert len(noted) < len(records)  # a case that ran first in its group never died
+
+
+@pytest.mark.timeout(300)
+def test_a_crash_a_case_shows_alone_too_stays_its_crash(fresh_run: Path) -> None:
+    """A setting that kills a rank whenever it runs crashes in a reused group and again alone: its crash is recorded
+    as the setting's, without the harness's note."""
+    selection = "faults/raises/ws2,faults/aborts/ws2"
+    run_sweep(fresh_run, SweepOptions(settings=selection, plugins=(PLANTED,), timeout_s=30, jobs=1))
+    store = Store(fresh_run)
+    aborted = [r for r in store.records() if r.setting == "faults/aborts/ws2"]
+    store.close()
+    assert len(aborted) == 2 and {r.status for r in aborted} == {"crash"}
+    assert all("SIGABRT" in r.message and "harness:" not in r.message for r in aborted)
+
+
 def _outputs(run_dir: Path) -> dict[tuple[str, str], dict[str, np.ndarray]]:
     store = Store(run_dir)
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from difftest.contracts.status import Status
@@ -102,8 +103,27 @@ class GroupRunner:
         self._broken_before = False  # a group was replaced: the next one comes from the spare
         self._start_failure: str | None = None
         self._failed_starts = 0
+        self._served_before_crash = 0  # of the last case that crashed: the cases its group ran before it
 
     def run(self, request: CaseRequest, process_affinity: str) -> CaseResult:
+        """The case's result. A rank that dies in a group that has run other cases first may have died of what an
+        earlier case left in its process (a failed case's pending receive into memory since freed), which no user's
+        program meets, as it ends at its first failure: such a case runs again alone, in a fresh group, and that run
+        is its verdict; the first death stays in its message (`crashed_after_others`)."""
+        result = self._run(request, process_affinity)
+        if result.status is not Status.CRASH or self._served_before_crash == 0:
+            return result
+        served = self._served_before_crash
+        if self.group is not None:  # alone: on processes that have run nothing else
+            self.group.kill()
+            self.group, self._broken_before = None, True
+        alone = self._run(request, process_affinity)
+        if alone.status is Status.CRASH:
+            return alone
+        return replace(alone, message="\n".join(m for m in (alone.message, crashed_after_others(result, served)) if m))
+
+    def _run(self, request: CaseRequest, process_affinity: str) -> CaseResult:
+        self._served_before_crash = 0
         if self.group is not None and self._served >= self.recycle_after:
             # libraries that keep what every case built cannot grow a rank forever
             self.group.close()
@@ -125,6 +145,8 @@ class GroupRunner:
                 self.group, self._broken_before = None, True  # the case never started: it runs on the replacement
                 continue
             self._served += 1
+            if result.status is Status.CRASH:
+                self._served_before_crash = self._served - 1
             # a setting with per-process state (a TF strategy and its servers) that failed may have left that state
             # broken, and the case's sockets were cut: its processes are not trusted with the next case
             kept_state_broken = process_affinity and result.status not in (Status.OK, Status.UNSUPPORTED)
@@ -143,6 +165,13 @@ class GroupRunner:
             self.group.close()
             self.group = None
         self.supply.close()
+
+
+def crashed_after_others(crash: CaseResult, served: int) -> str:
+    """The note a case keeps whose rank died after its group had run `served` other cases, and not when it ran alone."""
+    first = crash.message.strip().splitlines()[0] if crash.message.strip() else "a rank died"
+    return (f"harness: in a worker group that had run {served} case(s) before it, {first}; run again alone in a fresh "
+            "group, it did not crash (this result): the death is not the setting's")
 
 
 def request_for(sweep: SweepContext, case: Case) -> CaseRequest:

@@ -63,6 +63,9 @@ class RankSkipsOptimizerStep(TorchRecSharding):
             optimizer.step()
 
 
+_RAN_IN_THIS_PROCESS: list[str] = []  # the `Misbehaves` cases this rank's process has run
+
+
 @dataclass(frozen=True)
 class Misbehaves(Setting):
     """Rank 1 raises, aborts or hangs; rank 0 waits in a collective, as a real failing setting would leave it."""
@@ -85,6 +88,9 @@ class Misbehaves(Setting):
                 os.abort()
             if self.how == "hangs":
                 time.sleep(3600)
+            if self.how.startswith("aborts_when_reused") and _RAN_IN_THIS_PROCESS:
+                os.abort()  # what an earlier case left in the process, not this case, kills it
+        _RAN_IN_THIS_PROCESS.append(self.name)
         dist.barrier(group=ctx.group)
         return {}
 
@@ -137,6 +143,8 @@ register_settings(
         Misbehaves("raises"),
         Misbehaves("aborts"),
         Misbehaves("hangs"),
+        Misbehaves("aborts_when_reused"),
+        Misbehaves("aborts_when_reused_too"),
         RefusesEverything(),
     ]
 )

@@ -7,15 +7,16 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 
+from difftest.contracts.status import Status
 from difftest.findings import known
 from difftest.judging.analysis import analyze
 from difftest.runner.messages import CaseRequest
-from difftest.runner.pool import WorkerGroup
+from difftest.runner.pool import CaseResult, WorkerGroup
 from difftest.runner.sweep import SweepOptions, run_sweep
 from difftest.storage.store import Store
 from tests.conftest import PLANTED, REFERENCE_CALIBRATIONS, committed_cases, sigkill_sweep_after
@@ -98,17 +99,98 @@ def test_a_rank_killed_by_what_an_earlier_case_left_runs_its_case_again_alone(fr
     assert len(noted) < len(records)  # a case that ran first in its group never died
 
 
-@pytest.mark.timeout(300)
-def test_a_crash_a_case_shows_alone_too_stays_its_crash(fresh_run: Path) -> None:
-    """A setting that kills a rank whenever it runs crashes in a reused group and again alone: its crash is recorded
-    as the setting's, without the harness's note."""
-    selection = "faults/raises/ws2,faults/aborts/ws2"
-    run_sweep(fresh_run, SweepOptions(settings=selection, plugins=(PLANTED,), timeout_s=30, jobs=1))
-    store = Store(fresh_run)
-    aborted = [r for r in store.records() if r.setting == "faults/aborts/ws2"]
-    store.close()
-    assert len(aborted) == 2 and {r.status for r in aborted} == {"crash"}
-    assert all("SIGABRT" in r.message and "harness:" not in r.message for r in aborted)
+class _ScriptedGroup:
+    """A worker group for `GroupRunner`'s rule alone: a case's setting name says when a rank dies (`dies-always`,
+    `dies-when-reused`: once its processes have run a case before); `ok` notes a plan, as a setting's notes are kept."""
+
+    started: ClassVar[list[_ScriptedGroup]] = []
+    fail_to_start_after = 99  # groups that start before one fails to
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        from difftest.runner.pool import GroupStartError
+
+        if len(self.started) >= self.fail_to_start_after:
+            raise GroupStartError("planted: no group starts")
+        self.cases_run, self.killed = 0, False
+        self.started.append(self)
+
+    def run_case(self, request: CaseRequest, timeout_s: float) -> CaseResult:
+        self.cases_run += 1
+        dies = request.setting == "dies-always" or (request.setting == "dies-when-reused" and self.cases_run > 1)
+        if dies:
+            return CaseResult(Status.CRASH, message="rank 1 killed by SIGSEGV (exit -11); log: heap damage",
+                              rank=1, wall_s=1.0, reusable=False)
+        return CaseResult(Status.OK, message="plan: t0=row_wise; graphs compiled: 2", wall_s=1.0)
+
+    def kill(self) -> None:
+        self.killed = True
+
+    close = kill
+
+
+@pytest.fixture
+def scripted_groups(monkeypatch: pytest.MonkeyPatch) -> type[_ScriptedGroup]:
+    import difftest.runner.local as local
+
+    monkeypatch.setattr(_ScriptedGroup, "started", [])
+    monkeypatch.setattr(local, "WorkerGroup", _ScriptedGroup)
+    return _ScriptedGroup
+
+
+def _groups_used(groups: type[_ScriptedGroup]) -> int:
+    """The groups that ran a case (a spare started in the background may not have)."""
+    return sum(1 for group in groups.started if group.cases_run)
+
+
+def _runner(tmp_path: Path, group: object = None) -> Any:
+    from difftest.runner.local import GroupRunner
+
+    return GroupRunner(2, tmp_path / "logs", (), device="cpu", backend="gloo", timeout_s=30, recycle_after=2000,
+                       group=group)  # type: ignore[arg-type]
+
+
+def test_a_death_after_other_cases_is_judged_by_the_case_run_alone(tmp_path: Path, scripted_groups) -> None:
+    """A rank that dies after its group ran another case: the case runs again alone, in a fresh group; it runs
+    through there, so its verdict is ok, its own notes kept and the first death added as a note of its own."""
+    from difftest.contracts.notes import parse_notes
+
+    runner = _runner(tmp_path)
+    assert runner.run(_request("m", "ok"), "").status is Status.OK
+    result = runner.run(_request("m", "dies-when-reused"), "")
+    runner.close()
+    assert result.status is Status.OK and _groups_used(scripted_groups) == 2, result
+    notes = parse_notes(result.message)
+    assert notes["plan"] == "t0=row_wise" and notes["graphs compiled"] == "2", notes
+    assert "had run 1 case(s) before it, rank 1 killed by SIGSEGV (exit -11)" in notes["harness"], notes
+    assert result.wall_s == 2.0  # both runs' time: the case cost both
+
+
+def test_a_death_the_case_shows_alone_too_is_its_crash(tmp_path: Path, scripted_groups) -> None:
+    runner = _runner(tmp_path)
+    assert runner.run(_request("m", "ok"), "").status is Status.OK
+    result = runner.run(_request("m", "dies-always"), "")
+    assert result.status is Status.CRASH and "harness" not in result.message and _groups_used(scripted_groups) == 2
+    first = runner.run(_request("m", "dies-always"), "")  # on a fresh group: its first case, not run again
+    runner.close()
+    assert first.status is Status.CRASH and _groups_used(scripted_groups) == 3
+
+
+def test_a_warm_groups_earlier_cases_count_and_a_group_that_cannot_start_leaves_the_first_death(
+        tmp_path: Path, scripted_groups, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group handed over warm (the minimiser's rounds) has run cases before the runner's first; where no fresh
+    group starts for the rerun, the case keeps its first death rather than the start's failure."""
+    warm = scripted_groups()
+    warm.cases_run = 5
+    runner = _runner(tmp_path, group=warm)
+    assert runner.run(_request("m", "dies-when-reused"), "").status is Status.OK
+    runner.close()
+    monkeypatch.setattr(scripted_groups, "started", [])
+    monkeypatch.setattr(scripted_groups, "fail_to_start_after", 1)
+    runner = _runner(tmp_path)
+    assert runner.run(_request("m", "ok"), "").status is Status.OK
+    result = runner.run(_request("m", "dies-when-reused"), "")
+    runner.close()
+    assert result.status is Status.CRASH and "SIGSEGV" in result.message and "worker group" not in result.message
 
 
 def _outputs(run_dir: Path) -> dict[tuple[str, str], dict[str, np.ndarray]]:

@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from difftest.contracts.notes import render_notes
 from difftest.contracts.status import Status
 from difftest.runner.executor import BucketKey, ExecutorReport, SweepContext
 from difftest.runner.messages import CaseRequest
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from difftest.runner.executor import Case
+
+HARNESS_NOTE = "harness"  # the note of what difftest's own processes did to a case (a death not the setting's)
 
 # how much longer than a case's timeout a rank waits in a collective: a rank that waits for a hung peer must not give
 # up first (its collective error raced the watchdog and sometimes won), the hang is the finding: a `timeout`
@@ -103,27 +106,32 @@ class GroupRunner:
         self._broken_before = False  # a group was replaced: the next one comes from the spare
         self._start_failure: str | None = None
         self._failed_starts = 0
-        self._served_before_crash = 0  # of the last case that crashed: the cases its group ran before it
+        self._ran_before_crash = 0  # of the last case that crashed: the cases its group's processes ran before it
+        self._case_ran = False  # whether the last `_run` reached a group (else: no group could start)
 
     def run(self, request: CaseRequest, process_affinity: str) -> CaseResult:
-        """The case's result. A rank that dies in a group that has run other cases first may have died of what an
-        earlier case left in its process (a failed case's pending receive into memory since freed), which no user's
-        program meets, as it ends at its first failure: such a case runs again alone, in a fresh group, and that run
-        is its verdict; the first death stays in its message (`crashed_after_others`)."""
+        """The case's result. A rank that dies in a group that has run other cases first (in this sweep or, warm, in
+        an earlier one) may have died of what an earlier case left in its process (a failed case's pending receive
+        into memory since freed), which no user's program meets, as it ends at its first failure: such a case runs
+        again alone, in a fresh group, and that run is its verdict, the first death noted in it (`crashed_after_others`).
+        A crash alone too is the setting's; where no fresh group starts, the first death stands."""
         result = self._run(request, process_affinity)
-        if result.status is not Status.CRASH or self._served_before_crash == 0:
+        served = self._ran_before_crash
+        if result.status is not Status.CRASH or served == 0:
             return result
-        served = self._served_before_crash
         if self.group is not None:  # alone: on processes that have run nothing else
             self.group.kill()
             self.group, self._broken_before = None, True
         alone = self._run(request, process_affinity)
+        if not self._case_ran:
+            return result  # no fresh group started (`worker group: …`): the case could not run alone
         if alone.status is Status.CRASH:
-            return alone
-        return replace(alone, message="\n".join(m for m in (alone.message, crashed_after_others(result, served)) if m))
+            return replace(alone, wall_s=result.wall_s + alone.wall_s)
+        return replace(alone, wall_s=result.wall_s + alone.wall_s,
+                       message=_with_note(alone.message, crashed_after_others(result, served)))
 
     def _run(self, request: CaseRequest, process_affinity: str) -> CaseResult:
-        self._served_before_crash = 0
+        self._ran_before_crash, self._case_ran = 0, False
         if self.group is not None and self._served >= self.recycle_after:
             # libraries that keep what every case built cannot grow a rank forever
             self.group.close()
@@ -144,9 +152,9 @@ class GroupRunner:
             except GroupBroken:
                 self.group, self._broken_before = None, True  # the case never started: it runs on the replacement
                 continue
-            self._served += 1
+            self._served, self._case_ran = self._served + 1, True
             if result.status is Status.CRASH:
-                self._served_before_crash = self._served - 1
+                self._ran_before_crash = self.group.cases_run - 1
             # a setting with per-process state (a TF strategy and its servers) that failed may have left that state
             # broken, and the case's sockets were cut: its processes are not trusted with the next case
             kept_state_broken = process_affinity and result.status not in (Status.OK, Status.UNSUPPORTED)
@@ -170,8 +178,14 @@ class GroupRunner:
 def crashed_after_others(crash: CaseResult, served: int) -> str:
     """The note a case keeps whose rank died after its group had run `served` other cases, and not when it ran alone."""
     first = crash.message.strip().splitlines()[0] if crash.message.strip() else "a rank died"
-    return (f"harness: in a worker group that had run {served} case(s) before it, {first}; run again alone in a fresh "
-            "group, it did not crash (this result): the death is not the setting's")
+    first = first.replace("; ", ", ")  # one note's value: no `; key: ` inside it (`difftest.contracts.notes`)
+    return (f"in a worker group that had run {served} case(s) before it, {first}; run again alone in a fresh group, it "
+            "did not crash (this result): the death is not the setting's")
+
+
+def _with_note(message: str, note: str) -> str:
+    """An ok case's notes (or another result's message) with the harness's note added as a note of its own."""
+    return "; ".join(part for part in (message, render_notes({HARNESS_NOTE: note})) if part)
 
 
 def request_for(sweep: SweepContext, case: Case) -> CaseRequest:

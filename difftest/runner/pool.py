@@ -161,6 +161,7 @@ class WorkerGroup:
         gpu_in_ranks: bool = True,
     ) -> None:
         self.world_size = world_size
+        self.cases_run = 0  # by these processes, over every runner and sweep that used the group (warm ones too)
         log_dir.mkdir(parents=True, exist_ok=True)
         # the process and its count of groups, not id(self): a group made in the same second at a freed one's address
         # (or in a Ray host process laid out as another) took its log file, and a timeout quoted both groups' lines
@@ -235,6 +236,7 @@ class WorkerGroup:
 
     def run_case(self, request: CaseRequest, timeout_s: float) -> CaseResult:
         self._await_ready()
+        self.cases_run += 1
         started = time.perf_counter()
         for conn in self.conns:
             conn.send(RunCase(request))

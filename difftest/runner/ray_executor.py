@@ -309,7 +309,7 @@ class RayExecutor:
         called = time.perf_counter()
         try:
             result = gang.run(self._model(ray, case), fields, case.setting.process_affinity,
-                              sweep.options.timeout_s + CALL_ALLOWANCE_S)
+                              2 * sweep.options.timeout_s + CALL_ALLOWANCE_S)  # a crash's rerun alone: twice
         except ray.exceptions.RayError as exc:
             gang.kill()
             self._lost(key, case, exc, queue, report)

@@ -116,10 +116,14 @@ class _ScriptedGroup:
 
     def run_case(self, request: CaseRequest, timeout_s: float) -> CaseResult:
         self.cases_run += 1
-        dies = request.setting == "dies-always" or (request.setting == "dies-when-reused" and self.cases_run > 1)
+        reused = self.cases_run > 1
+        dies = request.setting == "dies-always" or (request.setting.startswith("dies-when-reused") and reused)
         if dies:
             return CaseResult(Status.CRASH, message="rank 1 killed by SIGSEGV (exit -11); log: heap damage",
                               rank=1, wall_s=1.0, reusable=False)
+        if request.setting == "dies-when-reused-else-raises":
+            return CaseResult(Status.ERROR, message="ValueError: planted || File \"x.py\", line 1, in f", rank=0,
+                              wall_s=1.0)
         return CaseResult(Status.OK, message="plan: t0=row_wise; graphs compiled: 2", wall_s=1.0)
 
     def kill(self) -> None:
@@ -175,6 +179,17 @@ def test_a_death_the_case_shows_alone_too_is_its_crash(tmp_path: Path, scripted_
     assert first.status is Status.CRASH and _groups_used(scripted_groups) == 3
 
 
+def test_a_failure_alone_is_the_settings_own_and_carries_no_note(tmp_path: Path, scripted_groups) -> None:
+    """Run alone, the case raises: its error, in its own words, is the verdict (a note would enter the failure's frames
+    and the signature made of them)."""
+    runner = _runner(tmp_path)
+    assert runner.run(_request("m", "ok"), "").status is Status.OK
+    result = runner.run(_request("m", "dies-when-reused-else-raises"), "")
+    runner.close()
+    assert result.status is Status.ERROR and result.message == 'ValueError: planted || File "x.py", line 1, in f'
+    assert _groups_used(scripted_groups) == 2
+
+
 def test_a_warm_groups_earlier_cases_count_and_a_group_that_cannot_start_leaves_the_first_death(
         tmp_path: Path, scripted_groups, monkeypatch: pytest.MonkeyPatch) -> None:
     """A group handed over warm (the minimiser's rounds) has run cases before the runner's first; where no fresh
@@ -183,6 +198,11 @@ def test_a_warm_groups_earlier_cases_count_and_a_group_that_cannot_start_leaves_
     warm.cases_run = 5
     runner = _runner(tmp_path, group=warm)
     assert runner.run(_request("m", "dies-when-reused"), "").status is Status.OK
+    runner.close()
+    spent = scripted_groups()  # a warm group past its case budget is recycled before the runner's first case
+    spent.cases_run = 2000
+    runner = _runner(tmp_path, group=spent)
+    assert runner.run(_request("m", "ok"), "").status is Status.OK and spent.killed and spent.cases_run == 2000
     runner.close()
     monkeypatch.setattr(scripted_groups, "started", [])
     monkeypatch.setattr(scripted_groups, "fail_to_start_after", 1)

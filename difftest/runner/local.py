@@ -102,7 +102,6 @@ class GroupRunner:
                                                        collective_timeout_s=timeout_s + HANG_MARGIN_S,
                                                        gpu_in_ranks=gpu_in_ranks))
         self.group = group
-        self._served = 0  # cases the current group has run
         self._broken_before = False  # a group was replaced: the next one comes from the spare
         self._start_failure: str | None = None
         self._failed_starts = 0
@@ -114,7 +113,8 @@ class GroupRunner:
         an earlier one) may have died of what an earlier case left in its process (a failed case's pending receive
         into memory since freed), which no user's program meets, as it ends at its first failure: such a case runs
         again alone, in a fresh group, and that run is its verdict, the first death noted in it (`crashed_after_others`).
-        A crash alone too is the setting's; where no fresh group starts, the first death stands."""
+        A crash alone too is the setting's, as is any other failure alone; where no fresh group starts, the first death
+        stands."""
         result = self._run(request, process_affinity)
         served = self._ran_before_crash
         if result.status is not Status.CRASH or served == 0:
@@ -125,14 +125,14 @@ class GroupRunner:
         alone = self._run(request, process_affinity)
         if not self._case_ran:
             return result  # no fresh group started (`worker group: …`): the case could not run alone
-        if alone.status is Status.CRASH:
+        if alone.status is not Status.OK:  # its own failure (or refusal), in its own words: what the setting does
             return replace(alone, wall_s=result.wall_s + alone.wall_s)
         return replace(alone, wall_s=result.wall_s + alone.wall_s,
                        message=_with_note(alone.message, crashed_after_others(result, served)))
 
     def _run(self, request: CaseRequest, process_affinity: str) -> CaseResult:
         self._ran_before_crash, self._case_ran = 0, False
-        if self.group is not None and self._served >= self.recycle_after:
+        if self.group is not None and self.group.cases_run >= self.recycle_after:  # a warm group's earlier ones too
             # libraries that keep what every case built cannot grow a rank forever
             self.group.close()
             self.group, self._broken_before = None, True
@@ -143,7 +143,7 @@ class GroupRunner:
             if self.group is None:
                 try:
                     self.group = self.supply.replacement() if self._broken_before else self.supply.first()
-                    self._failed_starts, self._served = 0, 0
+                    self._failed_starts = 0
                 except GroupStartError as exc:
                     self._start_failure, self._failed_starts = str(exc), self._failed_starts + 1
                     return CaseResult(Status.CRASH, message=f"worker group: {exc}", reusable=False)
@@ -152,7 +152,7 @@ class GroupRunner:
             except GroupBroken:
                 self.group, self._broken_before = None, True  # the case never started: it runs on the replacement
                 continue
-            self._served, self._case_ran = self._served + 1, True
+            self._case_ran = True
             if result.status is Status.CRASH:
                 self._ran_before_crash = self.group.cases_run - 1
             # a setting with per-process state (a TF strategy and its servers) that failed may have left that state
@@ -184,7 +184,7 @@ def crashed_after_others(crash: CaseResult, served: int) -> str:
 
 
 def _with_note(message: str, note: str) -> str:
-    """An ok case's notes (or another result's message) with the harness's note added as a note of its own."""
+    """An ok case's notes with the harness's note added as a note of its own."""
     return "; ".join(part for part in (message, render_notes({HARNESS_NOTE: note})) if part)
 
 

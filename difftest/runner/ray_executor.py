@@ -309,7 +309,8 @@ class RayExecutor:
         called = time.perf_counter()
         try:
             result = gang.run(self._model(ray, case), fields, case.setting.process_affinity,
-                              2 * sweep.options.timeout_s + CALL_ALLOWANCE_S)  # a crash's rerun alone: twice
+                              # a case whose rank died after others runs again alone (`GroupRunner.run`): twice
+                              2 * (sweep.options.timeout_s + CALL_ALLOWANCE_S))
         except ray.exceptions.RayError as exc:
             gang.kill()
             self._lost(key, case, exc, queue, report)

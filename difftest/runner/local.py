@@ -105,8 +105,6 @@ class GroupRunner:
         self._broken_before = False  # a group was replaced: the next one comes from the spare
         self._start_failure: str | None = None
         self._failed_starts = 0
-        self._ran_before_crash = 0  # of the last case that crashed: the cases its group's processes ran before it
-        self._case_ran = False  # whether the last `_run` reached a group (else: no group could start)
 
     def run(self, request: CaseRequest, process_affinity: str) -> CaseResult:
         """The case's result. A rank that dies in a group that has run other cases first (in this sweep or, warm, in
@@ -115,23 +113,23 @@ class GroupRunner:
         again alone, in a fresh group, and that run is its verdict, the first death noted in it (`crashed_after_others`).
         A crash alone too is the setting's, as is any other failure alone; where no fresh group starts, the first death
         stands."""
-        result = self._run(request, process_affinity)
-        served = self._ran_before_crash
-        if result.status is not Status.CRASH or served == 0:
+        result, served = self._run(request, process_affinity)
+        if result.status is not Status.CRASH or not served:
             return result
         if self.group is not None:  # alone: on processes that have run nothing else
             self.group.kill()
             self.group, self._broken_before = None, True
-        alone = self._run(request, process_affinity)
-        if not self._case_ran:
+        alone, ran = self._run(request, process_affinity)
+        if ran is None:
             return result  # no fresh group started (`worker group: …`): the case could not run alone
         if alone.status is not Status.OK:  # its own failure (or refusal), in its own words: what the setting does
             return replace(alone, wall_s=result.wall_s + alone.wall_s)
         return replace(alone, wall_s=result.wall_s + alone.wall_s,
                        message=_with_note(alone.message, crashed_after_others(result, served)))
 
-    def _run(self, request: CaseRequest, process_affinity: str) -> CaseResult:
-        self._ran_before_crash, self._case_ran = 0, False
+    def _run(self, request: CaseRequest, process_affinity: str) -> tuple[CaseResult, int | None]:
+        """The case on the current group (a new one where needed), and how many cases that group's processes had
+        run before it (None: no group could start to run it)."""
         if self.group is not None and self.group.cases_run >= self.recycle_after:  # a warm group's earlier ones too
             # libraries that keep what every case built cannot grow a rank forever
             self.group.close()
@@ -139,29 +137,27 @@ class GroupRunner:
         while True:
             if self.group is None and self._failed_starts >= 2:
                 # the group cannot start at all: say so for every remaining case rather than retrying each
-                return CaseResult(Status.CRASH, message=f"worker group: {self._start_failure}", reusable=False)
+                return CaseResult(Status.CRASH, message=f"worker group: {self._start_failure}", reusable=False), None
             if self.group is None:
                 try:
                     self.group = self.supply.replacement() if self._broken_before else self.supply.first()
                     self._failed_starts = 0
                 except GroupStartError as exc:
                     self._start_failure, self._failed_starts = str(exc), self._failed_starts + 1
-                    return CaseResult(Status.CRASH, message=f"worker group: {exc}", reusable=False)
+                    return CaseResult(Status.CRASH, message=f"worker group: {exc}", reusable=False), None
             try:
                 result = self.group.run_case(request, self.timeout_s)
             except GroupBroken:
                 self.group, self._broken_before = None, True  # the case never started: it runs on the replacement
                 continue
-            self._case_ran = True
-            if result.status is Status.CRASH:
-                self._ran_before_crash = self.group.cases_run - 1
+            ran_before = self.group.cases_run - 1
             # a setting with per-process state (a TF strategy and its servers) that failed may have left that state
             # broken, and the case's sockets were cut: its processes are not trusted with the next case
             kept_state_broken = process_affinity and result.status not in (Status.OK, Status.UNSUPPORTED)
             if not result.reusable or kept_state_broken:
                 self.group.kill()
                 self.group, self._broken_before = None, True
-            return result
+            return result, ran_before
 
     def release(self) -> WorkerGroup | None:
         """The healthy group, handed over to be kept warm (the caller closes it); None if there is none."""

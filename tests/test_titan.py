@@ -41,6 +41,11 @@ def _run(out: Path, kind: str, settings: tuple[str, ...]) -> tuple[pd.DataFrame,
                           capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
+    return _read(out)
+
+
+def _read(out: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(summary, comparisons) of a run."""
     return pd.read_csv(out / "summary.csv", index_col=0), pd.read_csv(out / "comparisons.csv")
 
 
@@ -58,10 +63,18 @@ def _trained_as_one_process(cases: pd.DataFrame, compared: pd.DataFrame, recipe:
 
 @pytest.mark.heavy
 @needs_titan
-def test_torchtitans_recipes_train_its_llama_as_one_process_does_and_a_skipped_step_is_reported(
+def test_torchtitans_recipes_train_its_llama_as_one_process_does_a_skipped_step_is_reported_and_a_script_agrees(
         tmp_path: Path) -> None:
-    cases, compared = _run(tmp_path / "run", "titan-llama3",
-                           (*RECIPES, PLANTED, TRAINED_ONLY, PLANTED_STAGE, NON_CONTIGUOUS))
+    """One run of every recipe below on one Llama 3 (its generation, reference and calibration runs paid once, not
+    once per check): the recipes and their faults, then a recipe's standalone script."""
+    out = tmp_path / "run"
+    _run(out, "titan-llama3", (*RECIPES, PLANTED, TRAINED_ONLY, PLANTED_STAGE, NON_CONTIGUOUS))
+    _recipes_train_as_one_process_does_and_a_skipped_step_is_reported(out)
+    _a_recipes_script_trains_as_the_recipe_does_without_difftest(out)
+
+
+def _recipes_train_as_one_process_does_and_a_skipped_step_is_reported(out: Path) -> None:
+    cases, compared = _read(out)
     for recipe in RECIPES:
         _trained_as_one_process(cases, compared, recipe)
     _trained_as_one_process(cases, compared, TRAINED_ONLY, frozenset({"param_after_step1", "train_step1"}))
@@ -75,13 +88,13 @@ def test_torchtitans_recipes_train_its_llama_as_one_process_does_and_a_skipped_s
     # evaluated through schedule.eval as torchtitan's validator runs it: before the step it agrees with one process
     before = pipelined[pipelined["phase"] == "eval_before"]
     assert len(before) and (before["calibrated_ratio"] < 1).all(), before.to_string()
-    failed = pd.read_csv(tmp_path / "run" / "inconsistencies.csv").set_index("setting").loc[[NON_CONTIGUOUS]]
+    failed = pd.read_csv(out / "inconsistencies.csv").set_index("setting").loc[[NON_CONTIGUOUS]]
     load_plugins()
     explained = known.match(NON_CONTIGUOUS, "error", str(failed["message"].iloc[0]), traits_of("titan-llama3"))
     assert explained is not None and explained.id == "pipelining-noncontiguous-send", failed["message"].iloc[0]
     # its script runs torchtitan's recipe without difftest and fails there as it did here
-    found = pd.read_csv(tmp_path / "run" / "findings.csv").set_index("example_setting")
-    said = (tmp_path / "run" / "findings" / found.loc[NON_CONTIGUOUS, "id"] / "standalone.txt").read_text()
+    found = pd.read_csv(out / "findings.csv").set_index("example_setting")
+    said = (out / "findings" / found.loc[NON_CONTIGUOUS, "id"] / "standalone.txt").read_text()
     assert said.startswith("standalone.py reproduces (exit 1)"), said[:3000]
     # torchtitan's default bf16 parameters really compute in bf16 (off by bf16's rounding, not fp32's) and are judged
     # by the bf16 envelope
@@ -91,9 +104,7 @@ def test_torchtitans_recipes_train_its_llama_as_one_process_does_and_a_skipped_s
     assert cases.loc[PLANTED, "inconsistent"] == 1, cases.to_string()
 
 
-@pytest.mark.heavy
-@needs_titan
-def test_a_recipes_script_trains_as_the_recipe_does_without_difftest(tmp_path: Path) -> None:
+def _a_recipes_script_trains_as_the_recipe_does_without_difftest(out: Path) -> None:
     """A recipe's standalone script builds the model from torchtitan's config classes and runs torchtitan's own
     recipe on it: where the sweep agreed, so does the script (exit 0); with its ranks' loss planted 1.5 times larger
     it says BUG PRESENT."""
@@ -103,9 +114,8 @@ def test_a_recipes_script_trains_as_the_recipe_does_without_difftest(tmp_path: P
     from difftest.scripts.check import check_script
     from difftest.scripts.write import emit
 
-    out, model, recipe = tmp_path / "run", "titan-llama3-s0-i0", "titan/full_dtensor/dp2-tp1/ac-none/ws2"
-    cases, _ = _run(out, "titan-llama3", (recipe,))
-    assert cases.loc[recipe, "ok"] == 1, cases.to_string()
+    model, recipe = "titan-llama3-s0-i0", "titan/full_dtensor/dp2-tp1/ac-none/ws2"
+    assert recipe in RECIPES and _read(out)[0].loc[recipe, "ok"] == 1, _read(out)[0].to_string()
     emitted = emit(out, "T0", "a recipe's case", "inconsistent", out / "models" / model, recipe,
                    "param_after_step1/tok_embeddings.weight", envelope_spread(out, model, recipe), Tolerance(),
                    check_timeout_s=180)

@@ -23,42 +23,48 @@ SETTINGS = ("ddp/default/ws2,tp/colwise-rowwise/ws2,fsdp2-tp/dp2-tp2/colwise-row
             "ac/fsdp2/reentrant/ws2,pipeline/gpipe/ws2/stages2/mb2/balanced")
 
 
-def _run(out: Path, kind: str, settings: str = SETTINGS) -> subprocess.CompletedProcess:
+def _run(out: Path, kind: str, settings: str = SETTINGS, *plugins: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", kind,
-                           "--models", "1", "--settings", settings, "--minimise-budget", "0"],
+                           "--models", "1", "--settings", settings, "--minimise-budget", "0",
+                           *(f"--plugin={plugin}" for plugin in plugins)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+HF_SETTINGS = ("hf/fsdp2-ep2/all_to_all/ws2,hf/tp2-ep2/all_reduce/ws2,hf/fsdp2/cpu-offload/ws2,"
+               "faults/hf_data_parallel_without_sync/ws2")
+
+
 @needs_zoo
-def test_a_mixture_of_experts_trains_the_same_under_its_librarys_tp_plan_and_in_a_pipeline(tmp_path: Path) -> None:
-    done = _run(tmp_path / "run", "hf-mixtral")
+@pytest.mark.heavy
+def test_a_mixture_of_experts_trains_the_same_under_its_librarys_plans_and_its_own_distributed_config(
+        tmp_path: Path) -> None:
+    """One run of one Mixtral under the zoo's settings, transformers' `DistributedConfig` settings and a planted
+    fault (its generation, reference and calibration runs paid once, not once per check)."""
+    out = tmp_path / "run"
+    done = _run(out, "hf-mixtral", f"{SETTINGS},{HF_SETTINGS}", "tests.faults.planted")
     assert done.returncode == 0, done.stderr[-3000:]
-    cases = pd.read_csv(tmp_path / "run" / "summary.csv", index_col=0)
+    _a_mixture_of_experts_trains_the_same_under_its_librarys_tp_plan_and_in_a_pipeline(out)
+    _transformers_own_distributed_config_trains_a_mixture_of_experts_as_one_process_does(out)
+
+
+def _a_mixture_of_experts_trains_the_same_under_its_librarys_tp_plan_and_in_a_pipeline(out: Path) -> None:
+    cases = pd.read_csv(out / "summary.csv", index_col=0)
     for setting in ("ddp/default/ws2", "tp/colwise-rowwise/ws2", "fsdp2-tp/dp2-tp2/colwise-rowwise/ws4",
                     "ac/fsdp2/reentrant/ws2"):
         assert cases.loc[setting, "ok"] == 1, cases.to_string()
-    compared = pd.read_csv(tmp_path / "run" / "comparisons.csv")
+    compared = pd.read_csv(out / "comparisons.csv")
     notes = set(compared[compared["setting"] == "tp/colwise-rowwise/ws2"]["message"])
     assert notes == {"plan: lm: TransformersTensorParallel"}, notes  # transformers applied its own plan
     # its decoder layers as pipeline units, checked to compose to the model's forward
     assert cases.loc["pipeline/gpipe/ws2/stages2/mb2/balanced", "ok"] == 1, cases.to_string()
 
 
-@needs_zoo
-def test_transformers_own_distributed_config_trains_a_mixture_of_experts_as_one_process_does(tmp_path: Path) -> None:
+def _transformers_own_distributed_config_trains_a_mixture_of_experts_as_one_process_does(out: Path) -> None:
     """`from_pretrained(distributed_config=DistributedConfig(...))`: the experts spread over the data-parallel ranks
     (tokens exchanged all-to-all) and over the tensor-parallel ranks (outputs all-reduced) train as one process does;
     the library's CPU offload, which pins host memory, is refused where the machine cannot pin memory, in torch's
     words; and data parallelism without the config (replicas never synchronised, a planted fault) is caught."""
-    out = tmp_path / "run"
-    settings = ("hf/fsdp2-ep2/all_to_all/ws2,hf/tp2-ep2/all_reduce/ws2,hf/fsdp2/cpu-offload/ws2,"
-                "faults/hf_data_parallel_without_sync/ws2")
-    done = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "--out", str(out), "--kind", "hf-mixtral",
-                           "--models", "1", "--settings", settings, "--plugin", "tests.faults.planted",
-                           "--minimise-budget", "0"], capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
     cases = pd.read_csv(out / "summary.csv", index_col=0)
     for setting in ("hf/fsdp2-ep2/all_to_all/ws2", "hf/tp2-ep2/all_reduce/ws2"):
         assert cases.loc[setting, "ok"] == 1, cases.to_string()
@@ -103,12 +109,18 @@ def test_zoo_kinds_are_the_librarys_findings_and_stay_out_of_the_default_job() -
 
 
 @needs_zoo
-def test_a_view_dtensor_refuses_by_design_is_unsupported_with_its_words(tmp_path: Path) -> None:
+def test_a_vits_view_dtensor_refuses_by_design_is_unsupported_and_its_bf16_rounding_is_noise(tmp_path: Path) -> None:
+    """One run of one ViT under both settings below (its generation, reference and calibration runs paid once)."""
+    out = tmp_path / "run"
+    done = _run(out, "timm-vit", "tp/colwise-rowwise/ws2,fsdp2/per-layer/reshard/bf16/ws1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _a_view_dtensor_refuses_by_design_is_unsupported_with_its_words(out)
+    _bf16_rounding_between_a_vits_modules_is_noise_not_a_finding(out)
+
+
+def _a_view_dtensor_refuses_by_design_is_unsupported_with_its_words(out: Path) -> None:
     """timm's ViT reshapes its fused qkv projection to (3, heads, width): under a derived tensor-parallel plan the
     sharded width cannot be unflattened, which DTensor refuses by design (pytorch#149764); not an error of anyone's."""
-    out = tmp_path / "run"
-    done = _run(out, "timm-vit", "tp/colwise-rowwise/ws2")
-    assert done.returncode == 0, done.stderr[-3000:]
     refused = pd.read_csv(out / "inconsistencies.csv").set_index("setting")
     message = refused.loc["tp/colwise-rowwise/ws2", "message"]
     assert refused.loc["tp/colwise-rowwise/ws2", "status"] == "unsupported", message
@@ -186,14 +198,10 @@ def test_a_zoo_models_script_builds_it_from_its_config_and_judges_the_librarys_o
     assert planted.exit_code == 1 and "BUG PRESENT" in planted.output, planted.output[-3000:]
 
 
-@needs_zoo
-def test_bf16_rounding_between_a_vits_modules_is_noise_not_a_finding(tmp_path: Path) -> None:
+def _bf16_rounding_between_a_vits_modules_is_noise_not_a_finding(out: Path) -> None:
     """FSDP2's bf16 policy at world size 1 is bitwise the ViT cast to bf16 in one process; its attention rounds between
     leaf modules, which only the per-operation Monte Carlo runs model: judged by them, ok (1.59x the envelope without
     them: two false findings), and those runs are in the envelope it was judged by."""
-    out = tmp_path / "run"
-    done = _run(out, "timm-vit", "fsdp2/per-layer/reshard/bf16/ws1")
-    assert done.returncode == 0, done.stderr[-3000:]
     compared = pd.read_csv(out / "comparisons.csv")
     case = compared[(compared["setting"] == "fsdp2/per-layer/reshard/bf16/ws1") & compared["tensor"].notna()]
     assert len(case) and (case["status"] == "ok").all() and case["calibrated_ratio"].max() < 1, case.describe()

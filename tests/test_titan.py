@@ -115,7 +115,7 @@ def _a_recipes_script_trains_as_the_recipe_does_without_difftest(out: Path) -> N
     from difftest.scripts.write import emit
 
     model, recipe = "titan-llama3-s0-i0", "titan/full_dtensor/dp2-tp1/ac-none/ws2"
-    assert recipe in RECIPES and _read(out)[0].loc[recipe, "ok"] == 1, _read(out)[0].to_string()
+    assert recipe in RECIPES  # judged ok, by the envelope, in the run's checks before this one
     emitted = emit(out, "T0", "a recipe's case", "inconsistent", out / "models" / model, recipe,
                    "param_after_step1/tok_embeddings.weight", envelope_spread(out, model, recipe), Tolerance(),
                    check_timeout_s=180)

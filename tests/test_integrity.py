@@ -9,6 +9,7 @@ recreated from the folder: their line says so (and where the last good store is 
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +43,10 @@ def swept(tmp_path_factory: pytest.TempPathFactory) -> Path:
     generate(run_dir, RunConfig(seed=0, models=1))
     code, output, _ = _cli("sweep", run_dir, "--settings", "reference,ddp/default/ws2", "--minimise-budget", "0")
     assert code == 0, output[-2000:]
+    # the sweep's summary: one line (a log is read with grep), its counts by status name
+    summary = [line for line in output.splitlines() if " already done, " in line]
+    assert len(summary) == 1 and re.match(r"sweep: (\d+) cases, 0 already done, ran \1 \(ok=\1\) with \d+ worker group",
+                                          summary[0]), output[-2000:]
     return run_dir
 
 

@@ -20,7 +20,7 @@ from difftest.contracts.status import NOT_OK, Status
 from difftest.contracts.tolerance import Tolerance
 from difftest.pipeline import PipelineEvents, PipelineOptions, run_pipeline
 from difftest.releases.bisect import REPRODUCER_TIMEOUT_S
-from difftest.reporting.progress import SweepProgress
+from difftest.reporting.progress import SweepProgress, status_counts
 from difftest.runner.executor import ExecutorConfig, SweepOptions
 from difftest.storage import integrity
 from difftest.storage.paths import absolute, shown
@@ -61,7 +61,8 @@ def _options_of_every_command(
 
 settings_app = typer.Typer(help="Inspect the registered settings.", no_args_is_help=True)
 app.add_typer(settings_app, name="settings")
-console = Console(stderr=True)
+# a long line is the terminal's to wrap: a log file or a grep of one sees each message on one line
+console = Console(stderr=True, soft_wrap=True)
 # off a terminal (CI logs, files, pipes) nothing limits the width: tables keep full kind and setting names
 out_console = Console() if sys.stdout.isatty() else Console(width=1000)
 
@@ -288,7 +289,7 @@ def _sweep(out: Path, settings: str | None, models_filter: str | None, jobs: int
     first = min((f.seconds for f in live.found.values()), default=None)
     console.print(
         f"sweep: {report.total} cases, {report.skipped_done} already done, ran {sum(report.statuses.values())} "
-        f"({dict(report.statuses)}) with {report.groups_started} worker group(s) in {time.perf_counter() - started:.1f}s"
+        f"({status_counts(report.statuses)}) with {report.groups_started} worker group(s) in {time.perf_counter() - started:.1f}s"
         + (f"; {report.executor_note}" if report.executor_note else "")
         + (f"; {live.cases_not_ok} case(s) not ok under {len(live.found)} signature(s) so far, the first after "
            f"{first:.0f}s" if first is not None else "")

@@ -61,8 +61,9 @@ def _options_of_every_command(
 
 settings_app = typer.Typer(help="Inspect the registered settings.", no_args_is_help=True)
 app.add_typer(settings_app, name="settings")
-# a long line is the terminal's to wrap: a log file or a grep of one sees each message on one line
-console = Console(stderr=True, soft_wrap=True)
+# off a terminal a message is one line, whatever its length (a log is read with grep); on one, rich fits the live
+# progress display to the terminal's width
+console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
 # off a terminal (CI logs, files, pipes) nothing limits the width: tables keep full kind and setting names
 out_console = Console() if sys.stdout.isatty() else Console(width=1000)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from difftest.contracts.registry import generator_kinds, get_generator, load_plugins
 from difftest.contracts.spec import RunConfig
 from difftest.generation.generate import generate
+from difftest.reporting.progress import status_counts
 from difftest.runner.sweep import SweepOptions, run_sweep
 
 
@@ -105,7 +106,7 @@ def main() -> None:
     done.set()
     sampler.join()
     total = time.perf_counter() - started
-    print(f"{len(kinds) * args.models} models, {report.total} cases ({dict(report.statuses)}), "
+    print(f"{len(kinds) * args.models} models, {report.total} cases ({status_counts(report.statuses)}), "
           f"{report.groups_started} worker groups, {total:.0f} s")
     print(f"{'process':<40} {'lived s':>8} {'RSS at 25%':>10} {'50%':>6} {'75%':>6} {'end':>6} {'max':>6} "
           f"{'25%→end':>8}  (MiB)")

@@ -31,6 +31,7 @@ def main() -> None:
     from difftest.contracts.registry import load_plugins
     from difftest.contracts.spec import RunConfig
     from difftest.generation.generate import generate
+    from difftest.reporting.progress import status_counts
     from difftest.runner import pool
     from difftest.runner.scheduler import machine_ranks, ranks_at_once
     from difftest.runner.sweep import SweepOptions, run_sweep
@@ -87,7 +88,7 @@ def main() -> None:
             first_per_min = first_per_min or per_min / j  # the first row's rate per job is the ideal's unit
             print(f"{j:>4} {cases:>6} {wall:>7.1f} {per_min:>9.1f} {per_min / (first_per_min * jobs[0]):>8.2f} "
                   f"{per_min / (first_per_min * j):>10.2f} {report.groups_started:>6} {compute / (wall * j):>19.2f}"
-                  f" {1000 * own_cpu / cases:>17.1f} {_timeline(arrivals):>33}  {dict(report.statuses)}", flush=True)
+                  f" {1000 * own_cpu / cases:>17.1f} {_timeline(arrivals):>33}  {status_counts(report.statuses)}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
